@@ -1,0 +1,49 @@
+# Two commands do all the set-up on a fresh machine:
+#   make quickstart   install into .venv and train the digits job
+#   make test         install with the test extra, lint, run the test suite
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+
+.PHONY: quickstart test lint venv clean
+
+quickstart: $(VENV)/.installed-base
+	$(VENV)/bin/jabas run -c examples/quickstart.toml
+
+test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check src tests models benchmarks
+	$(VENV)/bin/ruff format --check src tests models benchmarks
+	$(PY) -m pytest
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check src tests models benchmarks
+	$(VENV)/bin/ruff format --check src tests models benchmarks
+
+venv: $(VENV)/.installed-test
+
+# A torch already installed (a CUDA build, say) is used as it is: the venv then sees
+# the system packages. Only where none is present is torch 2.13.0 installed.
+$(PY):
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "using the installed torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV); \
+	fi
+
+$(VENV)/.torch: | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "torch==2.13.0"
+	@touch $@
+
+$(VENV)/.installed-base: pyproject.toml $(VENV)/.torch
+	$(PIP) install --quiet -e .
+	@touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
+	$(PIP) install --quiet -e ".[test]"
+	@touch $@ $(VENV)/.installed-base
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

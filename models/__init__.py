@@ -1,0 +1,1 @@
+"""Built-in workloads. Each module is a workload file (see ``jabascli.workload``)."""

@@ -1,0 +1,3 @@
+from jabascli.cli.app import main
+
+main()

@@ -1,0 +1,1 @@
+"""Adaptive batching: gradient similarity, noise scale, GBS policy, LR scaling."""

@@ -1,0 +1,1 @@
+"""Automatic scaling: GBS forecasting, candidate allocations, planner."""

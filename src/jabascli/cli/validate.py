@@ -1,0 +1,73 @@
+"""``jabas validate``: check a config and summarise it."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
+from jabascli.config import LoadedConfig, load_config
+
+
+@cli_command
+def validate(config: ConfigOption, json_out: JsonOption = False) -> None:
+    """Check a job config (TOML, or the seed JSON format) and print a summary.
+
+    Every problem is printed on its own line with the file and the field path;
+    the exit code is 2 when there is any.
+
+    Example:
+
+        jabas validate -c jabas.toml
+
+        jabas validate -c quickstart/config.json --json
+    """
+    loaded = load_config(config)
+    if json_out:
+        print_json({"file": str(loaded.path), "format": loaded.format, "config": loaded.config.model_dump(mode="json")})
+        return
+    print_summary(loaded)
+
+
+def print_summary(loaded: LoadedConfig) -> None:
+    cfg = loaded.config
+    console.print(f"[green]✓[/green] {loaded.path} ({loaded.format}) is valid")
+    job = Table(title="Job", show_header=False)
+    job.add_row("workload", cfg.job.workload or "(none)")
+    job.add_row("epochs", str(cfg.job.epochs))
+    job.add_row("local batch size", str(cfg.job.lbs or "(from plan or solver)"))
+    job.add_row("weight sync", cfg.job.weight_sync)
+    b = cfg.batching
+    job.add_row(
+        "global batch size", f"{b.gbs_min or '-'} .. {b.gbs_max or '-'} ({b.metric}, target {b.similarity_target})"
+    )
+    job.add_row("allocation unit", f"{cfg.scaling.allocation_unit} GPU(s)")
+    console.print(job)
+
+    servers = Table(title="Servers")
+    for column in ("name", "host", "device type", "devices", "TFLOPS", "VSW", "GA", "emulated", "available"):
+        servers.add_column(column)
+    available = {s.name for s in cfg.available()}
+    for s in cfg.cluster.servers:
+        emulated = f"x{s.emulate.slowdown:g}, {s.emulate.memory_bytes / 2**30:.2f} GiB" if s.emulate else "no"
+        servers.add_row(
+            s.name,
+            s.host,
+            s.device_type,
+            str(s.devices),
+            f"{s.tflops:g}",
+            str(s.vsw),
+            str(s.ga),
+            emulated,
+            "yes" if s.name in available else "no",
+        )
+    console.print(servers)
+
+    dirs = loaded.profile_dirs()
+    profiles = Table(title="Profile folders")
+    profiles.add_column("profile")
+    profiles.add_column("folder")
+    profiles.add_column("present")
+    for name in ("memory", "computation", "communication", "bucket"):
+        folder = getattr(dirs, name)
+        profiles.add_row(name, str(folder), "yes" if folder.is_dir() else "not yet")
+    console.print(profiles)

@@ -1,0 +1,160 @@
+"""Typed configuration of a jabas job, as read from ``jabas.toml``.
+
+Every section forbids unknown keys, so a misspelt key is an error rather than a
+silently ignored setting. Paths are resolved by :mod:`jabascli.config.loader`
+and are absolute once a config is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
+
+WeightSync = Literal["recommend", "sequential", "overlap"]
+VswStrategy = Literal["auto", "sequential", "streams"]
+BatchMetric = Literal["similarity", "noise_scale", "fixed"]
+LrScaling = Literal["linear", "sqrt", "none"]
+ScalingObjective = Literal["time", "cost"]
+
+# Seed folder names, used when a config gives only [profiles] dir.
+MEMORY_DIRNAME = "cluster_mem_profile_data"
+COMPUTATION_DIRNAME = "cluster_comp_profile_data"
+COMMUNICATION_DIRNAME = "comm_profile_data"
+BUCKET_DIRNAME = "bucket_profile_data"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class JobConfig(Section):
+    """What to train and for how long."""
+
+    name: str = "job"
+    workload: str | None = None
+    """A built-in workload name (``digits``, ``resnet`` ...) or a path to a workload file."""
+    data: Path | None = None
+    """Dataset location handed to the workload; None means its built-in or synthetic data."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Free-form keyword options handed to the workload (model variant, learning rate ...)."""
+    epochs: PositiveInt = 1
+    seed: int = 0
+    lbs: PositiveInt | None = None
+    """Local batch size (LBS) used when no plan file is given."""
+    weight_sync: WeightSync = "recommend"
+    vsw_strategy: VswStrategy = "auto"
+    plan: Path | None = None
+    """A plan written by ``jabas solve --out``; overrides lbs and per-server vsw/ga."""
+    validate_every: PositiveInt = 1
+    """Run validation every this many epochs."""
+
+
+class ProfilesConfig(Section):
+    """Where profiles are read from and written to (seed layout)."""
+
+    dir: Path | None = None
+    memory: Path | None = None
+    computation: Path | None = None
+    communication: Path | None = None
+    bucket: Path | None = None
+
+
+class EmulationConfig(Section):
+    """Run this server's trainers on CPU, standing for a slower, smaller device."""
+
+    slowdown: float = Field(1.0, ge=1.0)
+    """Every compute step takes this many times as long as on the CPU."""
+    memory_bytes: PositiveInt
+    """The device's memory budget, against which the memory profiler checks peaks."""
+
+
+class ServerConfig(Section):
+    """One server (node) of the cluster and its identical devices."""
+
+    name: str = Field(min_length=1)
+    host: str = "127.0.0.1"
+    device_type: str = Field(min_length=1)
+    devices: PositiveInt = 1
+    tflops: NonNegativeFloat = 0.0
+    memory_bytes: PositiveInt | None = None
+    intra_bandwidth: float = Field(15.75e9, gt=0)
+    """Bytes per second between devices of this server."""
+    inter_bandwidth: float = Field(12.5e9, gt=0)
+    """Bytes per second from this server to the others."""
+    price_per_hour: NonNegativeFloat = 0.0
+    ssh_user: str | None = None
+    ssh_port: int = Field(22, ge=1, le=65535)
+    ssh_key: Path | None = None
+    vsw: PositiveInt = 1
+    """Virtual stream workers (VSW) per device, used when no plan file is given."""
+    ga: NonNegativeInt = 0
+    """Extra gradient-accumulation (GA) micro-steps per VSW, used when no plan file is given."""
+    emulate: EmulationConfig | None = None
+
+
+class ClusterConfig(Section):
+    servers: list[ServerConfig] = Field(default_factory=list)
+    available_servers: list[str] | None = None
+    """Servers the job may use; None means all of ``servers``."""
+
+
+class BatchingConfig(Section):
+    """Adaptive global batch size (GBS)."""
+
+    gbs_min: PositiveInt | None = None
+    gbs_max: PositiveInt | None = None
+    initial_gbs: PositiveInt | None = None
+    metric: BatchMetric = "similarity"
+    similarity_target: float = Field(0.1, gt=0.0, le=1.0)
+    adjust_rate: float = Field(0.1, gt=0.0, le=1.0)
+    """Largest relative GBS change at one adjustment."""
+    adjust_interval: PositiveInt = 100
+    """Iterations between GBS adjustments."""
+    lr_scaling: LrScaling = "linear"
+
+
+class ScalingConfig(Section):
+    """Automatic scaling across server allocations at epoch ends."""
+
+    enabled: bool = False
+    allocation_unit: PositiveInt = 1
+    """GPUs per allocation unit (the seed's ``resource_alloc_unit``)."""
+    objective: ScalingObjective = "time"
+
+
+class SchedulerConfig(Section):
+    address: str = "127.0.0.1"
+    port: int = Field(40000, ge=1, le=65535)
+    token_file: Path | None = None
+
+
+class StorageConfig(Section):
+    checkpoint_dir: Path = Path("checkpoints")
+    run_dir: Path = Path("runs")
+    """Metrics (CSV, JSONL, TensorBoard) go to ``run_dir/<job name>``."""
+
+
+class JabasConfig(Section):
+    """A whole ``jabas.toml``."""
+
+    job: JobConfig = Field(default_factory=JobConfig)
+    profiles: ProfilesConfig = Field(default_factory=ProfilesConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+
+    def server(self, name: str) -> ServerConfig:
+        for server in self.cluster.servers:
+            if server.name == name:
+                return server
+        raise KeyError(name)
+
+    def available(self) -> list[ServerConfig]:
+        """The servers the job may use, in the order of ``available_servers``."""
+        if self.cluster.available_servers is None:
+            return list(self.cluster.servers)
+        return [self.server(name) for name in self.cluster.available_servers]

@@ -1,0 +1,1 @@
+"""Elastic scheduler service, worker agent, protocol, client."""

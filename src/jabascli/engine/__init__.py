@@ -1,0 +1,1 @@
+"""The IIDP runtime: trainer, VSW execution, weight sync, data, checkpoint."""

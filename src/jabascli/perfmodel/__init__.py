@@ -1,0 +1,1 @@
+"""Performance model: compute, all-reduce and iteration time (numpy only, no torch)."""

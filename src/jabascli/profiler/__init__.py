@@ -1,0 +1,1 @@
+"""Profilers: memory, computation, gradient buckets, all-reduce."""

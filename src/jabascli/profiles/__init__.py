@@ -1,0 +1,1 @@
+"""On-disk profile formats (seed layout): read, write atomically, validate."""

@@ -1,0 +1,1 @@
+"""Configuration solver (numpy only, no torch)."""

@@ -1,0 +1,1 @@
+"""Profile sync across servers over SSH."""

@@ -1,0 +1,29 @@
+"""Atomic writes never leave a half-written or missing file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jabascli.atomic import atomic_write, atomic_write_json
+
+
+def test_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path) -> None:
+    target = tmp_path / "profile.json"
+    atomic_write_json(target, {"v": 1})
+
+    def explode(f):  # type: ignore[no-untyped-def]
+        f.write(b'{"v": 2, "trunc')
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        atomic_write(target, explode)
+    assert target.read_text() == '{"v": 1}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"]
+
+
+def test_creates_missing_folders(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b" / "c.json"
+    atomic_write_json(target, [1, 2])
+    assert target.read_text() == "[1, 2]"

@@ -1,0 +1,69 @@
+"""The command-line surface: every command is registered and documented."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tomllib
+from typer.testing import CliRunner
+
+from jabascli.cli.app import app
+from jabascli.config import load_config
+
+COMMANDS = [
+    ["init"],
+    ["validate"],
+    ["cluster", "detect"],
+    ["profile", "mem"],
+    ["profile", "comp"],
+    ["profile", "bucket"],
+    ["profile", "comm"],
+    ["profile", "summary"],
+    ["sync"],
+    ["solve"],
+    ["schedule"],
+    ["worker"],
+    ["train"],
+    ["run"],
+]
+
+
+def test_top_level_help_lists_every_command(cli: CliRunner) -> None:
+    result = cli.invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for command in {c[0] for c in COMMANDS}:
+        assert f" {command} " in result.output, command
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_command_has_help_with_an_example(cli: CliRunner, command: list[str]) -> None:
+    result = cli.invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "Example" in result.output
+    assert f"jabas {' '.join(command)}" in result.output or "torchrun" in result.output
+
+
+def test_cluster_detect_entry_is_a_valid_server(cli: CliRunner, tmp_path: Path) -> None:
+    result = cli.invoke(app, ["cluster", "detect", "--name", "here", "--json"])
+    assert result.exit_code == 0, result.output
+    entry = json.loads(result.stdout)
+    toml = cli.invoke(app, ["cluster", "detect", "--name", "here"])
+    servers = tomllib.loads(toml.stdout)["cluster"]["servers"]
+    assert servers[0]["name"] == "here" == entry["name"]
+    config = tmp_path / "jabas.toml"
+    config.write_text(toml.stdout)
+    assert load_config(config).config.server("here").devices == entry["devices"]
+
+
+def test_init_writes_a_valid_config_and_never_overwrites(cli: CliRunner, tmp_path: Path) -> None:
+    out = tmp_path / "jabas.toml"
+    result = cli.invoke(app, ["init", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    cfg = load_config(out).config
+    assert cfg.job.workload == "digits" and cfg.cluster.servers
+    out.write_text("# mine\n")
+    result = cli.invoke(app, ["init", "--out", str(out)])
+    assert result.exit_code == 2 and "already exists" in result.stderr
+    assert out.read_text() == "# mine\n"

@@ -1,0 +1,187 @@
+"""Configuration loading: TOML, seed JSON, and every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jabascli.config import load_config
+from jabascli.config.models import JabasConfig
+from jabascli.errors import InputError
+from tests.conftest import REPO, run_jabas
+
+GOOD = """
+[job]
+workload = "digits"
+lbs = 16
+
+[batching]
+gbs_min = 64
+gbs_max = 512
+similarity_target = 0.1
+
+[[cluster.servers]]
+name = "a"
+device_type = "cpu"
+devices = 2
+
+[[cluster.servers]]
+name = "b"
+device_type = "slow"
+emulate = { slowdown = 2.0, memory_bytes = 1000000 }
+
+[cluster]
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "jabas.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def problems_of(path: Path) -> list[str]:
+    with pytest.raises(InputError) as info:
+        load_config(path)
+    return info.value.lines()
+
+
+def test_good_toml_loads_and_resolves_paths(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, GOOD.replace("[cluster]\n", "[storage]\nrun_dir = 'out'\n"))).config
+    assert cfg.job.lbs == 16
+    assert [s.name for s in cfg.available()] == ["a", "b"]
+    assert cfg.server("b").emulate is not None and cfg.server("b").emulate.slowdown == 2.0
+    assert cfg.storage.run_dir == tmp_path / "out"
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "words"),
+    [
+        ("[job]\nlbs = 0\n", "job.lbs", "greater than 0"),
+        ("[job]\nepochs = 'ten'\n", "job.epochs", "integer"),
+        ("[job]\nlbz = 3\n", "job.lbz", "unknown key"),
+        ("[batching]\ngbs_min = -64\n", "batching.gbs_min", "greater than 0"),
+        ("[batching]\ngbs_max = 0\n", "batching.gbs_max", "greater than 0"),
+        ("[batching]\ngbs_min = 512\ngbs_max = 64\n", "batching.gbs_min", "above the upper bound"),
+        ("[batching]\nsimilarity_target = 0\n", "batching.similarity_target", "greater than 0"),
+        ("[batching]\nsimilarity_target = 1.5\n", "batching.similarity_target", "less than or equal to 1"),
+        ("[cluster]\navailable_servers = ['nope']\n", "cluster.available_servers[0]", "no cluster entry"),
+        ("[profiles]\ncomputation = 'missing_dir'\n", "profiles.computation", "does not exist"),
+        ("[[cluster.servers]]\nname = 'x'\n", "cluster.servers[0].device_type", "required key is missing"),
+    ],
+)
+def test_bad_toml_names_file_and_field(tmp_path: Path, text: str, field: str, words: str) -> None:
+    path = write(tmp_path, text)
+    lines = problems_of(path)
+    assert any(str(path) in line and field in line and words in line for line in lines), lines
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    path = write(tmp_path, "[job]\nlbs = 0\nepochs = 0\n[batching]\nsimilarity_target = 2\n")
+    lines = problems_of(path)
+    assert len(lines) == 3
+    assert {line.split(": ")[1] for line in lines} == {"job.lbs", "job.epochs", "batching.similarity_target"}
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    assert "file not found" in problems_of(tmp_path / "absent.toml")[0]
+    assert "invalid TOML" in problems_of(write(tmp_path, "[job\nname=1"))[0]
+    assert "invalid JSON" in problems_of(write(tmp_path, "{not json", "config.json"))[0]
+
+
+def test_reference_seed_config_from_quickstart_parent(seed_quickstart: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(seed_quickstart)
+    loaded = load_config("quickstart/config.json")
+    cfg = loaded.config
+    assert loaded.format == "seed-json"
+    assert [s.name for s in cfg.available()] == ["node0", "node1"]
+    assert cfg.server("node0").device_type == "Tesla V100-PCIE-16GB"
+    assert cfg.server("node1").tflops == 9.52
+    assert cfg.batching.gbs_min == 256 and cfg.batching.gbs_max == 32768
+    assert loaded.profile_dirs().memory == (seed_quickstart / "quickstart" / "cluster_mem_profile_data").resolve()
+
+
+def test_reference_seed_config_from_its_own_folder(reference_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(reference_dir)
+    loaded = load_config("config.json")
+    assert loaded.profile_dirs().bucket == (reference_dir / "bucket_profile_data").resolve()
+
+
+def seed_copy(seed_quickstart: Path, **changes: object) -> Path:
+    path = seed_quickstart / "quickstart" / "config.json"
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "words"),
+    [
+        ({"batch_size_lower_bound": 0}, "batch_size_lower_bound", "greater than 0"),
+        ({"batch_size_lower_bound": 4096, "batch_size_upper_bound": 256}, "batch_size_lower_bound", "above"),
+        ({"similarity_target": 1.2}, "similarity_target", "less than or equal to 1"),
+        ({"available_servers": ["node0", "node7"]}, "available_servers[1]", "'node7' has no cluster entry"),
+        ({"comp_profile_dir": "quickstart/nowhere"}, "comp_profile_dir", "does not exist"),
+        ({"batch_size_upper_bound": "big"}, "batch_size_upper_bound", "integer"),
+        ({"typo_key": 1}, "typo_key", "unknown key"),
+    ],
+)
+def test_bad_seed_json_uses_seed_field_names(
+    seed_quickstart: Path, monkeypatch: pytest.MonkeyPatch, changes: dict[str, object], field: str, words: str
+) -> None:
+    monkeypatch.chdir(seed_quickstart)
+    lines = problems_of(seed_copy(seed_quickstart, **changes))
+    assert any("config.json" in line and field in line and words in line for line in lines), lines
+
+
+def test_bad_seed_cluster_info(seed_quickstart: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(seed_quickstart)
+    info = seed_quickstart / "quickstart" / "cluster_info.json"
+    data = json.loads(info.read_text())
+    data["node1"]["number"] = "four"
+    info.write_text(json.dumps(data))
+    lines = problems_of(seed_quickstart / "quickstart" / "config.json")
+    assert any("cluster_info.json" in line and "node1.number" in line for line in lines), lines
+
+
+def test_example_config_is_valid_and_mentions_every_key() -> None:
+    example = REPO / "jabas.toml.example"
+    loaded = load_config(example, check_profiles=False)
+    text = example.read_text()
+
+    def keys(model: type, prefix: str = "") -> list[str]:
+        found = []
+        for name, info in model.model_fields.items():
+            found.append(name)
+            annotation = info.annotation
+            for candidate in (annotation, *getattr(annotation, "__args__", ())):
+                if isinstance(candidate, type) and hasattr(candidate, "model_fields"):
+                    found += keys(candidate)
+        return found
+
+    missing = [key for key in keys(JabasConfig) if key not in text]
+    assert not missing, f"jabas.toml.example does not explain: {missing}"
+    assert loaded.config.cluster.servers
+
+
+def test_cli_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
+    path = write(tmp_path, "[job]\nlbs = 0\n[batching]\ngbs_min = 9\ngbs_max = 3\n")
+    result = run_jabas("validate", "-c", str(path))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "job.lbs" in lines[0], result.stderr
+    result = run_jabas("validate", "-c", str(tmp_path / "nope.toml"))
+    assert result.returncode == 2 and "file not found" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_validate_json_round_trips(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    from jabascli.cli.app import app
+
+    result = cli.invoke(app, ["validate", "-c", str(write(tmp_path, GOOD)), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert JabasConfig.model_validate(data["config"]).server("a").devices == 2

@@ -1,0 +1,42 @@
+"""Packaging stays in step with the source tree."""
+
+from __future__ import annotations
+
+import tomllib
+
+from tests.conftest import REPO
+
+
+def test_every_package_is_listed_in_pyproject() -> None:
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(p.parent.relative_to(REPO / "src").parts) for p in (REPO / "src").rglob("__init__.py")}
+    assert on_disk <= listed, f"add to [tool.setuptools] packages: {sorted(on_disk - listed)}"
+    assert "jabascli.builtin_models" in listed and (REPO / "models" / "__init__.py").is_file()
+
+
+def test_solver_and_perfmodel_do_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pkgutil, importlib, jabascli.solver, jabascli.perfmodel\n"
+        "for pkg in (jabascli.solver, jabascli.perfmodel):\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        importlib.import_module(m.name)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_engine_does_not_import_cli_or_elastic() -> None:
+    import ast
+
+    for path in (REPO / "src" / "jabascli" / "engine").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                assert not name.startswith(("jabascli.cli", "jabascli.elastic")), f"{path}: imports {name}"
