@@ -72,12 +72,14 @@ def sync(
         ssh_config=ssh_config,
         timeout=timeout,
     )
-    if json_out:
+    if json_out or not err_console.is_terminal:
         report = sync_profiles(loaded, local_dir, gathered_dir, servers=names, options=options)
-        print_json(report.to_dict())
     else:
         with _ProgressView() as view:
             report = sync_profiles(loaded, local_dir, gathered_dir, servers=names, options=options, on_event=view)
+    if json_out:
+        print_json(report.to_dict())
+    else:
         print_report(report)
     if not report.ok:
         raise RuntimeFailure(report.problems())
@@ -129,8 +131,8 @@ def _files(count: int, nbytes: int) -> str:
 
 def print_report(report: SyncReport) -> None:
     table = Table(title=f"jabas sync{' --dry-run: nothing was moved' if report.dry_run else ''}")
-    verb = "would " if report.dry_run else ""
-    for column in ("server", "address", f"{verb}fetch", f"{verb}send", "result"):
+    moved = ("would fetch", "would send") if report.dry_run else ("fetched", "sent")
+    for column in ("server", "address", *moved, "result"):
         table.add_column(column)
     for s in report.servers:
         table.add_row(
@@ -143,7 +145,7 @@ def print_report(report: SyncReport) -> None:
     console.print(table)
     if report.dry_run and report.moved:
         moves = Table(title="What would move", show_edge=False)
-        for column in ("", "server", "path", "size"):
+        for column in ("move", "server", "path", "size"):
             moves.add_column(column)
         for s in report.servers:
             for m in s.fetched:

@@ -46,13 +46,15 @@ class SshTarget:
 
 
 def load_ssh_config(path: Path | None) -> SSHConfig | None:
-    """The given OpenSSH client config, else ``~/.ssh/config`` where present."""
+    """The given OpenSSH client config (``/dev/null`` for none), else ``~/.ssh/config`` where present."""
     explicit = path is not None
     path = (path or DEFAULT_SSH_CONFIG).expanduser()
-    if not path.is_file():
+    if not path.exists():
         if explicit:
             raise InputError.at(path, None, "SSH config file not found")
         return None
+    if path.is_dir():
+        raise InputError.at(path, None, "is a folder, expected an SSH config file")
     try:
         return SSHConfig.from_path(str(path))
     except (ConfigParseError, OSError, UnicodeDecodeError) as exc:
