@@ -145,6 +145,19 @@ class SshServer:
         self.process.wait(timeout=10)
         self.process = None
 
+    def freeze(self) -> None:
+        """Stop the sessions it is serving without closing them, like a hung machine or a lost network."""
+        assert self.process is not None
+        for pid in _descendants(self.process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process is not None:
+            for pid in _descendants(self.process.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.process is None:
             return

@@ -117,7 +117,7 @@ class Cluster:
 
     def sync(self, *, servers: list[str] | None = None, on_event: Any = None, **options: Any) -> SyncReport:
         loaded = load_config(self.config(), check_profiles=False)
-        opts = SyncOptions(known_hosts=self.known_hosts, ssh_config=self.ssh_config, timeout=10, **options)
+        opts = SyncOptions(**{"known_hosts": self.known_hosts, "ssh_config": self.ssh_config, "timeout": 10, **options})
         return sync_profiles(loaded, LOCAL, GATHERED, servers=servers, options=opts, on_event=on_event)
 
     def cli(self, *args: str) -> Result:
@@ -373,3 +373,49 @@ def test_a_connection_cut_mid_transfer_leaves_no_partial_file(
     assert again.ok, again.problems()
     assert tree(landing)[rel] == big
     assert not [k for k in tree(landing) if Path(k).name.startswith(".")], "leftover temporary files"
+
+
+def test_a_server_that_stops_answering_is_given_up_after_the_timeout(
+    cluster: Cluster, keys: Keys, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    victim = SshServer("victim", tmp_path / "victim-sshd", keys.authorized).start()
+    request.addfinalizer(victim.stop)
+    request.addfinalizer(victim.resume)
+    cluster.add(victim)
+    put(cluster.local("victim"), "32/victim/big.json", os.urandom(8 << 20))
+    put(cluster.local("node0"), "32/node0/a.json", "a")
+
+    def freeze_mid_fetch(event: SyncEvent) -> None:
+        if isinstance(event, Moved) and event.server == "victim" and event.direction == "fetch":
+            victim.freeze()
+
+    report = cluster.sync(servers=["node0", "victim"], on_event=freeze_mid_fetch, timeout=2)
+    assert [s.server for s in report.failed] == ["victim"]
+    (message,) = report.failed[0].errors
+    assert message.startswith("no answer from the server for 2 s while fetching "), message
+    assert not (cluster.here / "32/victim/big.json").exists()
+    assert tree(cluster.gathered("node0")) == {"32/node0/a.json": b"a"}
+
+
+@pytest.mark.parametrize("direction", ["fetch", "send"])
+def test_a_file_that_changes_while_it_moves_is_not_put_in_place(cluster: Cluster, direction: str) -> None:
+    rel = "32/node0/big.json"
+    source = cluster.local("node0") / rel if direction == "fetch" else cluster.here / rel
+    put(cluster.local("node0"), rel, b"x" * (1 << 20))
+    if direction == "send":
+        put(cluster.here, rel, b"x" * (1 << 20))  # already gathered: only the send happens
+    changed = False
+
+    def append_once(event: SyncEvent) -> None:
+        nonlocal changed
+        if isinstance(event, Moved) and event.direction == direction and not changed:
+            changed = True
+            with open(source, "ab") as f:
+                f.write(b"profiled again")
+
+    report = cluster.sync(servers=["node0"], on_event=append_once)
+    (message,) = report.failed[0].errors
+    verb = "copied" if direction == "fetch" else "sent"
+    assert message.endswith(f"changed while it was being {verb}; run jabas sync again"), message
+    landing = cluster.here if direction == "fetch" else cluster.gathered("node0")
+    assert tree(landing) == {}

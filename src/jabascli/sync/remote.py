@@ -266,6 +266,27 @@ class Connection:
             self._sftp.close()
         self._client.close()
 
+    def _give_up(self) -> None:
+        """After a timeout nothing more is expected from the server: drop the connection now, so
+        that closing files and removing temporary ones do not each wait out the timeout again."""
+        self._lost = True
+        with contextlib.suppress(Exception):
+            self._client.close()
+
+    @contextlib.contextmanager
+    def _open(self, path: str, mode: str) -> Iterator[paramiko.SFTPFile]:
+        f = self._sftp.open(path, mode)
+        try:
+            yield f
+        except TimeoutError:
+            self._give_up()
+            raise
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.close()
+            raise
+        f.close()
+
     @contextlib.contextmanager
     def _failing(self, doing: str) -> Iterator[None]:
         """Turn what paramiko and the OS raise into one :class:`SyncError` line."""
@@ -275,7 +296,7 @@ class Connection:
             raise
         except (OSError, EOFError, SSHException) as exc:
             if isinstance(exc, TimeoutError):
-                self._lost = True
+                self._give_up()
                 raise SyncError(f"no answer from the server for {self.timeout:g} s while {doing}") from exc
             # SFTP reports file errors as OSError; transport trouble shows as the rest, or as a dead transport
             # (which paramiko's reader thread may notice only a moment after the error reached us).
@@ -311,26 +332,31 @@ class Connection:
 
             return scan_tree(list_dir, what=what)
 
+    def _is_folder(self, path: str) -> bool | None:
+        """Whether ``path`` is a folder (False: something else), or None where nothing is."""
+        try:
+            return stat.S_ISDIR(self._sftp.stat(path).st_mode or 0)
+        except FileNotFoundError:
+            return None
+
     def _makedirs(self, folder: str) -> None:
         missing = []
         probe = folder
         while probe not in self._folders and probe != "/":
-            try:
-                mode = self._sftp.stat(probe).st_mode or 0
-            except FileNotFoundError:
+            is_folder = self._is_folder(probe)
+            if is_folder is None:
                 missing.append(probe)
                 probe = posixpath.dirname(probe)
                 continue
-            if not stat.S_ISDIR(mode):
+            if not is_folder:
                 raise SyncError(f"cannot create folder {folder}: {probe} is a file")
             break
         for path in reversed(missing):
             try:
                 self._sftp.mkdir(path)
-            except OSError:
-                # Created meanwhile by someone else is fine; anything else shows on the stat.
-                if not stat.S_ISDIR(self._sftp.stat(path).st_mode or 0):
-                    raise
+            except OSError as exc:
+                if not self._is_folder(path):  # created meanwhile by someone else is fine
+                    raise SyncError(f"cannot create folder {path}: {exc.strerror or exc}") from exc
         self._folders.add(folder)
 
     def remove(self, path: str) -> None:
@@ -350,16 +376,16 @@ class Connection:
                 if not batch:
                     break  # the command cannot run there; read the files instead
                 found.update(batch)
-            rest = [p for p in paths if p not in found]
-            if rest and len(rest) == len(paths):
-                note("cannot run sha256sum there; hashing by reading the files over SFTP")
-            for path in rest:
-                with self._sftp.open(path, "rb") as f:
-                    f.prefetch()
-                    digest = hashlib.sha256()
-                    while chunk := f.read(CHUNK):
-                        digest.update(chunk)
-                    found[path] = digest.hexdigest()
+        rest = [p for p in paths if p not in found]
+        if rest and len(rest) == len(paths):
+            note("cannot run sha256sum there; hashing by reading the files over SFTP")
+        for path in rest:
+            with self._failing(f"reading {path}"), self._open(path, "rb") as f:
+                f.prefetch()
+                digest = hashlib.sha256()
+                while chunk := f.read(CHUNK):
+                    digest.update(chunk)
+                found[path] = digest.hexdigest()
         return {paths[p]: h for p, h in found.items()}
 
     def _hash_by_command(self, paths: list[str]) -> dict[str, str]:
@@ -369,8 +395,8 @@ class Connection:
             stdin.channel.shutdown_write()
             output = stdout.read()
             stdout.channel.recv_exit_status()
-        except (SSHException, EOFError, OSError):
-            if not self.alive():
+        except (SSHException, EOFError, OSError) as exc:
+            if isinstance(exc, TimeoutError) or not self.alive():
                 raise
             return {}
         wanted = set(paths)
@@ -388,7 +414,7 @@ class Connection:
 
         def write(dst: IO[bytes]) -> None:
             digest, size = hashlib.sha256(), 0
-            with self._sftp.open(remote, "rb") as src:
+            with self._open(remote, "rb") as src:
                 if info.size:
                     src.prefetch(info.size)
                 while chunk := src.read(CHUNK):
@@ -410,7 +436,7 @@ class Connection:
             self._makedirs(folder)
             try:
                 digest, size = hashlib.sha256(), 0
-                with open(local, "rb") as src, self._sftp.open(temp, "wb") as dst:
+                with open(local, "rb") as src, self._open(temp, "wb") as dst:
                     dst.set_pipelined(True)
                     while chunk := src.read(CHUNK):
                         dst.write(chunk)
@@ -423,8 +449,9 @@ class Connection:
                 if written != size:
                     raise SyncError(f"the server holds {written} of the {size} bytes sent")
                 self._sftp.posix_rename(temp, remote)
-            except BaseException:
-                self._discard(temp)
+            except BaseException as exc:
+                if not isinstance(exc, TimeoutError):
+                    self._discard(temp)
                 raise
 
     def _discard(self, path: str) -> None:
