@@ -13,8 +13,8 @@ from paramiko.ssh_exception import BadHostKeyException, NoValidConnectionsError
 from jabascli.config.models import ServerConfig
 from jabascli.errors import InputError
 from jabascli.sync.plan import GATHERED, plan_gather, plan_push
-from jabascli.sync.remote import KnownHosts, UnknownHostKey, _connect_problem
-from jabascli.sync.run import remote_folder
+from jabascli.sync.remote import KnownHosts, RevokedHostKey, UnknownHostKey, _connect_problem
+from jabascli.sync.run import remote_folder, working_dir
 from jabascli.sync.target import SshTarget, load_ssh_config, resolve_target
 from jabascli.sync.tree import FileInfo, NotAProfileTree, SyncError, local_manifest, path_fits
 
@@ -225,3 +225,33 @@ def test_recording_a_host_key_appends_and_keeps_the_file(tmp_path: Path) -> None
     assert lines[1] == "# a comment, without a final newline"
     assert lines[0].startswith("[127.0.0.1]:2200 ecdsa-sha2-nistp256 ")
     assert lines[2].startswith("[127.0.0.1]:2201 ecdsa-sha2-nistp256 ")
+
+
+def test_known_hosts_lines_paramiko_cannot_use_are_skipped_not_fatal(tmp_path: Path) -> None:
+    key = paramiko.ECDSAKey.generate()
+    line = f"{key.get_name()} {key.get_base64()}"
+    path = tmp_path / "known_hosts"
+    path.write_text(
+        "# comment\n"
+        f"@cert-authority *.example.com {line}\n"
+        f"@revoked * {line}\n"
+        "damaged.example.com ssh-ed25519 not!base64\n"
+        "short line\n"
+        f"[127.0.0.1]:2200 {line}\n"
+    )
+    known = KnownHosts(path)
+    assert [e.hostnames for e in known.entries] == [["[127.0.0.1]:2200"]]
+    assert known.revoked == {line}
+    with pytest.raises(RevokedHostKey):
+        known.check_not_revoked(key)
+
+
+def test_the_working_folder_keeps_the_name_the_shell_gives_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    monkeypatch.chdir(real)
+    monkeypatch.setenv("PWD", str(tmp_path / "link"))
+    assert working_dir() == tmp_path / "link"
+    monkeypatch.setenv("PWD", str(tmp_path))  # stale: names another folder
+    assert working_dir() == real

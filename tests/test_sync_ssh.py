@@ -250,6 +250,14 @@ def test_unknown_host_keys_are_refused_unless_accepted_and_changed_ones_always(
     assert f"host key of [127.0.0.1]:{node0.port} does not match" in changed.failed[0].errors[0]
     assert cluster.known_hosts.read_text() == before
 
+    # A key recorded as known but also marked @revoked is refused too.
+    cluster.known_hosts.write_text(
+        "".join(s.known_hosts_line() for s in servers) + f"@revoked * {node1.host_public_key}\n"
+    )
+    revoked = cluster.sync()
+    assert [s.server for s in revoked.failed] == ["node1"]
+    assert "is marked @revoked in" in revoked.failed[0].errors[0]
+
 
 def test_a_wrong_key_is_a_clear_authentication_error_and_the_others_sync(cluster: Cluster) -> None:
     cluster.entries["node1"]["ssh_key"] = str(cluster.keys.wrong)

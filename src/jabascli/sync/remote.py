@@ -32,7 +32,7 @@ import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import paramiko
 from paramiko.auth_strategy import AuthFailure, AuthStrategy, InMemoryPrivateKey
@@ -68,21 +68,71 @@ class UnknownHostKey(SSHException):
         self.key = key
 
 
+class RevokedHostKey(SSHException):
+    def __init__(self, key: paramiko.PKey) -> None:
+        super().__init__("host key is marked @revoked")
+        self.key = key
+
+
+def _key_line(key: paramiko.PKey) -> str:
+    return f"{key.get_name()} {key.get_base64()}"
+
+
+def read_known_hosts(path: Path) -> tuple[list[HostKeyEntry], set[str]]:
+    """The entries of a known_hosts file, and the keys it marks ``@revoked`` ("type base64").
+
+    Lines paramiko cannot use (``@cert-authority``, key types it does not know,
+    damaged lines) are skipped, as OpenSSH skips what it cannot parse; a host
+    known only through them is then unknown.
+    """
+    entries, revoked = [], set()
+    for raw in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("@"):
+            fields = line.split()
+            if fields[0] == "@revoked" and len(fields) >= 4:
+                revoked.add(f"{fields[2]} {fields[3]}")
+            continue
+        try:
+            entry = HostKeyEntry.from_line(line)
+        except Exception:  # a damaged line (paramiko raises several kinds): skipped
+            continue
+        if entry is not None and entry.key is not None:
+            entries.append(entry)
+    return entries, revoked
+
+
 class KnownHosts:
-    """The ``known_hosts`` file host keys are checked against, shared by every connection of a sync."""
+    """The ``known_hosts`` file host keys are checked against, shared by every connection of a sync.
+
+    Read once (``OSError`` if it cannot be); ``/etc/ssh/ssh_known_hosts`` is read
+    too when no file is named.
+    """
 
     def __init__(self, path: Path | None = None, *, accept_new: bool = False) -> None:
-        self.use_system = path is None
         self.path = (path or DEFAULT_KNOWN_HOSTS).expanduser()
         self.accept_new = accept_new
+        self.entries: list[HostKeyEntry] = []
+        self.revoked: set[str] = set()
+        for source in [*([SYSTEM_KNOWN_HOSTS] if path is None else []), self.path]:
+            if source.is_file():
+                entries, revoked = read_known_hosts(source)
+                self.entries += entries
+                self.revoked |= revoked
         self._lock = threading.Lock()
 
     def attach(self, client: paramiko.SSHClient) -> None:
-        if self.use_system and SYSTEM_KNOWN_HOSTS.is_file():
-            client.load_system_host_keys(str(SYSTEM_KNOWN_HOSTS))
-        if self.path.is_file():
-            client.get_host_keys().load(str(self.path))
+        keys = client.get_host_keys()
+        for entry in self.entries:
+            for name in entry.hostnames:
+                keys.add(name, entry.key.get_name(), entry.key)
         client.set_missing_host_key_policy(_MissingHostKey(self))
+
+    def check_not_revoked(self, key: paramiko.PKey) -> None:
+        if _key_line(key) in self.revoked:
+            raise RevokedHostKey(key)
 
     def record(self, hostname: str, key: paramiko.PKey) -> None:
         """Append one entry; the file and its folder are created private when missing."""
@@ -104,6 +154,7 @@ class _MissingHostKey(paramiko.MissingHostKeyPolicy):
         self.known = known
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        self.known.check_not_revoked(key)
         if not self.known.accept_new:
             raise UnknownHostKey(hostname, key)
         self.known.record(hostname, key)
@@ -112,12 +163,18 @@ class _MissingHostKey(paramiko.MissingHostKeyPolicy):
 class _OfferKeys(AuthStrategy):
     """The target's keys, then ssh-agent's, then (when none is named) ``~/.ssh/id_*``."""
 
-    def __init__(self, target: SshTarget) -> None:
+    def __init__(self, target: SshTarget, known: KnownHosts) -> None:
         super().__init__(ssh_config=None)
         self.target = target
+        self.known = known
         self.offered: list[str] = []
         self.unusable: list[str] = []
         self.agent: paramiko.Agent | None = None
+
+    def authenticate(self, transport: paramiko.Transport) -> list[Any]:
+        # The host key has been checked against known_hosts by now; a recorded one may still be revoked.
+        self.known.check_not_revoked(transport.get_remote_server_key())
+        return super().authenticate(transport)
 
     def get_sources(self) -> Iterator[InMemoryPrivateKey]:
         user = self.target.user
@@ -181,6 +238,11 @@ def _connect_problem(exc: BaseException, target: SshTarget, known: KnownHosts, t
             f"unknown host key for {exc.hostname} ({exc.key.get_name()} {exc.key.fingerprint}), not in "
             f"{known.path}: check the fingerprint, then run again with --accept-new-host-keys to record it"
         )
+    if isinstance(exc, RevokedHostKey):
+        return (
+            f"the host key of {target.hostname}:{target.port} ({exc.key.get_name()} {exc.key.fingerprint}) "
+            f"is marked @revoked in {known.path}: refusing to connect"
+        )
     if isinstance(exc, BadHostKeyException):
         name = target.hostname if target.port == 22 else f"[{target.hostname}]:{target.port}"
         return (
@@ -221,7 +283,7 @@ class Connection:
         """Connect, check the host key, authenticate and start SFTP."""
         client = paramiko.SSHClient()
         known.attach(client)
-        offer = _OfferKeys(target)
+        offer = _OfferKeys(target, known)
         connect_timeout = target.connect_timeout or timeout
         try:
             client.connect(

@@ -22,6 +22,7 @@ is called from worker threads, and returns a :class:`SyncReport`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 from collections.abc import Callable, Sequence
@@ -235,6 +236,22 @@ def _check_folders(local_dir: str, gathered_dir: str, cwd: Path) -> None:
         )
 
 
+def working_dir() -> Path:
+    """The working folder as the shell names it (``$PWD``, which keeps symbolic links), else the real one.
+
+    Relative sync folders name the same absolute path on the servers, so a
+    project reached as ``/home/alice/jabas`` through a link is looked for there
+    too, not at wherever the link points on this machine (as the seed's ``$PWD`` did).
+    """
+    cwd = Path.cwd()
+    pwd = os.environ.get("PWD")
+    if pwd and os.path.isabs(pwd):
+        with contextlib.suppress(OSError):
+            if os.path.samefile(pwd, cwd):
+                return Path(pwd)
+    return cwd
+
+
 def remote_folder(arg: str, sync_root: str | None, cwd: Path) -> str:
     """Where a sync folder argument is on a server (before ``~`` and login-folder expansion)."""
     if posixpath.isabs(arg):
@@ -289,7 +306,7 @@ def sync_profiles(
     with a server is in the report instead.
     """
     options = options or SyncOptions()
-    cwd = cwd or Path.cwd()
+    cwd = cwd or working_dir()
     local_arg, gathered_arg = str(local_dir), str(gathered_dir)
     _check_folders(local_arg, gathered_arg, cwd)
     chosen = select_servers(loaded, servers)
@@ -298,9 +315,10 @@ def sync_profiles(
         gathered_manifest, _ = local_manifest(gathered, what=f"GATHERED_DIR {gathered}")
     except SyncError as exc:
         raise InputError.at(None, "GATHERED_DIR", str(exc)) from None
-    known = KnownHosts(options.known_hosts, accept_new=options.accept_new_host_keys)
-    if known.path.exists() and not os.access(known.path, os.R_OK):
-        raise InputError.at(known.path, None, "cannot read this known_hosts file")
+    try:
+        known = KnownHosts(options.known_hosts, accept_new=options.accept_new_host_keys)
+    except OSError as exc:
+        raise InputError.at(exc.filename, None, f"cannot read known_hosts: {exc.strerror or exc}") from None
     sync = _Sync(options, load_ssh_config(options.ssh_config), known, cwd, on_event or (lambda event: None))
     states = [_Server(s, ServerReport(s.name)) for s in chosen]
     return sync.run(states, local_arg, gathered_arg, gathered, gathered_manifest)
