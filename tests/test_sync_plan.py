@@ -8,12 +8,13 @@ from pathlib import Path
 
 import paramiko
 import pytest
+from paramiko.auth_strategy import AuthFailure
 from paramiko.ssh_exception import BadHostKeyException, NoValidConnectionsError
 
 from jabascli.config.models import ServerConfig
 from jabascli.errors import InputError
 from jabascli.sync.plan import GATHERED, plan_gather, plan_push
-from jabascli.sync.remote import KnownHosts, RevokedHostKey, UnknownHostKey, _connect_problem
+from jabascli.sync.remote import KnownHosts, RevokedHostKey, UnknownHostKey, _connect_problem, _OfferKeys
 from jabascli.sync.run import remote_folder, working_dir
 from jabascli.sync.target import SshTarget, load_ssh_config, resolve_target
 from jabascli.sync.tree import FileInfo, NotAProfileTree, SyncError, local_manifest, path_fits
@@ -255,3 +256,14 @@ def test_the_working_folder_keeps_the_name_the_shell_gives_it(tmp_path: Path, mo
     assert working_dir() == tmp_path / "link"
     monkeypatch.setenv("PWD", str(tmp_path))  # stale: names another folder
     assert working_dir() == real
+
+
+def test_keys_that_cannot_be_used_are_named_in_the_authentication_error(tmp_path: Path) -> None:
+    public = tmp_path / "id_ed25519.pub"
+    public.write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C4okWi0dh2l9GKJl me\n")
+    target = SshTarget("node0", "10.0.0.5", 22, "alice", (public,), allow_agent=False, default_keys=False)
+    offer = _OfferKeys(target, KnownHosts(tmp_path / "kh"))
+    assert list(offer.get_sources()) == []
+    message = offer.failure(AuthFailure(result=[]))
+    assert message.startswith("authentication failed as alice@10.0.0.5:22: no key to offer")
+    assert f"{public} is not a private key jabas can read" in message

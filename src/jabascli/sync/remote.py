@@ -37,6 +37,7 @@ from typing import IO, Any
 import paramiko
 from paramiko.auth_strategy import AuthFailure, AuthStrategy, InMemoryPrivateKey
 from paramiko.hostkeys import HostKeyEntry
+from paramiko.pkey import UnknownKeyType
 from paramiko.ssh_exception import (
     AuthenticationException,
     BadAuthenticationType,
@@ -205,8 +206,10 @@ class _OfferKeys(AuthStrategy):
             self.unusable.append(f"{path} is encrypted: load it into ssh-agent (ssh-add {path})")
         except OSError as exc:
             self.unusable.append(f"cannot read {path}: {exc.strerror or exc}")
-        except (SSHException, ValueError) as exc:
-            self.unusable.append(f"{path} is not a private key jabas can use ({exc})")
+        except (SSHException, ValueError, UnknownKeyType):
+            self.unusable.append(
+                f"{path} is not a private key jabas can read (a public key, a damaged file, or a type paramiko lacks)"
+            )
         return None
 
     def close(self) -> None:

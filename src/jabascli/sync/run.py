@@ -375,8 +375,17 @@ class _Sync:
         try:
             step(s)
         except SyncError as exc:
-            s.report.errors.append(str(exc))
-            self.emit(Failed(s.name, str(exc)))
+            self._fail(s, str(exc))
+        except Exception as exc:
+            # Unforeseen (a bug, or something paramiko raises that nobody expected): still one line for
+            # this server while the others carry on; JABAS_DEBUG=1 shows the traceback instead.
+            if os.environ.get("JABAS_DEBUG"):
+                raise
+            self._fail(s, f"unexpected {type(exc).__name__}: {exc} (JABAS_DEBUG=1 shows where)")
+
+    def _fail(self, s: _Server, message: str) -> None:
+        s.report.errors.append(message)
+        self.emit(Failed(s.name, message))
 
     def _note(self, s: _Server) -> Callable[[str], None]:
         def note(message: str) -> None:
