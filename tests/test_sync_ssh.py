@@ -12,7 +12,10 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import shutil
 import socket
+import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -427,3 +430,27 @@ def test_a_file_that_changes_while_it_moves_is_not_put_in_place(cluster: Cluster
     assert message.endswith(f"changed while it was being {verb}; run jabas sync again"), message
     landing = cluster.here if direction == "fetch" else cluster.gathered("node0")
     assert tree(landing) == {}
+
+
+def test_an_ssh_agent_key_logs_in_when_no_key_is_named(
+    cluster: Cluster, keys: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    agent, add = shutil.which("ssh-agent"), shutil.which("ssh-add")
+    if not agent or not add:
+        pytest.skip("ssh-agent and ssh-add (openssh-client) are not installed")
+    socket_path = tmp_path / "agent.sock"
+    process = subprocess.Popen([agent, "-D", "-a", str(socket_path)], stdout=subprocess.DEVNULL)
+    request.addfinalizer(process.kill)
+    for _ in range(100):
+        if socket_path.exists():
+            break
+        time.sleep(0.05)
+    env = {**os.environ, "SSH_AUTH_SOCK": str(socket_path)}
+    subprocess.run([add, str(keys.user)], env=env, check=True, capture_output=True)
+    monkeypatch.setenv("SSH_AUTH_SOCK", str(socket_path))
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ssh/id_* here: only the agent can log in
+    del cluster.entries["node0"]["ssh_key"]
+    put(cluster.local("node0"), "32/node0/a.json", "a")
+    report = cluster.sync(servers=["node0"])
+    assert report.ok, report.problems()
+    assert tree(cluster.gathered("node0")) == {"32/node0/a.json": b"a"}

@@ -3,7 +3,7 @@
 - Host keys are checked against a ``known_hosts`` file. An unknown host is
   refused unless new keys are accepted, in which case its key is appended to
   the file (never rewritten: comments and hashed entries stay as they were). A
-  key that differs from the recorded one is always refused.
+  key that differs from the recorded one, or is marked ``@revoked``, is always refused.
 - Authentication is by key only: the keys named for the server, then ssh-agent,
   then (when no key is named) ``~/.ssh/id_*``. There is no password option.
 - Every file sent is written under a hidden temporary name in its destination
@@ -185,8 +185,12 @@ class _OfferKeys(AuthStrategy):
                 self.offered.append(f"key {path} ({key.get_name()} {key.fingerprint})")
                 yield InMemoryPrivateKey(user, key)
         if self.target.allow_agent:
-            self.agent = paramiko.Agent()
-            agent_keys = self.agent.get_keys()
+            try:
+                self.agent = paramiko.Agent()
+                agent_keys = self.agent.get_keys()
+            except SSHException as exc:
+                self.unusable.append(f"ssh-agent could not be used ({exc})")
+                agent_keys = ()
             if agent_keys:
                 self.offered.append(f"{len(agent_keys)} ssh-agent key{'s' if len(agent_keys) > 1 else ''}")
             for key in agent_keys:
