@@ -239,9 +239,15 @@ def test_unknown_host_keys_are_refused_unless_accepted_and_changed_ones_always(
     assert not cluster.gathered("node2").exists()  # nothing was sent to it
     assert tree(cluster.gathered("node1")) == {"32/node0/a.json": b"node0"}  # the others still synced
 
+    dry = cluster.sync(accept_new_host_keys=True, dry_run=True)
+    assert dry.ok and any(n.startswith("would record its host key") for n in dry.servers[2].notes)
+    assert node2.known_hosts_line() not in cluster.known_hosts.read_text()  # a dry run writes nothing
+
     accepted = cluster.sync(accept_new_host_keys=True)
     assert accepted.ok, accepted.problems()
     assert node2.known_hosts_line() in cluster.known_hosts.read_text()
+    (note,) = accepted.servers[2].notes
+    assert note.startswith("recorded its host key (ssh-ed25519 SHA256:") and note.endswith(f"in {cluster.known_hosts}")
 
     impostor = write_key(tmp_path / "impostor")
     cluster.known_hosts.write_text(

@@ -112,9 +112,11 @@ class KnownHosts:
     too when no file is named.
     """
 
-    def __init__(self, path: Path | None = None, *, accept_new: bool = False) -> None:
+    def __init__(self, path: Path | None = None, *, accept_new: bool = False, dry_run: bool = False) -> None:
         self.path = (path or DEFAULT_KNOWN_HOSTS).expanduser()
         self.accept_new = accept_new
+        self.dry_run = dry_run
+        """Accept new keys for this run only, writing nothing."""
         self.entries: list[HostKeyEntry] = []
         self.revoked: set[str] = set()
         for source in [*([SYSTEM_KNOWN_HOSTS] if path is None else []), self.path]:
@@ -124,12 +126,15 @@ class KnownHosts:
                 self.revoked |= revoked
         self._lock = threading.Lock()
 
-    def attach(self, client: paramiko.SSHClient) -> None:
+    def attach(self, client: paramiko.SSHClient) -> _MissingHostKey:
+        """Give the client the known keys and the policy for others (which says what it accepted)."""
         keys = client.get_host_keys()
         for entry in self.entries:
             for name in entry.hostnames:
                 keys.add(name, entry.key.get_name(), entry.key)
-        client.set_missing_host_key_policy(_MissingHostKey(self))
+        policy = _MissingHostKey(self)
+        client.set_missing_host_key_policy(policy)
+        return policy
 
     def check_not_revoked(self, key: paramiko.PKey) -> None:
         if _key_line(key) in self.revoked:
@@ -153,12 +158,15 @@ class KnownHosts:
 class _MissingHostKey(paramiko.MissingHostKeyPolicy):
     def __init__(self, known: KnownHosts) -> None:
         self.known = known
+        self.accepted: paramiko.PKey | None = None
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         self.known.check_not_revoked(key)
         if not self.known.accept_new:
             raise UnknownHostKey(hostname, key)
-        self.known.record(hostname, key)
+        if not self.known.dry_run:
+            self.known.record(hostname, key)
+        self.accepted = key
 
 
 class _OfferKeys(AuthStrategy):
@@ -283,13 +291,15 @@ class Connection:
         self._sftp = sftp
         self._folders: set[str] = set()
         self._lost = False
+        self.new_host_key: paramiko.PKey | None = None
+        """The host key accepted as new on connecting (recorded unless in a dry run)."""
         self.home = sftp.normalize(".")
 
     @classmethod
     def open(cls, target: SshTarget, known: KnownHosts, *, timeout: float = 15.0) -> Connection:
         """Connect, check the host key, authenticate and start SFTP."""
         client = paramiko.SSHClient()
-        known.attach(client)
+        policy = known.attach(client)
         offer = _OfferKeys(target, known)
         connect_timeout = target.connect_timeout or timeout
         try:
@@ -318,13 +328,15 @@ class Connection:
         try:
             sftp = client.open_sftp()
             sftp.get_channel().settimeout(timeout)
-            return cls(target, client, sftp, timeout)
+            connection = cls(target, client, sftp, timeout)
         except (SSHException, OSError, EOFError) as exc:
             client.close()
             raise SyncError(
                 f"{target.address} refused an SFTP session ({exc or type(exc).__name__}): "
                 "jabas sync needs the server's sftp subsystem"
             ) from exc
+        connection.new_host_key = policy.accepted
+        return connection
 
     def alive(self) -> bool:
         transport = self._client.get_transport()

@@ -316,7 +316,7 @@ def sync_profiles(
     except SyncError as exc:
         raise InputError.at(None, "GATHERED_DIR", str(exc)) from None
     try:
-        known = KnownHosts(options.known_hosts, accept_new=options.accept_new_host_keys)
+        known = KnownHosts(options.known_hosts, accept_new=options.accept_new_host_keys, dry_run=options.dry_run)
     except OSError as exc:
         raise InputError.at(exc.filename, None, f"cannot read known_hosts: {exc.strerror or exc}") from None
     sync = _Sync(options, load_ssh_config(options.ssh_config), known, cwd, on_event or (lambda event: None))
@@ -399,6 +399,10 @@ class _Sync:
         target = resolve_target(s.config, self.ssh_config)
         s.report.address = target.address
         s.conn = conn = Connection.open(target, self.known, timeout=self.options.timeout)
+        if conn.new_host_key is not None:
+            key = conn.new_host_key
+            verb = "would record" if self.options.dry_run else "recorded"
+            self._note(s)(f"{verb} its host key ({key.get_name()} {key.fingerprint}) in {self.known.path}")
         s.local_root = s.report.local_dir = conn.absolute(remote_folder(local_arg, target.sync_root, self.cwd))
         s.gathered_root = s.report.gathered_dir = conn.absolute(remote_folder(gathered_arg, target.sync_root, self.cwd))
         self.emit(Status(s.name, "reading LOCAL_DIR"))
