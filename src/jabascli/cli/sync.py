@@ -62,7 +62,9 @@ def sync(
         jabas sync profiles/local profiles/all -c jabas.toml --dry-run
     """
     # paramiko logs a cut connection as an error of its own; the report already says it in one line.
-    logging.getLogger("paramiko").addHandler(logging.NullHandler())
+    paramiko_log = logging.getLogger("paramiko")
+    if not paramiko_log.handlers:
+        paramiko_log.addHandler(logging.NullHandler())
     loaded = load_config(config, check_profiles=False)
     names = None if servers is None else [n.strip() for n in servers.split(",") if n.strip()]
     options = SyncOptions(

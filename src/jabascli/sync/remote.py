@@ -49,7 +49,17 @@ from paramiko.ssh_exception import (
 
 from jabascli.atomic import atomic_write
 from jabascli.sync.target import SshTarget
-from jabascli.sync.tree import CHUNK, TEMP_SUFFIX, DirEntry, FileInfo, Scan, SyncError, entry_kind, scan_tree
+from jabascli.sync.tree import (
+    CHUNK,
+    TEMP_SUFFIX,
+    DirEntry,
+    FileInfo,
+    Scan,
+    SyncError,
+    entry_kind,
+    scan_tree,
+    sha256_of,
+)
 
 DEFAULT_KNOWN_HOSTS = Path("~/.ssh/known_hosts")
 SYSTEM_KNOWN_HOSTS = Path("/etc/ssh/ssh_known_hosts")
@@ -463,10 +473,7 @@ class Connection:
         for path in rest:
             with self._failing(f"reading {path}"), self._open(path, "rb") as f:
                 f.prefetch()
-                digest = hashlib.sha256()
-                while chunk := f.read(CHUNK):
-                    digest.update(chunk)
-                found[path] = digest.hexdigest()
+                found[path] = sha256_of(f)
         return {paths[p]: h for p, h in found.items()}
 
     def _hash_by_command(self, paths: list[str]) -> dict[str, str]:
