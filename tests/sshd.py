@@ -115,11 +115,14 @@ class SshServer:
                 )
             if self._wait_ready():
                 return self
+            assert self.process is not None
+            code = self.process.poll()
             self.stop()
             if port is not None or "Address already in use" not in self.log.read_text(errors="replace"):
                 break
-        tail = self.log.read_text(errors="replace").strip().splitlines()[-5:]
-        pytest.skip(f"sshd could not be started on this machine: {' | '.join(tail) or 'no output'}")
+        how = f"it exited with code {code}" if code is not None else f"it did not answer within {START_TIMEOUT_S:g} s"
+        tail = " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-5:])
+        pytest.skip(f"sshd could not be started on this machine: {how}{': ' + tail if tail else ''}")
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + START_TIMEOUT_S
