@@ -343,7 +343,10 @@ class _Sync:
             list(pool.map(lambda s: self._guarded(step, s), which))
 
         try:
+            # 1. Connect to every server and read its LOCAL_DIR.
             each(lambda s: self._open_and_read(s, local_arg, gathered_arg), states)
+
+            # 2. Merge, and fetch what the gathered folder here lacks.
             sources = {s.name: s.manifest for s in states if s.manifest is not None}
             plan = plan_gather(sources, gathered_manifest)
             by_server: dict[str, list[Fetch]] = {}
@@ -361,6 +364,8 @@ class _Sync:
                             merged[fetch.path] = gathered_manifest[fetch.path]
                         else:
                             merged.pop(fetch.path)
+
+            # 3. Send every server still connected what its GATHERED_DIR lacks.
             each(lambda s: self._send(s, merged, gathered), [s for s in states if s.conn and s.conn.alive()])
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
