@@ -7,12 +7,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: quickstart test lint venv clean
+.PHONY: quickstart test lint venv clean sshd
 
 quickstart: $(VENV)/.installed-base
 	$(VENV)/bin/jabas run -c examples/quickstart.toml
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test sshd
 	$(VENV)/bin/ruff check src tests models benchmarks
 	$(VENV)/bin/ruff format --check src tests models benchmarks
 	$(PY) -m pytest
@@ -22,6 +22,17 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format --check src tests models benchmarks
 
 venv: $(VENV)/.installed-test
+
+# The jabas sync tests start real OpenSSH servers on loopback ports. On a fresh
+# Debian machine run as root (CI), install openssh-server for them; anywhere
+# else do nothing, and those tests skip saying why.
+sshd:
+	@if [ ! -x /usr/sbin/sshd ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing openssh-server for the jabas sync tests"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -qq >/dev/null && \
+		apt-get install -y -qq --no-install-recommends openssh-server >/dev/null; \
+	fi
 
 # A torch already installed (a CUDA build, say) is used as it is: the venv then sees
 # the system packages. Only where none is present is torch 2.13.0 installed.

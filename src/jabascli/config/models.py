@@ -87,6 +87,9 @@ class ServerConfig(Section):
     ssh_user: str | None = None
     ssh_port: int = Field(22, ge=1, le=65535)
     ssh_key: Path | None = None
+    sync_root: str | None = None
+    """Folder on this server that relative ``jabas sync`` folders resolve against (a remote path);
+    None: the same absolute path as on the node running ``jabas sync``."""
     vsw: PositiveInt = 1
     """Virtual stream workers (VSW) per device, used when no plan file is given."""
     ga: NonNegativeInt = 0
