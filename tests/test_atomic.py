@@ -27,3 +27,13 @@ def test_creates_missing_folders(tmp_path: Path) -> None:
     target = tmp_path / "a" / "b" / "c.json"
     atomic_write_json(target, [1, 2])
     assert target.read_text() == "[1, 2]"
+
+
+def test_mode_follows_umask_and_keeps_an_existing_files_mode(tmp_path: Path) -> None:
+    from jabascli import atomic
+
+    fresh = atomic_write_json(tmp_path / "fresh.json", {})
+    assert fresh.stat().st_mode & 0o777 == 0o666 & ~atomic._UMASK
+    fresh.chmod(0o640)
+    atomic_write_json(fresh, {"again": True})
+    assert fresh.stat().st_mode & 0o777 == 0o640

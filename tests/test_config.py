@@ -99,6 +99,7 @@ def test_reference_seed_config_from_quickstart_parent(seed_quickstart: Path, mon
     assert [s.name for s in cfg.available()] == ["node0", "node1"]
     assert cfg.server("node0").device_type == "Tesla V100-PCIE-16GB"
     assert cfg.server("node1").tflops == 9.52
+    assert cfg.server("node1").host == "node1"  # the seed reached servers by name
     assert cfg.batching.gbs_min == 256 and cfg.batching.gbs_max == 32768
     assert loaded.profile_dirs().memory == (seed_quickstart / "quickstart" / "cluster_mem_profile_data").resolve()
 

@@ -22,6 +22,8 @@ def atomic_write(path: Path | str, write: Callable[[IO[bytes]], Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp creates 0600; give the file the mode a plain open() would (or the old file's).
+        os.fchmod(fd, _mode_for(path))
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -44,6 +46,24 @@ def atomic_write_text(path: Path | str, text: str) -> Path:
 
 def atomic_write_json(path: Path | str, obj: Any, *, indent: int | None = None) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=indent) + ("\n" if indent else ""))
+
+
+def _read_umask() -> int:
+    # os.umask can only be read by setting it; do that once, at import, before any
+    # thread could create a file under the temporary value.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+_UMASK = _read_umask()
+
+
+def _mode_for(path: Path) -> int:
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        return 0o666 & ~_UMASK
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -82,6 +82,8 @@ def seed_to_toml_dict(seed: SeedConfig, cluster: dict[str, SeedServer]) -> dict[
     servers = [
         {
             "name": name,
+            # The seed reached its servers by name (ssh node1), so the name is the host.
+            "host": name,
             "device_type": info.type,
             "tflops": info.tfplos,
             "devices": info.number,
