@@ -83,10 +83,14 @@ class PerformanceModel:
         self.folders = {**profiles.folders, **(folders or {})}
         self.comm = CommModel.from_profiles(profiles, self.folders)
         self._devices: dict[tuple[str, int], DeviceModel] = {}
+        self._lbs: dict[str, list[int]] = {}
 
     def lbs_values(self, profile_server: str) -> list[int]:
         """LBS values at which ``profile_server`` fits a VSW and has a computation profile."""
-        return [b for b in self.profiles.lbs_values(profile_server) if self.profiles.comp_points(profile_server, b)]
+        if profile_server not in self._lbs:
+            measured = {b for s, b, _ in self.profiles.comp if s == profile_server}
+            self._lbs[profile_server] = [b for b in self.profiles.lbs_values(profile_server) if b in measured]
+        return list(self._lbs[profile_server])
 
     def device(self, profile_server: str, lbs: int) -> DeviceModel:
         key = (profile_server, lbs)
