@@ -216,3 +216,15 @@ def test_allocation_unit_must_divide_every_server() -> None:
     model = PerformanceModel(ProfileSet({}, {}, None))
     with pytest.raises(InputError, match="3 GPUs do not split into units of 2"):
         Solver(model, [ServerSpec("a", "x", 3, "a", 1e9, 1e9)], 2)
+
+
+def test_profiles_predicting_no_time_are_refused() -> None:
+    zero = {"total_time": 0.0, "data_time": 0.0, "fwd_time": 0.0, "bwd_time": 0.0, "update_time": 0.0}
+    profiles = ProfileSet(
+        {("a", 2): MemoryProfile(gpu_type="x", total_memory=1, lbs=2, max_num_models=1)},
+        {("a", 2, 1): CompProfile(model="m", gpu_type="x", lbs=2, num_models=1, copy_time=0.0, **zero)},
+        None,
+    )
+    solver = Solver(PerformanceModel(profiles), [ServerSpec("a", "x", 1, "a", 1e9, 1e9)])
+    with pytest.raises(InputError, match="the profiles predict 0.0 s per iteration at LBS 2"):
+        solver.solve(4)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import bisect
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+from jabascli.cli.app import app
 from jabascli.config import load_config
 from jabascli.errors import InputError
 from jabascli.perfmodel import Allocation, GroupConfig, PerformanceModel, ServerSpec
@@ -108,6 +111,10 @@ def test_every_gbs_256_to_8192_is_optimal(reference_config: Path) -> None:
         assert plan.iteration_time_s == exhaustive_optimum(solver.model, solver.servers, gbs, solver.methods), gbs
         assert table[gbs].iteration_time_s == plan.iteration_time_s
     assert sorted(table) == list(range(256, 8193, 32))
+    # What `jabas solve --range ... --json` prints is exactly these plans.
+    result = CliRunner().invoke(app, ["solve", "-c", str(reference_config), "--range", "256:8192", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["plans"] == [table[g].to_dict() for g in sorted(table)]
 
 
 def test_gbs_128_256_512(reference_config: Path) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -11,7 +11,9 @@ from rich.table import Table
 from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
 from jabascli.config import load_config
 from jabascli.errors import InputError, Problem
-from jabascli.solver import Plan, solver_from_config, write_plan
+
+if TYPE_CHECKING:
+    from jabascli.solver import Plan
 
 
 @cli_command
@@ -46,6 +48,8 @@ def solve(
         raise InputError.at(None, "--gbs", "give exactly one of --gbs N and --range LO:HI")
     if range_ is not None and out is not None:
         raise InputError.at(None, "--out", "writes one plan: use it with --gbs, not --range")
+    from jabascli.solver import solver_from_config, write_plan  # numpy: only when solving
+
     solver = solver_from_config(load_config(config), servers, weight_sync)
     if gbs is not None:
         plan = solver.solve(gbs)

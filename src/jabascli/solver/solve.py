@@ -260,6 +260,12 @@ class _FixedAllocation:
                 for u, n in zip(first.tolist(), count.tolist(), strict=True)
             )
             best = table.value(extras[i])
+            if not best > 0:
+                raise InputError.at(
+                    self.model.folders.get("computation"),
+                    None,
+                    f"the profiles predict {best} s per iteration at LBS {lbs}",
+                )
             plans.append(Plan(gbs[i], lbs, ws, best, gbs[i] / best, assignments))
         return plans
 
@@ -338,12 +344,13 @@ class Solver:
                 first = max(lo, lbs * alloc.gpus)
                 first += -first % step
                 last = hi - hi % step
+                size = last // step - alloc.units + 1  # the largest GBS's extra workers, plus one
                 for gbs in range(first, last + 1, step):
-                    per_gbs.setdefault(gbs, []).append((alloc, lbs, alloc.extra(last, lbs) + 1))  # type: ignore[operator]
+                    per_gbs.setdefault(gbs, []).append((alloc, lbs, size))
         winners: dict[tuple[int, int, WeightSyncMethod], list[tuple[int, _Candidate]]] = {}
         for gbs in sorted(per_gbs):
             candidates = [
-                _Candidate(alloc, lbs, ws, alloc.extra(gbs, lbs), size)  # type: ignore[arg-type]
+                _Candidate(alloc, lbs, ws, gbs // (lbs * self.allocation_unit) - alloc.units, size)
                 for alloc, lbs, size in per_gbs[gbs]
                 for ws in self.methods
             ]
