@@ -226,5 +226,5 @@ def test_profiles_predicting_no_time_are_refused() -> None:
         None,
     )
     solver = Solver(PerformanceModel(profiles), [ServerSpec("a", "x", 1, "a", 1e9, 1e9)])
-    with pytest.raises(InputError, match="the profiles predict 0.0 s per iteration at LBS 2"):
+    with pytest.raises(InputError, match=r"the profiles predict 0\.0 s per iteration at LBS 2"):
         solver.solve(4)
