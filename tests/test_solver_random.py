@@ -158,7 +158,7 @@ def draw_gbs(data: st.DataObject, servers: list[ServerSpec], unit: int, least_un
     return data.draw(st.sampled_from(LBS_VALUES)) * unit * units
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(clusters(), st.sampled_from(["recommend", "sequential", "overlap"]), st.data())
 def test_fixed_allocation_is_optimal(cluster: tuple, weight_sync: str, data: st.DataObject) -> None:  # type: ignore[type-arg]
     model, servers, unit = cluster
@@ -175,7 +175,7 @@ def test_fixed_allocation_is_optimal(cluster: tuple, weight_sync: str, data: st.
     assert plan.iteration_time_s == expected
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(clusters(max_units=4), st.data())
 def test_auto_allocation_is_optimal(cluster: tuple, data: st.DataObject) -> None:  # type: ignore[type-arg]
     model, servers, unit = cluster
@@ -191,7 +191,7 @@ def test_auto_allocation_is_optimal(cluster: tuple, data: st.DataObject) -> None
     assert plan.iteration_time_s == expected
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(clusters(), st.integers(1, 16), st.integers(0, 32), st.booleans())
 def test_range_equals_one_by_one(cluster: tuple, lo: int, span: int, auto: bool) -> None:  # type: ignore[type-arg]
     model, servers, unit = cluster
