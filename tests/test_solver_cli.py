@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from jabascli.cli.app import app
+from jabascli.errors import InputError
 from jabascli.solver import read_plan
 from tests.conftest import run_jabas
 
@@ -184,3 +185,17 @@ def test_allocation_units(cli: CliRunner, reference_dir: Path, tmp_path: Path) -
     odd = invoke(cli, "-c", str(config), "--gbs", "288")
     assert odd.exit_code == 2
     assert "LBS 32: 9 workers cannot be split into allocation units of 2 GPUs" in odd.stderr
+
+
+def test_predict_any_plan(reference_dir: Path) -> None:
+    from jabascli.config import load_config
+    from jabascli.solver import Assignment, Plan, solver_from_config
+
+    solver = solver_from_config(load_config(reference_dir / "config.json"))
+    measured = Plan(
+        256, 32, "sequential", 1.0, 1.0, (Assignment("node0", "V100", 4, 1, 0), Assignment("node1", "P100", 4, 1, 0))
+    )
+    prediction = solver.predict(measured)
+    assert prediction.gbs == 256 and prediction.time_s > solver.solve(256).iteration_time_s  # overlap is faster
+    with pytest.raises(InputError, match="unknown server"):
+        solver.predict(Plan(32, 32, "overlap", 1.0, 1.0, (Assignment("gpu9", "A100", 1, 1, 0),)))

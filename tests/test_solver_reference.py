@@ -33,6 +33,7 @@ def check_plan(plan: Plan, solver: Solver, *, every_gpu: bool) -> None:
         assert used == {name: s.devices for name, s in servers.items()}
     groups = [GroupConfig(servers[a.server], a.gpus, a.vsw, a.ga) for a in plan.assignments]
     predicted = model.predict(plan.lbs, plan.weight_sync, groups)  # type: ignore[arg-type]
+    assert solver.predict(plan) == predicted
     assert predicted.time_s == plan.iteration_time_s
     assert [g.time_s for g in predicted.groups] == [a.iteration_time_s for a in plan.assignments]
     assert plan.throughput == plan.gbs / plan.iteration_time_s

@@ -29,6 +29,8 @@ from jabascli.perfmodel import (
     WEIGHT_SYNC_METHODS,
     Allocation,
     BucketTimes,
+    GroupConfig,
+    IterationPrediction,
     PerformanceModel,
     ServerSpec,
     WeightSyncMethod,
@@ -363,6 +365,19 @@ class Solver:
             c = batch[0][1]
             plans += c.allocation.plans(c.lbs, c.weight_sync, [g for g, _ in batch], [b.extra for _, b in batch])
         return sorted(plans, key=lambda p: p.gbs)
+
+    # Any plan --------------------------------------------------------------------
+
+    def predict(self, plan: Plan) -> IterationPrediction:
+        """The model's prediction for any plan on these servers (e.g. a measured configuration)."""
+        servers = {s.name: s for s in self.servers}
+        unknown = sorted({a.server for a in plan.assignments} - set(servers))
+        if unknown:
+            raise InputError.at(None, "assignments", f"unknown server(s) {', '.join(unknown)}")
+        if plan.weight_sync not in WEIGHT_SYNC_METHODS:
+            raise InputError.at(None, "weight_sync", f"expected sequential or overlap, got {plan.weight_sync!r}")
+        groups = [GroupConfig(servers[a.server], a.gpus, a.vsw, a.ga) for a in plan.assignments]
+        return self.model.predict(plan.lbs, plan.weight_sync, groups)  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------------------
 
