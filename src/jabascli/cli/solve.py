@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.table import Table
 
-from jabascli.cli.common import ConfigOption, JsonOption, cli_command, not_implemented
+from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
+from jabascli.config import load_config
+from jabascli.errors import InputError, Problem
+
+if TYPE_CHECKING:
+    from jabascli.solver import Plan
 
 
 @cli_command
@@ -18,16 +24,98 @@ def solve(
     servers: Annotated[
         str | None, typer.Option(help="'auto' to choose servers, or a comma list (default: all available).")
     ] = None,
-    weight_sync: Annotated[str, typer.Option(help="recommend, sequential or overlap.")] = "recommend",
+    weight_sync: Annotated[
+        str | None, typer.Option(help="recommend, sequential or overlap (default: [job] weight_sync).")
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="Write the plan for `jabas train` to this file.")] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Best LBS, weight sync and (VSW, GA) per device for a global batch size.
 
+    The plan is the fastest under the performance model (exactly, not a
+    heuristic); all GPUs of the chosen servers are used. With --servers auto
+    the solver also picks how many GPUs of each kind of server to use.
+
     Example:
 
         jabas solve -c quickstart/config.json --gbs 512
 
+        jabas solve -c jabas.toml --gbs 128 --servers auto --out plan.json
+
         jabas solve -c jabas.toml --range 256:8192 --json
     """
-    not_implemented("solve", 5)
+    if (gbs is None) == (range_ is None):
+        raise InputError.at(None, "--gbs", "give exactly one of --gbs N and --range LO:HI")
+    if range_ is not None and out is not None:
+        raise InputError.at(None, "--out", "writes one plan: use it with --gbs, not --range")
+    from jabascli.solver import solver_from_config, write_plan  # numpy: only when solving
+
+    solver = solver_from_config(load_config(config), servers, weight_sync)
+    if gbs is not None:
+        plan = solver.solve(gbs)
+        if out is not None:
+            write_plan(out, plan)
+        if json_out:
+            print_json(plan.to_dict())
+        else:
+            print_plan(plan, out)
+        return
+    lo, hi = parse_range(range_ or "")
+    plans = solver.solve_range(lo, hi)
+    if not plans:
+        first = solver.unreachable(lo)[0].message.replace(f"GBS {lo}", f"any GBS in {lo}..{hi}")
+        raise InputError.at(None, "--range", first)
+    if json_out:
+        print_json({"plans": [p.to_dict() for p in plans]})
+    else:
+        print_range(plans, lo, hi)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        low, high = int(lo), int(hi)
+    except ValueError:
+        raise InputError([Problem(None, "--range", f"expected LO:HI with two integers, got {text!r}")]) from None
+    if low <= 0 or high < low:
+        raise InputError.at(None, "--range", f"expected 0 < LO <= HI, got {text!r}")
+    return low, high
+
+
+def print_plan(plan: Plan, out: Path | None) -> None:
+    table = Table(title=f"Plan for GBS {plan.gbs}")
+    for column in ("server", "device type", "GPUs", "VSW", "GA", "workers", "predicted ms/iteration"):
+        table.add_column(column, justify="left" if column in ("server", "device type") else "right")
+    for a in plan.assignments:
+        ms = f"{a.iteration_time_s * 1e3:.1f}" if a.iteration_time_s is not None else "-"
+        table.add_row(a.server, a.device_type, str(a.gpus), str(a.vsw), str(a.ga), str(a.workers), ms)
+    console.print(table)
+    console.print(
+        f"GBS {plan.gbs} = LBS {plan.lbs} x {plan.workers} workers on {plan.gpus} GPUs, "
+        f"weight sync {plan.weight_sync}: {plan.iteration_time_s * 1e3:.1f} ms per iteration, "
+        f"{plan.throughput:.1f} samples/s",
+        highlight=False,
+    )
+    console.print(plan.seed_form(), highlight=False)
+    if out is not None:
+        console.print(f"plan written to {out}", highlight=False)
+
+
+def print_range(plans: list[Plan], lo: int, hi: int) -> None:
+    table = Table(title=f"Best plan per GBS in {lo}..{hi} ({len(plans)} feasible)")
+    for column in ("GBS", "LBS", "weight sync", "GPUs", "ms/iteration", "samples/s"):
+        table.add_column(column, justify="left" if column == "weight sync" else "right")
+    table.add_column("configuration", overflow="fold")
+    for p in plans:
+        table.add_row(
+            str(p.gbs),
+            str(p.lbs),
+            p.weight_sync,
+            str(p.gpus),
+            f"{p.iteration_time_s * 1e3:.1f}",
+            f"{p.throughput:.1f}",
+            p.seed_form(),
+        )
+    console.print(table)

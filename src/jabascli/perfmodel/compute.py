@@ -1,0 +1,97 @@
+"""Computation model of one device type at one local batch size.
+
+Built from the computation profiles (milliseconds) and the memory profile of
+one profiled server; every time here is in seconds.
+
+* data, forward and backward time of one micro-step of ``v`` VSWs: a
+  :class:`~jabascli.perfmodel.fit.VswCurve` through the measured VSW counts;
+* update time: one optimizer step, independent of the batch and of the VSW
+  count, so the mean over every measured point of the device;
+* copy time: copying the updated weights to each extra VSW replica,
+  ``copy_per_replica * (v - 1)``, the slope fitted by least squares through
+  the origin over every measured point with ``v > 1`` (0 when there is none);
+* BatchNorm sync: ``bn_sync * v``, once per iteration, as in the seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from jabascli.errors import InputError
+from jabascli.perfmodel.fit import FloatArray, VswCurve
+from jabascli.profiles import CompProfile, ProfileSet
+
+MS = 1e-3
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """Compute times (seconds) of one device type at one LBS, for any VSW count up to ``max_vsw``."""
+
+    server: str
+    """The profiled server whose measurements these are."""
+    device_type: str
+    lbs: int
+    max_vsw: int
+    data: VswCurve
+    forward: VswCurve
+    backward: VswCurve
+    update_s: float
+    copy_per_replica_s: float
+    bn_sync_s: float
+
+    def phases(self, vsw: ArrayLike) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """Data, forward and backward time of one micro-step of ``vsw`` VSWs."""
+        return self.data(vsw), self.forward(vsw), self.backward(vsw)
+
+    def copy_s(self, vsw: ArrayLike) -> FloatArray:
+        return self.copy_per_replica_s * (np.asarray(vsw, dtype=np.float64) - 1.0)
+
+
+def device_constants(points: list[CompProfile]) -> tuple[float, float, float]:
+    """``(update_s, copy_per_replica_s, bn_sync_s)`` from every measured point of a device."""
+    update = float(np.mean([p.update_time for p in points])) * MS
+    bn_sync = float(np.mean([p.bn_sync_time for p in points])) * MS
+    extra = np.array([p.num_models - 1 for p in points if p.num_models > 1], dtype=np.float64)
+    copies = np.array([p.copy_time for p in points if p.num_models > 1], dtype=np.float64)
+    copy = float(extra @ copies / (extra @ extra)) * MS if extra.size else 0.0
+    return update, copy, bn_sync
+
+
+def build_device_model(
+    profiles: ProfileSet, server: str, lbs: int, folders: dict[str, Path] | None = None
+) -> DeviceModel:
+    """The compute model of profiled ``server`` at ``lbs``; InputError when it was not profiled there."""
+    folders = {**profiles.folders, **(folders or {})}
+    max_vsw = profiles.max_vsw(server, lbs)
+    points = profiles.comp_points(server, lbs)
+    where = folders.get("computation", "computation profiles")
+    if max_vsw < 1:
+        memory = folders.get("memory", "memory profiles")
+        reason = "no memory profile" if (server, lbs) not in profiles.memory else "not even one VSW fits in memory"
+        raise InputError.at(memory, f"{lbs}/{server}", f"LBS {lbs} cannot run on {server}: {reason}")
+    if not points:
+        raise InputError.at(where, f"{lbs}/{server}", f"no computation profile of {server} at LBS {lbs}")
+    every_point = [p for (s, _, _), p in profiles.comp.items() if s == server]
+    update, copy, bn_sync = device_constants(every_point)
+    first = next(iter(points.values()))
+
+    def curve(field: str) -> VswCurve:
+        return VswCurve.through((n, getattr(p, field) * MS) for n, p in points.items())
+
+    return DeviceModel(
+        server=server,
+        device_type=first.gpu_type,
+        lbs=lbs,
+        max_vsw=max_vsw,
+        data=curve("data_time"),
+        forward=curve("fwd_time"),
+        backward=curve("bwd_time"),
+        update_s=update,
+        copy_per_replica_s=copy,
+        bn_sync_s=bn_sync,
+    )

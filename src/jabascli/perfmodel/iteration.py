@@ -1,0 +1,126 @@
+"""The iteration-time formula of one GPU, and the allocation it runs in.
+
+For a GPU running ``v`` VSWs with ``g`` extra GA micro-steps (seconds; see
+``docs/performance-model.md``)::
+
+    data    = (g + 1) * D(v)             forward  = (g + 1) * F(v)
+    backward = (g + 1) * B(v)
+    comm    = max(B(v), A_overlapped) - B(v) + A_last       # exposed all-reduce
+    update  = U + C * (v - 1)            (sequential)
+            = (U + C * (v - 1)) * share_last                (overlap)
+    bn_sync = bn * v
+    T(v, g) = data + forward + backward + comm + update + bn_sync
+
+``A_overlapped`` is the all-reduce time of every bucket but the last (it runs
+during the last micro-step's backward), ``A_last`` that of the last bucket,
+``share_last`` the last bucket's share of the gradient bytes. The cluster's
+iteration time is the largest ``T`` over its GPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from jabascli.perfmodel.comm import BucketTimes
+from jabascli.perfmodel.compute import DeviceModel
+from jabascli.perfmodel.fit import FloatArray
+
+WeightSyncMethod = Literal["sequential", "overlap"]
+WEIGHT_SYNC_METHODS: tuple[WeightSyncMethod, ...] = ("sequential", "overlap")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """A server as the model sees it: its devices and links, and whose profiles describe them."""
+
+    name: str
+    device_type: str
+    devices: int
+    profile_server: str
+    intra_bandwidth: float
+    inter_bandwidth: float
+    price_per_hour: float = 0.0
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What the all-reduce depends on: how many GPUs, on how many servers, over which links."""
+
+    world_size: int
+    servers: int
+    bandwidth: float
+    """Bytes/s from the config: the server's intra-node bandwidth when ``servers == 1``,
+    else the lowest inter-node bandwidth (used only with seed profiles, see ``comm.py``)."""
+
+    @classmethod
+    def of(cls, used: Iterable[tuple[ServerSpec, int]]) -> Allocation:
+        """The allocation of ``(server, GPUs used on it)`` pairs; servers with 0 GPUs are not in it."""
+        merged: dict[str, tuple[ServerSpec, int]] = {}
+        for server, gpus in used:
+            if gpus > 0:
+                merged[server.name] = (server, merged.get(server.name, (server, 0))[1] + gpus)
+        if not merged:
+            raise ValueError("an allocation needs at least one GPU")
+        specs = [s for s, _ in merged.values()]
+        world = sum(g for _, g in merged.values())
+        if len(specs) == 1:
+            return cls(world, 1, specs[0].intra_bandwidth)
+        return cls(world, len(specs), min(s.inter_bandwidth for s in specs))
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Predicted iteration time of one GPU, by phase (seconds)."""
+
+    data_s: float
+    forward_s: float
+    backward_s: float
+    exposed_comm_s: float
+    update_s: float
+    bn_sync_s: float
+
+    @property
+    def compute_s(self) -> float:
+        return self.data_s + self.forward_s + self.backward_s
+
+    @property
+    def total_s(self) -> float:
+        return _total(self.data_s, self.forward_s, self.backward_s, self.exposed_comm_s, self.update_s, self.bn_sync_s)
+
+
+def _total(data, forward, backward, comm, update, bn_sync):  # type: ignore[no-untyped-def]
+    # One summation order for scalars and arrays, so that the solver's tables and
+    # a single prediction give bit-identical times.
+    return data + forward + backward + comm + update + bn_sync
+
+
+def _components(
+    device: DeviceModel, vsw: ArrayLike, ga: ArrayLike, weight_sync: WeightSyncMethod, buckets: BucketTimes
+) -> tuple[FloatArray, ...]:
+    v = np.asarray(vsw, dtype=np.float64)
+    steps = np.asarray(ga, dtype=np.float64) + 1.0
+    d, f, b = device.phases(v)
+    comm = np.maximum(b, buckets.overlapped_s) - b + buckets.last_s
+    update = device.update_s + device.copy_s(v)
+    if weight_sync == "overlap":
+        update = update * buckets.last_share
+    elif weight_sync != "sequential":
+        raise ValueError(f"weight sync must be 'sequential' or 'overlap', got {weight_sync!r}")
+    return steps * d, steps * f, steps * b, comm, update, device.bn_sync_s * v
+
+
+def iteration_times(
+    device: DeviceModel, vsw: ArrayLike, ga: ArrayLike, weight_sync: WeightSyncMethod, buckets: BucketTimes
+) -> FloatArray:
+    """``T(v, g)`` for arrays of VSW counts and GA steps (broadcast together)."""
+    return np.asarray(_total(*_components(device, vsw, ga, weight_sync, buckets)), dtype=np.float64)
+
+
+def breakdown(device: DeviceModel, vsw: int, ga: int, weight_sync: WeightSyncMethod, buckets: BucketTimes) -> Breakdown:
+    """``T(v, g)`` of one GPU, by phase; ``breakdown(...).total_s == iteration_times(...)`` exactly."""
+    return Breakdown(*(float(x) for x in _components(device, vsw, ga, weight_sync, buckets)))

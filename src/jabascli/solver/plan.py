@@ -1,0 +1,190 @@
+"""The plan: what ``jabas solve`` decides and ``jabas train`` runs.
+
+A plan is one JSON object::
+
+    {"gbs": 512, "lbs": 32, "weight_sync": "overlap",
+     "iteration_time_s": 0.21, "throughput": 2438.1,
+     "assignments": [{"server": "node0", "device_type": "Tesla V100-PCIE-16GB",
+                      "gpus": 4, "vsw": 2, "ga": 0, "iteration_time_s": 0.21}, ...]}
+
+Each assignment is a group of ``gpus`` GPUs of one server that all run ``vsw``
+VSWs with ``ga`` extra GA micro-steps; ``iteration_time_s`` inside an
+assignment (optional) is the model's prediction for those GPUs. Ranks are
+numbered by walking ``assignments`` in order, one rank per GPU: the first
+assignment's GPUs are ranks ``0 .. gpus-1``, and so on. The plan holds
+``gbs == lbs * sum(gpus * vsw * (ga + 1))`` exactly.
+
+Readers ignore keys they do not know, so keys can be added. This module is
+pure Python (no numpy, no torch) so any process can read a plan.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jabascli.atomic import atomic_write_json
+from jabascli.errors import InputError, Problem
+
+PLAN_WEIGHT_SYNC = ("sequential", "overlap")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """``gpus`` GPUs of ``server``, each running ``vsw`` VSWs and ``ga`` extra GA micro-steps."""
+
+    server: str
+    device_type: str
+    gpus: int
+    vsw: int
+    ga: int
+    iteration_time_s: float | None = None
+
+    @property
+    def workers(self) -> int:
+        """IIDP workers of these GPUs: ``gpus * vsw * (ga + 1)``."""
+        return self.gpus * self.vsw * (self.ga + 1)
+
+    def seed_form(self) -> str:
+        """The seed's notation, e.g. ``node0:4GPU,VSW:1,GA:0``."""
+        return f"{self.server}:{self.gpus}GPU,VSW:{self.vsw},GA:{self.ga}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "server": self.server,
+            "device_type": self.device_type,
+            "gpus": self.gpus,
+            "vsw": self.vsw,
+            "ga": self.ga,
+        }
+        if self.iteration_time_s is not None:
+            out["iteration_time_s"] = self.iteration_time_s
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """LBS, weight sync and (VSW, GA) per group of GPUs for one global batch size."""
+
+    gbs: int
+    lbs: int
+    weight_sync: str
+    iteration_time_s: float
+    throughput: float
+    assignments: tuple[Assignment, ...]
+
+    @property
+    def gpus(self) -> int:
+        return sum(a.gpus for a in self.assignments)
+
+    @property
+    def workers(self) -> int:
+        return sum(a.workers for a in self.assignments)
+
+    def servers(self) -> list[str]:
+        """Servers the plan uses, in rank order."""
+        return list(dict.fromkeys(a.server for a in self.assignments))
+
+    def seed_form(self) -> str:
+        """Every assignment in the seed's notation, space-separated."""
+        return " ".join(a.seed_form() for a in self.assignments)
+
+    def ranks(self) -> list[Assignment]:
+        """The assignment each rank belongs to: rank ``r`` runs ``ranks()[r]``."""
+        return [a for a in self.assignments for _ in range(a.gpus)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gbs": self.gbs,
+            "lbs": self.lbs,
+            "weight_sync": self.weight_sync,
+            "iteration_time_s": self.iteration_time_s,
+            "throughput": self.throughput,
+            "assignments": [a.to_dict() for a in self.assignments],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: Path | str | None = None) -> Plan:
+        """Validate a plan's JSON object; every problem is reported with its field."""
+        problems: list[Problem] = []
+
+        def bad(field: str, message: str) -> None:
+            problems.append(Problem(source, field, message))
+
+        if not isinstance(data, dict):
+            raise InputError.at(source, None, "expected a JSON object (a plan written by `jabas solve --out`)")
+        gbs = _int(data, "gbs", 1, bad)
+        lbs = _int(data, "lbs", 1, bad)
+        weight_sync = data.get("weight_sync")
+        if weight_sync not in PLAN_WEIGHT_SYNC:
+            bad("weight_sync", f"expected one of {', '.join(PLAN_WEIGHT_SYNC)}, got {weight_sync!r}")
+        time_s = _float(data, "iteration_time_s", bad)
+        throughput = _float(data, "throughput", bad)
+        raw = data.get("assignments")
+        assignments: list[Assignment] = []
+        if not isinstance(raw, list) or not raw:
+            bad("assignments", "expected a non-empty list of assignments")
+            raw = []
+        for i, item in enumerate(raw):
+            where = f"assignments[{i}]"
+            if not isinstance(item, dict):
+                bad(where, "expected an object with server, device_type, gpus, vsw, ga")
+                continue
+
+            def bad_item(field: str, message: str, where: str = where) -> None:
+                bad(f"{where}.{field}", message)
+
+            server, device_type = item.get("server"), item.get("device_type")
+            for key, value in (("server", server), ("device_type", device_type)):
+                if not isinstance(value, str) or not value:
+                    bad_item(key, f"expected a non-empty string, got {value!r}")
+            gpus = _int(item, "gpus", 1, bad_item)
+            vsw = _int(item, "vsw", 1, bad_item)
+            ga = _int(item, "ga", 0, bad_item)
+            item_time = _float(item, "iteration_time_s", bad_item) if "iteration_time_s" in item else None
+            assignments.append(Assignment(str(server), str(device_type), gpus, vsw, ga, item_time))
+        if not problems:
+            workers = sum(a.workers for a in assignments)
+            if lbs * workers != gbs:
+                bad("gbs", f"is {gbs} but lbs * sum(gpus * vsw * (ga + 1)) = {lbs} * {workers} = {lbs * workers}")
+        if problems:
+            raise InputError(problems)
+        return cls(gbs, lbs, str(weight_sync), time_s, throughput, tuple(assignments))
+
+
+def _int(data: dict[str, Any], key: str, minimum: int, bad: Any) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        bad(key, f"expected an integer >= {minimum}, got {value!r}")
+        return minimum
+    return value
+
+
+def _float(data: dict[str, Any], key: str, bad: Any) -> float:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        bad(key, f"expected a positive number, got {value!r}")
+        return 1.0
+    return float(value)
+
+
+def write_plan(path: Path | str, plan: Plan) -> Path:
+    """Write a plan atomically, as indented JSON."""
+    return atomic_write_json(path, plan.to_dict(), indent=2)
+
+
+def read_plan(path: Path | str) -> Plan:
+    """Read and validate a plan file; InputError names the file and every bad field."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError.at(path, None, "plan file not found") from None
+    except json.JSONDecodeError as exc:
+        raise InputError.at(path, None, f"invalid JSON: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError.at(path, None, f"cannot read: {exc}") from None
+    return Plan.from_dict(data, path)

@@ -1,0 +1,37 @@
+"""Build a :class:`~jabascli.solver.solve.Solver` from a loaded job config."""
+
+from __future__ import annotations
+
+from jabascli.config import LoadedConfig
+from jabascli.errors import InputError
+from jabascli.perfmodel import PerformanceModel
+from jabascli.profiles import load_profile_set
+from jabascli.solver.cluster import server_specs
+from jabascli.solver.solve import Solver
+
+
+def solver_from_config(loaded: LoadedConfig, servers: str | None = None, weight_sync: str | None = None) -> Solver:
+    """The solver for a job: its profiles, and ``servers`` (None: the available ones, ``auto``, or ``a,b``)."""
+    dirs = loaded.profile_dirs()
+    profiles = load_profile_set(dirs.memory, dirs.computation, dirs.communication, dirs.bucket)
+    folders = {
+        "memory": dirs.memory,
+        "computation": dirs.computation,
+        "communication": dirs.communication,
+        "bucket": dirs.bucket,
+    }
+    model = PerformanceModel(profiles, folders)
+    auto = servers is not None and servers.strip() == "auto"
+    names = None
+    if servers is not None and not auto:
+        names = [n.strip() for n in servers.split(",") if n.strip()]
+        if not names:
+            raise InputError.at(None, "--servers", f"expected 'auto' or a comma-separated list, got {servers!r}")
+    config = loaded.config
+    return Solver(
+        model,
+        server_specs(config, profiles, names),
+        config.scaling.allocation_unit,
+        weight_sync or config.job.weight_sync,
+        auto=auto,
+    )
