@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,21 @@ def test_parameter_counts_match_torchvision() -> None:
     assert parameters("resnet", variant="resnet50") * 4 / 2**20 == pytest.approx(97.49, abs=0.01)  # MiB of float32
     assert parameters("resnet", variant="resnet18") == 11_689_512
     assert parameters("resnet", variant="tiny") == 308_826
+
+
+def test_resnet50_gradient_buckets_match_the_seed_profile(reference_dir: Path) -> None:
+    """DDP's bucketing of ResNet-50's gradients (1 MiB first cap, then 25 MiB) gives the seed's five buckets."""
+    assign = getattr(torch.distributed, "_compute_bucket_assignment_by_size", None)
+    if assign is None:
+        pytest.skip("this PyTorch does not expose DDP's bucket assignment")
+    with torch.device("meta"):
+        model = load_workload("resnet", {}).build_model()
+    ready_order = list(model.parameters())[::-1]  # DDP's initial guess at gradient-ready order
+    buckets = assign(ready_order, [2**20, 25 * 2**20])[0]
+    sizes = [sum(ready_order[i].numel() * 4 for i in bucket) / 2**20 for bucket in buckets]
+    seed = json.loads((reference_dir / "bucket_profile_data" / "resnet50_bucket_size_profile.json").read_text())
+    assert sizes == pytest.approx(seed["bucket_size_distribution"], abs=0.1)
+    assert sum(sizes) == pytest.approx(97.49, abs=0.01)
 
 
 def test_builtin_helpers_are_not_workloads() -> None:
