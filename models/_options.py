@@ -94,13 +94,3 @@ def _check(value: Any, spec: Spec) -> str | None:
     if spec.minimum is not None and value < spec.minimum:
         return f"must be at least {spec.minimum:g}, got {value!r}"
     return None
-
-
-def describe(specs: Mapping[str, Spec], variants: Mapping[str, Mapping[str, Any]]) -> str:
-    """A plain-text table of the options and each variant's default (for docs and help)."""
-    names = list(variants)
-    rows = [["option", *names, "meaning"]]
-    for key, spec in specs.items():
-        rows.append([key, *(repr(variants[n][key]) for n in names), spec.help])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator, Sequence
+from itertools import repeat
 from pathlib import Path
 
 import numpy as np
@@ -65,8 +66,8 @@ class Vocabulary:
 
     def encode(self, line: str) -> list[int]:
         """``<s>`` + the ids of the line's space-separated tokens + ``</s>``."""
-        get = self.ids.get
-        return [BOS, *(get(t, UNK) for t in line.split()), EOS]
+        tokens = line.split()
+        return [BOS, *map(self.ids.get, tokens, repeat(UNK, len(tokens))), EOS]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids up to ``</s>``, with BPE pieces joined."""

@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -450,12 +451,24 @@ def _paths(s: Any, split: str) -> tuple[Path, Path]:
     return s.data / getattr(s, f"{split}_annotations"), s.data / getattr(s, f"{split}_images")
 
 
+@cache
+def _category_count(path: Path, mtime_ns: int, size: int) -> int:
+    return len(_coco.read_annotations(path)["categories"])
+
+
 def num_classes(s: Any) -> int:
-    """Classes including background: the annotation file's categories + 1, else the option, else the default."""
+    """Classes including background: the annotation file's categories + 1, else the option, else the default.
+
+    The count is read once per process and annotation file (COCO's is large, and profilers
+    build the model many times).
+    """
     if s.data is None:
         return s.num_classes or DEFAULT_CLASSES[s.variant]
     annotations = _paths(s, "train")[0]
-    found = len(_coco.read_annotations(annotations)["categories"]) + 1
+    if not annotations.is_file():
+        _coco.read_annotations(annotations)  # raises the error that names the file
+    stat = annotations.stat()
+    found = _category_count(annotations.resolve(), stat.st_mtime_ns, stat.st_size) + 1
     if s.num_classes is not None and s.num_classes != found:
         raise InputError.at(
             annotations,
