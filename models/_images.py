@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -290,10 +291,20 @@ def train_split_dir(root: Path) -> Path:
     raise InputError.at(root, None, f"no train/ folder; expected {LAYOUT}{hint}")
 
 
+@contextmanager
+def _readable_folders() -> Iterator[None]:
+    """Turn an unreadable folder (permissions, I/O) into an InputError naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise InputError.at(exc.filename, None, f"cannot read: {exc.strerror or exc}") from None
+
+
 def class_names(root: Path) -> list[str]:
     """The class names of an ImageFolder tree (sorted sub-folders of train/), cheaply."""
-    train = train_split_dir(root)
-    names = sorted(p.name for p in train.iterdir() if p.is_dir() and not p.name.startswith("."))
+    with _readable_folders():
+        train = train_split_dir(root)
+        names = sorted(p.name for p in train.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not names:
         raise InputError.at(train, None, f"has no class sub-folders; expected {LAYOUT}")
     return names
@@ -318,11 +329,12 @@ def num_classes(root: Path | None, given: int | None, default: int) -> int:
 
 def image_folder(root: Path, split: str, image_size: int, verify: bool = False) -> ImageFolder | None:
     """The ``train`` or ``val`` split of an ImageFolder tree; None when there is no val/ folder."""
-    train_split_dir(root)
-    if split != "train" and not (Path(root) / split).is_dir():
-        return None
-    classes = None if split == "train" else class_names(root)
-    dataset = ImageFolder(Path(root), split, image_size, train=split == "train", classes=classes)
+    with _readable_folders():
+        train_split_dir(root)
+        if split != "train" and not (Path(root) / split).is_dir():
+            return None
+        classes = None if split == "train" else class_names(root)
+        dataset = ImageFolder(Path(root), split, image_size, train=split == "train", classes=classes)
     if verify:
         dataset.verify()
     return dataset

@@ -56,26 +56,22 @@ README): global batch size 16 to 192, similarity target 0.1, local batch size
 batches; IIDP's equal-LBS rule keeps faster GPUs busy with more VSWs and GA
 steps instead. ``examples/faster_rcnn.toml`` holds them.
 
-Options (``[job] options``; defaults per variant):
+Options (``[job] options``), with their defaults for ``resnet50_fpn`` / ``tiny``:
 
-=====================  ==========================  ==========================  ==================================
-option                 resnet50_fpn                tiny                        meaning
-=====================  ==========================  ==========================  ==================================
-``num_classes``        91                          4                           classes + background (with data:
-                                                                                the categories + 1)
-``min_size``           800                         128                         shorter image side after resizing
-``max_size``           1333                        213                         longest image side after resizing
-``lr``                 0.02                        0.01                        SGD learning rate
-``momentum``           0.9                         0.9                         SGD momentum
-``weight_decay``       1e-4                        1e-4                        L2 penalty (not norms, biases)
-``warmup_iters``       1000                        0                           linear warm-up iterations
-``train_annotations``  annotations/instances_train2017.json  (same)            relative to ``data``
-``train_images``       train2017                   (same)                      relative to ``data``
-``val_annotations``    annotations/instances_val2017.json    (same)            relative to ``data``
-``val_images``         val2017                     (same)                      relative to ``data``
-``synthetic_size``     118,287                     256                         images without data
-``verify_images``      false                       false                       decode every image first
-=====================  ==========================  ==========================  ==================================
+- ``num_classes`` (91 / 4): classes including the background; with data, the
+  annotation file's categories + 1.
+- ``min_size`` (800 / 128), ``max_size`` (1333 / 213): image sides after
+  resizing.
+- ``lr`` (0.02 / 0.01), ``momentum`` (0.9), ``weight_decay`` (1e-4): SGD, the
+  learning rate at the initial global batch size; no weight decay on norms and
+  biases.
+- ``warmup_iters`` (1000 / 0): linear learning-rate warm-up iterations.
+- ``train_annotations`` (annotations/instances_train2017.json),
+  ``train_images`` (train2017), ``val_annotations``
+  (annotations/instances_val2017.json), ``val_images`` (val2017): the data's
+  files, relative to ``[job] data``.
+- ``synthetic_size`` (118,287 / 256): training images without data.
+- ``verify_images`` (false): decode every image before training.
 """
 
 from __future__ import annotations

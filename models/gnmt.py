@@ -14,7 +14,7 @@ seed's GNMT example was built on:
 
 GNMT v2 (4 layers of 1,024, WMT16's vocabulary of 32,320 tokens) has
 160,671,297 parameters; the tiny variant (2 layers of 64, 64 tokens without
-data) has 112,513 and is the one CPU tests and profilers use.
+data) has 215,745 and is the one CPU tests and profilers use.
 
 Data: with ``[job] data`` set, a folder in the WMT16 en-de layout (see
 ``jabascli.builtin_models._text``): ``train.tok.clean.bpe.32000.{en,de}``,
@@ -37,27 +37,21 @@ global batch size 128 to 4,096, similarity target 0.1, GPUs allocated two at
 a time (``resource_alloc_unit = "2gpu"``), local batch size 64.
 ``examples/gnmt.toml`` holds them.
 
-Options (``[job] options``; defaults per variant):
+Options (``[job] options``), with their defaults for ``gnmt_v2`` / ``tiny``:
 
-==================  ==============================  ==============================  ===========================
-option              gnmt_v2                         tiny                            meaning
-==================  ==============================  ==============================  ===========================
-``vocab_size``      32,320                          64                              without data (else: file)
-``dropout``         0.2                             0.1                             on LSTM inputs
-``lr``              2e-3                            5e-3                            Adam learning rate
-``warmup_iters``    200                             0                               linear warm-up iterations
-``max_length``      50                              50                              longest training sentence
-``val_max_length``  125                             125                             longest validation sentence
-``min_length``      0                               0                               shortest sentence
-``src_lang``        en                              en                              source file suffix
-``tgt_lang``        de                              de                              target file suffix
-``train_prefix``    train.tok.clean.bpe.32000       (same)                          training files' prefix
-``val_prefix``      newstest_dev.tok.clean.bpe.32000 (same)                         validation files' prefix
-``vocab_file``      vocab.bpe.32000                 (same)                          vocabulary file
-``synthetic_size``  4,500,000                       2,048                           pairs without data
-==================  ==============================  ==============================  ===========================
-
-Lengths count ``<s>`` and ``</s>``.
+- ``vocab_size`` (32,320 / 64): the vocabulary without data; with data, the
+  vocabulary file's size.
+- ``dropout`` (0.2 / 0.1): dropout on the inputs of the LSTM layers.
+- ``lr`` (2e-3 / 5e-3): Adam's learning rate at the initial global batch size
+  (the seed's 2e-3 was for GBS 1,024).
+- ``warmup_iters`` (200 / 0): linear learning-rate warm-up iterations.
+- ``max_length`` (50 / 20), ``val_max_length`` (125 / 50), ``min_length``
+  (0): the sentence lengths kept, in tokens counting ``<s>`` and ``</s>``.
+- ``src_lang`` (en), ``tgt_lang`` (de), ``train_prefix``
+  (train.tok.clean.bpe.32000), ``val_prefix``
+  (newstest_dev.tok.clean.bpe.32000), ``vocab_file`` (vocab.bpe.32000): the
+  data's file names.
+- ``synthetic_size`` (4,500,000 / 2,048): training pairs without data.
 """
 
 from __future__ import annotations

@@ -21,20 +21,17 @@ README): global batch size 256 to 32,768, similarity target 0.1, local batch
 size 32 (the seed's worker example: LBS 32 with 2 VSWs per GPU).
 ``examples/resnet50.toml`` holds them.
 
-Options (``[job] options``; defaults per variant):
+Options (``[job] options``), with their defaults for ``resnet50`` and
+``resnet18`` / ``tiny``:
 
-==================  ==========  ==========  ==========  =============================================
-option              resnet50    resnet18    tiny        meaning
-==================  ==========  ==========  ==========  =============================================
-``num_classes``     1000        1000        10          classes (default: from the data when given)
-``image_size``      224         224         32          side of the square training crop
-``lr``              0.1         0.1         0.1         SGD learning rate (at the initial GBS)
-``momentum``        0.9         0.9         0.9         SGD momentum
-``weight_decay``    1e-4        1e-4        5e-4        L2 penalty, not applied to BatchNorm and biases
-``warmup_iters``    0           0           0           linear learning-rate warm-up iterations
-``synthetic_size``  1,281,167   1,281,167   2,048       training samples without data
-``verify_images``   false       false       false       decode every image before training
-==================  ==========  ==========  ==========  =============================================
+- ``num_classes`` (1000 / 10): with data, the number of class folders.
+- ``image_size`` (224 / 32): the side of the square crops.
+- ``lr`` (0.1), ``momentum`` (0.9), ``weight_decay`` (1e-4 / 5e-4): SGD, the
+  learning rate at the initial global batch size; no weight decay on
+  BatchNorm and biases.
+- ``warmup_iters`` (0): linear learning-rate warm-up iterations.
+- ``synthetic_size`` (1,281,167 / 2,048): training images without data.
+- ``verify_images`` (false): decode every image before training.
 """
 
 from __future__ import annotations

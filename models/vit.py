@@ -21,24 +21,22 @@ Data: the same as the ``resnet`` workload: an ImageFolder tree
 undecodable images skipped and counted (``dataset.skipped``); else generated
 class-conditional images.
 
-Seed settings (``jabas_config_example_vit.json``): global batch size 512 to
-32,768, similarity target 0.3. ``examples/vit.toml`` holds them with local
-batch size 64.
+Seed settings (``jabas_config_example_vit.json`` and the seed's ViT README):
+global batch size 512 to 32,768, similarity target 0.3, local batch size 32
+(the seed's worker example: one VSW per GPU, two extra accumulation steps on
+the faster V100s). ``examples/vit.toml`` holds them. The seed's recipe (AdamW,
+learning rate 5e-4, weight decay 0.05) is the default here.
 
-Options (``[job] options``; defaults per variant):
+Options (``[job] options``), with their defaults for ``vit_b16`` / ``tiny``:
 
-==================  ==========  =======  ============================================
-option              vit_b16     tiny     meaning
-==================  ==========  =======  ============================================
-``num_classes``     1000        10       classes (default: from the data when given)
-``image_size``      224         32       image side; a multiple of the patch size
-``dropout``         0.0         0.0      dropout after attention and in the MLP
-``lr``              5e-4        1e-3     AdamW learning rate (at the initial GBS)
-``weight_decay``    0.05        0.05     AdamW weight decay (not on norms and biases)
-``warmup_iters``    10,000      0        linear learning-rate warm-up iterations
-``synthetic_size``  1,281,167   2,048    training samples without data
-``verify_images``   false       false    decode every image before training
-==================  ==========  =======  ============================================
+- ``num_classes`` (1000 / 10): with data, the number of class folders.
+- ``image_size`` (224 / 32): the image side, a multiple of the patch size.
+- ``dropout`` (0.0): dropout after attention and in the MLP.
+- ``lr`` (5e-4 / 1e-3), ``weight_decay`` (0.05): AdamW, the learning rate at
+  the initial global batch size; no weight decay on norms and biases.
+- ``warmup_iters`` (10,000 / 0): linear learning-rate warm-up iterations.
+- ``synthetic_size`` (1,281,167 / 2,048): training images without data.
+- ``verify_images`` (false): decode every image before training.
 """
 
 from __future__ import annotations

@@ -179,3 +179,17 @@ def test_optimizer_skips_decay_on_norms_and_biases_and_warms_up() -> None:
         scheduler.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.2)
     assert load_workload("resnet", {"variant": "tiny"}).lr_scheduler(opt) is None
+
+
+def test_unreadable_folder_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = make_image_folder(tmp_path / "data", per_class=1)
+    denied = root / "train"
+
+    def scandir(path: object) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    workload = load_workload("resnet", {"variant": "tiny"}, data=root)
+    monkeypatch.setattr("jabascli.builtin_models._images.os.scandir", scandir)
+    with pytest.raises(InputError) as info:
+        workload.train_dataset()
+    assert info.value.lines() == [f"{denied}: cannot read: Permission denied"]
