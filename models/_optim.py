@@ -1,0 +1,28 @@
+"""Optimizer helpers shared by the built-in workloads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def decay_groups(params: Any, weight_decay: float) -> list[dict[str, Any]]:
+    """Two parameter groups: weights with ``weight_decay``, 1-D tensors (norms, biases) without.
+
+    Parameter groups given already (dicts) are passed through unchanged.
+    """
+    params = list(params)
+    if any(isinstance(p, dict) for p in params):
+        return params
+    return [
+        {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+    ]
+
+
+def warmup(optimizer: torch.optim.Optimizer, iterations: int) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """Linear warm-up over ``iterations`` steps (stepped once per iteration); None when it is 0."""
+    if iterations <= 0:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / iterations))

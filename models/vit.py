@@ -1,0 +1,220 @@
+"""Vision Transformer image classification: ViT-B/16 and a tiny ViT.
+
+The model is the ViT of Dosovitskiy et al. as torchvision builds it
+(``vit_b_16``): a strided convolution cuts the image into patches, a class
+token and learned position embeddings are added, pre-norm Transformer encoder
+blocks (multi-head self-attention, GELU MLP) follow, and a linear head reads
+the class token. ViT-B/16 (224x224 images, 16x16 patches, 12 blocks of width
+768 with 12 heads and MLP 3072, 1000 classes) has 86,567,656 parameters, as
+torchvision's. The tiny variant (32x32 images, 4x4 patches, 4 blocks of width
+64 with 4 heads and MLP 128, 10 classes: 142,026 parameters) is the one CPU
+tests and profilers use.
+
+The seed's ViT example trained a ViT on ImageNet with the T2T-ViT code base;
+this workload is the plain ViT, written in PyTorch with no timm or torchvision.
+The training recipe is kept simple: AdamW with decoupled weight decay (none on
+norms, biases), optional linear warm-up, plain cross-entropy (no mixup or
+label smoothing).
+
+Data: the same as the ``resnet`` workload: an ImageFolder tree
+``<data>/train/<class>/<image>`` (and ``val/``) when ``[job] data`` is set,
+undecodable images skipped and counted (``dataset.skipped``); else generated
+class-conditional images.
+
+Seed settings (``jabas_config_example_vit.json`` and the seed's ViT README):
+global batch size 512 to 32,768, similarity target 0.3, local batch size 32
+(the seed's worker example: one VSW per GPU, two extra accumulation steps on
+the faster V100s). ``examples/vit.toml`` holds them. The seed's recipe (AdamW,
+learning rate 5e-4, weight decay 0.05) is the default here.
+
+Options (``[job] options``), with their defaults for ``vit_b16`` / ``tiny``:
+
+- ``num_classes`` (1000 / 10): with data, the number of class folders.
+- ``image_size`` (224 / 32): the image side, a multiple of the patch size.
+- ``dropout`` (0.0): dropout after attention and in the MLP.
+- ``lr`` (5e-4 / 1e-3), ``weight_decay`` (0.05): AdamW, the learning rate at
+  the initial global batch size; no weight decay on norms and biases.
+- ``warmup_iters`` (10,000 / 0): linear learning-rate warm-up iterations.
+- ``synthetic_size`` (1,281,167 / 2,048): training images without data.
+- ``verify_images`` (false): decode every image before training.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from jabascli.builtin_models import _images
+from jabascli.builtin_models._optim import decay_groups, warmup
+from jabascli.builtin_models._options import Spec, resolve
+from torch import nn
+
+from jabascli.errors import InputError
+
+NAME = "vit"
+
+SPECS = {
+    "num_classes": Spec(int, "classes (default: from the data when given)", minimum=2, optional=True),
+    "image_size": Spec(int, "image side; a multiple of the patch size", minimum=1),
+    "dropout": Spec(float, "dropout after attention and in the MLP", minimum=0),
+    "lr": Spec(float, "AdamW learning rate", minimum=0),
+    "weight_decay": Spec(float, "AdamW weight decay (not on norms and biases)", minimum=0),
+    "warmup_iters": Spec(int, "linear learning-rate warm-up iterations", minimum=0),
+    "synthetic_size": Spec(int, "training samples when no data is given", minimum=1),
+    "verify_images": Spec(bool, "decode every image before training"),
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "vit_b16": {
+        "num_classes": None,
+        "image_size": 224,
+        "dropout": 0.0,
+        "lr": 5e-4,
+        "weight_decay": 0.05,
+        "warmup_iters": 10_000,
+        "synthetic_size": 1_281_167,
+        "verify_images": False,
+    },
+    "tiny": {
+        "num_classes": None,
+        "image_size": 32,
+        "dropout": 0.0,
+        "lr": 1e-3,
+        "weight_decay": 0.05,
+        "warmup_iters": 0,
+        "synthetic_size": 2048,
+        "verify_images": False,
+    },
+}
+# patch, layers, width, heads, MLP width
+ARCHITECTURES = {"vit_b16": (16, 12, 768, 12, 3072), "tiny": (4, 4, 64, 4, 128)}
+DEFAULT_CLASSES = {"vit_b16": 1000, "tiny": 10}
+SYNTHETIC_VAL_SIZE = {"vit_b16": 50_000, "tiny": 512}
+
+
+def settings(options: dict[str, Any]) -> Any:
+    s = resolve(options, SPECS, VARIANTS, "vit_b16")
+    patch = ARCHITECTURES[s.variant][0]
+    if s.image_size % patch:
+        raise InputError.at(
+            None, "job.options.image_size", f"{s.image_size} is not a multiple of the patch size {patch}"
+        )
+    return s
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm Transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, width: int, heads: int, mlp_width: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(width, eps=1e-6)
+        self.self_attention = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.dropout = nn.Dropout(dropout)
+        self.ln_2 = nn.LayerNorm(width, eps=1e-6)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, mlp_width),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(mlp_width, width),
+            nn.Dropout(dropout),
+        )
+        for layer in (self.mlp[0], self.mlp[3]):
+            nn.init.xavier_uniform_(layer.weight)
+            nn.init.normal_(layer.bias, std=1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln_1(x)
+        y, _ = self.self_attention(y, y, y, need_weights=False)
+        x = x + self.dropout(y)
+        return x + self.mlp(self.ln_2(x))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(
+        self,
+        image_size: int,
+        patch_size: int,
+        layers: int,
+        width: int,
+        heads: int,
+        mlp_width: int,
+        num_classes: int,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.patch_size = patch_size
+        self.conv_proj = nn.Conv2d(3, width, patch_size, stride=patch_size)
+        tokens = (image_size // patch_size) ** 2 + 1
+        self.class_token = nn.Parameter(torch.zeros(1, 1, width))
+        self.pos_embedding = nn.Parameter(torch.empty(1, tokens, width).normal_(std=0.02))
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.Sequential(*(EncoderBlock(width, heads, mlp_width, dropout) for _ in range(layers)))
+        self.ln = nn.LayerNorm(width, eps=1e-6)
+        self.head = nn.Linear(width, num_classes)
+        fan_in = 3 * patch_size * patch_size
+        nn.init.trunc_normal_(self.conv_proj.weight, std=math.sqrt(1 / fan_in))
+        nn.init.zeros_(self.conv_proj.bias)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.conv_proj(images).flatten(2).transpose(1, 2)  # (batch, patches, width)
+        x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+        if x.shape[1] != self.pos_embedding.shape[1]:
+            raise ValueError(
+                f"images of {images.shape[-2]}x{images.shape[-1]} give {x.shape[1] - 1} patches; "
+                f"the model was built for {self.pos_embedding.shape[1] - 1}"
+            )
+        x = self.blocks(self.dropout(x + self.pos_embedding))
+        return self.head(self.ln(x[:, 0]))
+
+
+def num_classes(s: Any) -> int:
+    return _images.num_classes(s.data, s.num_classes, DEFAULT_CLASSES[s.variant])
+
+
+def build_model(options: dict[str, Any]) -> nn.Module:
+    s = settings(options)
+    patch, layers, width, heads, mlp_width = ARCHITECTURES[s.variant]
+    return VisionTransformer(s.image_size, patch, layers, width, heads, mlp_width, num_classes(s), s.dropout)
+
+
+def train_dataset(options: dict[str, Any]) -> torch.utils.data.Dataset:
+    s = settings(options)
+    if s.data is None:
+        return _images.SyntheticImages(s.synthetic_size, num_classes(s), s.image_size, seed=0)
+    dataset = _images.image_folder(s.data, "train", s.image_size, verify=s.verify_images)
+    assert dataset is not None
+    return dataset
+
+
+def val_dataset(options: dict[str, Any]) -> torch.utils.data.Dataset | None:
+    """The val/ split; None (no validation) when the data has no val/ folder."""
+    s = settings(options)
+    if s.data is None:
+        return _images.SyntheticImages(SYNTHETIC_VAL_SIZE[s.variant], num_classes(s), s.image_size, seed=1)
+    return _images.image_folder(s.data, "val", s.image_size, verify=s.verify_images)
+
+
+def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output, target)
+
+
+def count_correct(output: torch.Tensor, target: torch.Tensor) -> int:
+    return int((output.argmax(dim=1) == target).sum())
+
+
+def optimizer(params: Any, options: dict[str, Any]) -> torch.optim.Optimizer:
+    s = settings(options)
+    return torch.optim.AdamW(decay_groups(params, s.weight_decay), lr=s.lr, weight_decay=s.weight_decay)
+
+
+def lr_scheduler(opt: torch.optim.Optimizer, options: dict[str, Any]) -> Any:
+    return warmup(opt, settings(options).warmup_iters)
+
+
+def synthetic_batch(batch_size: int, options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    s = settings(options)
+    images = torch.randn(batch_size, 3, s.image_size, s.image_size)
+    return images, torch.randint(0, num_classes(s), (batch_size,))
