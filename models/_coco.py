@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from jabascli.builtin_models import _images
 from PIL import Image
 from torch.utils.data import Dataset
 
+from jabascli.builtin_models import _images
 from jabascli.errors import InputError, Problem
 
 SIZE_DIVISIBLE = 32

@@ -84,12 +84,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from jabascli.builtin_models import _boxes, _coco
 from jabascli.builtin_models._optim import decay_groups, warmup
 from jabascli.builtin_models._options import Spec, resolve
 from jabascli.builtin_models.resnet import BasicBlock, ResNet, resnet50
-from torch import nn
-
 from jabascli.errors import InputError
 
 NAME = "faster_rcnn"

@@ -63,12 +63,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from jabascli.builtin_models import _text
-from jabascli.builtin_models._optim import warmup
-from jabascli.builtin_models._options import Spec, resolve
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from jabascli.builtin_models import _text
+from jabascli.builtin_models._optim import warmup
+from jabascli.builtin_models._options import Spec, resolve
 from jabascli.errors import InputError, Problem
 
 NAME = "gnmt"

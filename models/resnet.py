@@ -40,10 +40,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from jabascli.builtin_models import _images
 from jabascli.builtin_models._optim import decay_groups, warmup
 from jabascli.builtin_models._options import Spec, resolve
-from torch import nn
 
 NAME = "resnet"
 

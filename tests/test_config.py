@@ -78,6 +78,12 @@ def test_bad_toml_names_file_and_field(tmp_path: Path, text: str, field: str, wo
     assert any(str(path) in line and field in line and words in line for line in lines), lines
 
 
+def test_profiles_root_may_not_exist_yet(tmp_path: Path) -> None:
+    # `jabas profile` creates [profiles] dir; only folders named to be read from must exist.
+    loaded = load_config(write(tmp_path, "[profiles]\ndir = 'later'\n"))
+    assert loaded.profile_dirs().memory == tmp_path / "later" / "cluster_mem_profile_data"
+
+
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     path = write(tmp_path, "[job]\nlbs = 0\nepochs = 0\n[batching]\nsimilarity_target = 2\n")
     lines = problems_of(path)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from jabascli.builtin_models import _boxes
 
+from jabascli.builtin_models import _boxes
 from jabascli.errors import InputError
 from jabascli.workload import load_workload
 from tests.models_support import make_coco, mean, train_losses

@@ -255,7 +255,9 @@ def check_config(loaded: LoadedConfig, *, check_profiles: bool = True) -> list[P
             )
 
     if check_profiles:
-        for name in ("dir", "memory", "computation", "communication", "bucket"):
+        # [profiles] dir is where `jabas profile` writes, so it may not exist yet; a
+        # folder named on its own is one to read from and must exist.
+        for name in ("memory", "computation", "communication", "bucket"):
             folder = getattr(config.profiles, name)
             if folder is not None and not folder.is_dir():
                 problems.append(Problem(file, f"profiles.{name}", f"profile folder {folder} does not exist"))

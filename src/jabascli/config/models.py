@@ -55,6 +55,7 @@ class ProfilesConfig(Section):
     """Where profiles are read from and written to (seed layout)."""
 
     dir: Path | None = None
+    """Root of the four folders below; created by ``jabas profile`` (may not exist yet)."""
     memory: Path | None = None
     computation: Path | None = None
     communication: Path | None = None
