@@ -311,12 +311,15 @@ class _Zygote:
                 self.proc.stdin.write(json.dumps(request).encode() + b"\n")
                 self.proc.stdin.flush()
                 reply = self._read(timeout=None)
+                while reply is not None and "exit" in reply:  # a late report on an earlier child
+                    self.exits[int(reply["pid"])] = int(reply["exit"])
+                    reply = self._read(timeout=None)
             except BaseException:
                 # Interrupted between request and reply: the zygote may fork a child nobody watches.
                 # Stopping the zygote stops that child too (parent-death signal).
                 self.close(kill=True)
                 raise
-            if reply is None or "pid" not in reply or "exit" in reply:
+            if reply is None or "pid" not in reply:
                 self.close(kill=True)
                 raise ChildCrashed(self.proc.poll(), "the zygote process that starts children died")
             self.running = _ForkedChild(self, int(reply["pid"]))

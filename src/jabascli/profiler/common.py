@@ -1,8 +1,8 @@
 """What every profiler shares: the device being profiled, progress reporting, output folders.
 
 The library never prints: progress and notes go to a :class:`Reporter`, which
-the CLI renders as Rich progress bars. Nothing here imports torch, so building
-a target is cheap; the measurements themselves run in child processes.
+the CLI renders as Rich progress bars. Resolving a target imports no torch; the
+measurements themselves run in child processes (:mod:`.child`).
 """
 
 from __future__ import annotations
