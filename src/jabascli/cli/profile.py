@@ -42,17 +42,43 @@ ThreadsOption = Annotated[
 
 
 class _ProgressReporter(Reporter):
-    """Renders a profiler's progress as one Rich bar, and its notes as lines above it."""
+    """Renders a profiler's progress as one Rich bar, and its notes as lines above it.
 
-    def __init__(self, progress: Progress, task: TaskID) -> None:
-        self._progress = progress
-        self._task = task
+    Nothing is shown until the profiler reports, so bad input ends with its message alone.
+    """
+
+    def __init__(self, title: str) -> None:
+        self._title = title
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TimeElapsedColumn(),
+            TextColumn("left"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+        )
+        self._task: TaskID | None = None
+
+    def _started(self) -> TaskID:
+        if self._task is None:
+            console.print(f"[bold]{self._title}[/bold]")
+            self._progress.start()
+            self._task = self._progress.add_task("starting", total=None)
+        return self._task
 
     def progress(self, completed: float, total: float | None, what: str) -> None:
-        self._progress.update(self._task, completed=completed, total=total, description=what)
+        self._progress.update(self._started(), completed=completed, total=total, description=what)
 
     def note(self, message: str) -> None:
+        self._started()
         self._progress.console.print(f"  {message}", highlight=False)
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._progress.stop()
 
 
 @contextmanager
@@ -78,25 +104,11 @@ def _reporting(title: str, quiet: bool) -> Iterator[Reporter]:
         if quiet:
             yield Reporter()
             return
-        console.print(f"[bold]{title}[/bold]")
-        with _progress_bar() as reporter:
+        reporter = _ProgressReporter(title)
+        try:
             yield reporter
-
-
-@contextmanager
-def _progress_bar() -> Iterator[Reporter]:
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TaskProgressColumn(),
-        TimeElapsedColumn(),
-        TextColumn("left"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
-        yield _ProgressReporter(progress, progress.add_task("starting", total=None))
+        finally:
+            reporter.stop()
 
 
 def _mib(value: int | None) -> str:
@@ -116,7 +128,7 @@ def mem(
     lbs_step: Annotated[int | None, typer.Option(help="LBS increment of a dynamic search (default: --lbs).")] = None,
     max_lbs: Annotated[
         int | None,
-        typer.Option(help="Largest LBS a dynamic search tries (default: [batching] gbs_max, else 16 x --lbs)."),
+        typer.Option(help="Largest LBS a dynamic search tries (default: 16 x --lbs, or gbs_max if smaller)."),
     ] = None,
     max_vsw: Annotated[int, typer.Option(help="Never try more VSWs than this.")] = 64,
     trial_iters: Annotated[int, typer.Option(help="Training iterations per trial.")] = 3,
@@ -183,9 +195,10 @@ def mem(
     for r in run.results:
         peak = next((t.peak_bytes for t in r.trials if t.fits and t.num_models == r.max_num_models), None)
         trials = "on disk" if r.skipped else str(len(r.trials))
-        table.add_row(str(r.lbs), str(r.max_num_models), trials, _mib(peak), str(r.path) if r.path else "-")
+        where = str(r.path.relative_to(run.folder)) if r.path else "-"
+        table.add_row(str(r.lbs), str(r.max_num_models), trials, _mib(peak), where)
     console.print(table)
-    console.print(f"stopped: {run.stopped}")
+    console.print(f"stopped: {run.stopped}; profiles in {run.folder}")
     if not any(r.max_num_models > 0 for r in run.results):
         console.print("[yellow]no LBS fits even one VSW: try a smaller --lbs[/yellow]")
 

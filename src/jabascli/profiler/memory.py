@@ -1,8 +1,9 @@
 """Memory profiler: the largest VSW count that fits on this node's device, per LBS.
 
 For each LBS (``dynamic``: from the given one, growing by ``lbs_step`` until
-even one VSW does not fit or ``max_lbs`` is passed; ``static``: the given one
-only) the largest VSW count that fits is found by doubling (1, 2, 4 ...) until
+even one VSW does not fit or ``max_lbs`` is passed (default: 16 x the first
+LBS, or the largest GBS if smaller); ``static``: the given one only) the
+largest VSW count that fits is found by doubling (1, 2, 4 ...) until
 a count fails, then bisecting between the last count that fitted and the
 first that did not. Memory grows with the VSW count and with the LBS, so the
 search at one LBS never goes above the maximum found at the LBS before it,
@@ -127,7 +128,9 @@ def profile_memory(
     step = lbs_step if lbs_step is not None else lbs
     positive(step, "--lbs-step")
     if max_lbs is None:
-        max_lbs = loaded.config.batching.gbs_max or 16 * lbs
+        # No LBS above the largest GBS can be used, and 16 steps bound the sweep's length.
+        gbs_max = loaded.config.batching.gbs_max
+        max_lbs = max(lbs, min(gbs_max, 16 * lbs)) if gbs_max else 16 * lbs
     if max_lbs < lbs:
         raise InputError.at(None, "--max-lbs", f"{max_lbs} is below --lbs {lbs}")
     target = resolve_target(loaded, server, threads)
@@ -149,7 +152,8 @@ def profile_memory(
             known = read_memory_profile(path)
             _check_same_device(path, known, target)
             results.append(LbsResult(batch, known.max_num_models, list(known.trials or []), path, skipped=True))
-            reporter.note(f"LBS {batch}: {known.max_num_models} VSWs (already profiled, {path})")
+            n = known.max_num_models
+            reporter.note(f"LBS {batch}: at most {n} VSW{'s' if n != 1 else ''} fit (already profiled, {path})")
         else:
             results.append(_search_lbs(target, workload_spec, folder, batch, cap, iterations, trial_timeout, step_of))
             reporter.note(_describe(results[-1], target))
