@@ -160,8 +160,10 @@ def test_digits_on_an_emulated_device(cli: CliRunner, tmp_path: Path) -> None:
         assert comp.spread is not None and set(comp.spread) >= {"fwd_time", "total_time"}
         low, high = comp.spread["total_time"]
         assert low <= high
-    biggest = max(n for (_, lbs, n) in measured.comp if lbs == 16)
-    assert measured.comp[("emu", 16, biggest)].fwd_time > measured.comp[("emu", 16, 1)].fwd_time
+
+    result = profile(cli, "bucket", "-c", str(config))
+    assert result.exit_code == 0, result.output
+    assert read_bucket_profile(where["bucket"], "digits").bucket_size_distribution == [pytest.approx(9978 * 4 / 2**20)]
 
     result = profile(cli, "summary", str(config.parent / "profiles"))
     assert result.exit_code == 0, result.output
@@ -377,3 +379,45 @@ def test_a_hanging_trial_times_out_and_the_next_one_runs(tmp_path: Path, monkeyp
     loaded = load_config(make_job(tmp_path / "fine"), check_profiles=False)
     run = profile_memory(loaded, lbs=4, search="static", max_vsw=1, threads=1)
     assert [r.max_num_models for r in run.results] == [1]
+
+
+def test_inter_node_comm_between_two_local_nodes(tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    from jabascli.profiler.comm import profile_comm
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    loaded = load_config(make_job(tmp_path), check_profiles=False)
+    outcome: dict[int, object] = {}
+
+    def node(rank: int) -> None:
+        try:
+            outcome[rank] = profile_comm(
+                loaded,
+                out=tmp_path / f"node{rank}",
+                sizes="0.25,1",
+                nprocs=1,
+                rank=rank,
+                world=2,
+                master=f"127.0.0.1:{port}",
+                reps=5,
+                rendezvous_timeout=120,
+            )
+        except Exception as exc:  # reported below
+            outcome[rank] = exc
+
+    threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    profiles = [read_comm_profile(tmp_path / f"node{rank}", "inter") for rank in (0, 1)]
+    assert all(p is not None for p in profiles), outcome
+    first, second = profiles
+    assert first is not None and first.meta is not None and second is not None
+    assert (first.meta.world_size, first.meta.bandwidth) == (2, 12.5e9)  # the server's inter_bandwidth
+    assert first.ideal_ms == second.ideal_ms and first.measured_ms == second.measured_ms  # every node agrees
+    assert read_comm_profile(tmp_path / "node0", "intra") is None
