@@ -91,8 +91,12 @@ def run_child(
     timeout: float | None = None,
     fresh: bool = False,
 ) -> dict[str, Any]:
-    """Run ``module.main([SPEC, RESULT])`` in a child; its result, or :class:`ChildCrashed`."""
-    use_zygote = not fresh and sys.platform == "linux" and not os.environ.get("JABAS_PROFILE_FRESH")
+    """Run ``module.main([SPEC, RESULT])`` in a child; its result, or :class:`ChildCrashed`.
+
+    ``fresh``, or a spec whose ``device`` is ``cuda``, starts a new interpreter.
+    """
+    fresh = fresh or spec.get("device") == "cuda" or bool(os.environ.get("JABAS_PROFILE_FRESH"))
+    use_zygote = not fresh and sys.platform == "linux"
     return _run(module, [spec], on_progress, timeout, forked=use_zygote)[0]
 
 
@@ -140,19 +144,29 @@ def _start(module: str, args: list[str], log_path: Path) -> subprocess.Popen[byt
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent if _LIBC is not None else None,
         )
 
 
-def die_with_parent() -> None:
-    """Linux: have the kernel kill this process when the process that started it dies."""
+def _load_libc() -> Any:
     if sys.platform != "linux":
-        return
+        return None
     import ctypes
 
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()  # loaded here, not between fork and exec
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel kill this process when the thread that started it ends."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _follow(
@@ -290,7 +304,7 @@ class _Zygote:
             [sys.executable, "-m", "jabascli.profiler.zygote"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent if _LIBC is not None else None,
         )
         self.lock = threading.Lock()
         self.buffer = b""

@@ -224,7 +224,7 @@ def _run_trial(
     }
     where = f"memory trial at LBS {lbs} with {n} VSWs"
     try:
-        result = run_child(TRIAL_MODULE, spec, timeout=timeout)
+        result = run_child(TRIAL_MODULE, spec, timeout=timeout, fresh=target.kind == "cuda")
     except ChildCrashed as crash:
         raise RuntimeFailure([f"{where} crashed (not counted as out of memory): {crash.describe()}"]) from None
     status = result.get("status")
