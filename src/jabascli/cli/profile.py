@@ -29,7 +29,7 @@ from jabascli.profiler.common import Reporter
 app = typer.Typer(help="Measure what the solver needs, per device type.", no_args_is_help=True)
 
 OutOption = Annotated[
-    Path | None, typer.Option("--out", help="Output folder (default: the folder named in the config's [profiles]).")
+    Path | None, typer.Option("--out", help="Output folder (default: the folder named in the config's \\[profiles]).")
 ]
 ServerOption = Annotated[
     str | None, typer.Option("--server", help="This node's server name in the config (default: the first server).")
@@ -210,13 +210,15 @@ def comp(
     out: OutOption = None,
     server: ServerOption = None,
     memory_dir: Annotated[
-        Path | None, typer.Option(help="Memory profile folder to read (default: the config's [profiles]).")
+        Path | None, typer.Option(help="Memory profile folder to read (default: the config's \\[profiles]).")
     ] = None,
     warmup: Annotated[int, typer.Option(help="Warm-up iterations before measuring.")] = 5,
     iters: Annotated[
         int, typer.Option(help="Measured iterations per configuration (more, up to 4x, until the median is stable).")
     ] = 20,
-    cooldown: Annotated[float | None, typer.Option(help="Seconds to pause between runs (default 0 on CPU).")] = None,
+    cooldown: Annotated[
+        float | None, typer.Option(help="Seconds to pause between runs (default: 10 on a GPU, 0 on the CPU).")
+    ] = None,
     synthetic_data: Annotated[
         bool, typer.Option(help="Time the workload's synthetic batches instead of loading its training set.")
     ] = False,
