@@ -282,10 +282,17 @@ def write_bucket_profile(folder: Path, profile: BucketProfile) -> Path:
 
 
 def write_comm_profile(folder: Path, profile: CommProfile) -> Path:
+    """Write the data file, then its meta file.
+
+    The old meta file goes first: however the writing is interrupted, a data
+    file is never left beside the meta file of another measurement.
+    """
     lines = "".join(f"{a!r},{b!r}\n" for a, b in zip(profile.ideal_ms, profile.measured_ms, strict=True))
+    comm_meta_path(folder, profile.kind).unlink(missing_ok=True)
+    path = atomic_write_text(comm_profile_path(folder, profile.kind), lines)
     if profile.meta is not None:
         atomic_write_json(comm_meta_path(folder, profile.kind), profile.meta.model_dump(exclude_none=True))
-    return atomic_write_text(comm_profile_path(folder, profile.kind), lines)
+    return path
 
 
 def ring_allreduce_ideal_ms(size_bytes: float, bandwidth: float, world_size: int) -> float:
