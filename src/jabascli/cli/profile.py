@@ -2,22 +2,117 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
 
-from jabascli.cli.common import ConfigOption, JsonOption, cli_command, not_implemented
+from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
+from jabascli.config import load_config
+from jabascli.profiler.common import Reporter
 
 app = typer.Typer(help="Measure what the solver needs, per device type.", no_args_is_help=True)
 
 OutOption = Annotated[
-    Path | None, typer.Option("--out", help="Output folder (default: the folder named in the config's [profiles]).")
+    Path | None, typer.Option("--out", help="Output folder (default: the folder named in the config's \\[profiles]).")
 ]
 ServerOption = Annotated[
     str | None, typer.Option("--server", help="This node's server name in the config (default: the first server).")
 ]
 ForceOption = Annotated[bool, typer.Option("--force", help="Measure again what is already on disk.")]
+ThreadsOption = Annotated[
+    int | None,
+    typer.Option(help="torch threads per measuring process (default on the CPU: the cores over the server's devices)."),
+]
+
+
+class _ProgressReporter(Reporter):
+    """Renders a profiler's progress as one Rich bar, and its notes as lines above it.
+
+    Nothing is shown until the profiler reports, so bad input ends with its message alone.
+    """
+
+    def __init__(self, title: str) -> None:
+        self._title = title
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TimeElapsedColumn(),
+            TextColumn("left"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+        )
+        self._task: TaskID | None = None
+
+    def _started(self) -> TaskID:
+        if self._task is None:
+            console.print(f"[bold]{self._title}[/bold]")
+            self._progress.start()
+            self._task = self._progress.add_task("starting", total=None)
+        return self._task
+
+    def progress(self, completed: float, total: float | None, what: str) -> None:
+        self._progress.update(self._started(), completed=completed, total=total, description=what)
+
+    def note(self, message: str) -> None:
+        self._started()
+        self._progress.console.print(f"  {message}", highlight=False)
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._progress.stop()
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM stops a profiler as Ctrl-C does: measuring processes killed, no partial files."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _reporting(title: str, quiet: bool) -> Iterator[Reporter]:
+    with _terminate_as_interrupt():
+        if quiet:
+            yield Reporter()
+            return
+        reporter = _ProgressReporter(title)
+        try:
+            yield reporter
+        finally:
+            reporter.stop()
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:,.1f} MiB"
 
 
 @app.command()
@@ -30,10 +125,23 @@ def mem(
     search: Annotated[
         str, typer.Option(help="dynamic: grow the LBS until one VSW no longer fits; static: only --lbs.")
     ] = "dynamic",
+    lbs_step: Annotated[int | None, typer.Option(help="LBS increment of a dynamic search (default: --lbs).")] = None,
+    max_lbs: Annotated[
+        int | None,
+        typer.Option(help="Largest LBS a dynamic search tries (default: 16 x --lbs, or gbs_max if smaller)."),
+    ] = None,
+    max_vsw: Annotated[int, typer.Option(help="Never try more VSWs than this.")] = 64,
+    trial_iters: Annotated[int, typer.Option(help="Training iterations per trial.")] = 3,
+    threads: ThreadsOption = None,
     force: ForceOption = False,
     json_out: JsonOption = False,
 ) -> None:
     """Memory profile: the largest VSW count that fits, per local batch size.
+
+    Each trial trains a few iterations in a process of its own; the search
+    doubles the VSW count until it fails, then bisects. On a GPU a trial fails
+    on a real out-of-memory error; on the CPU or an emulated device, when its
+    peak tensor memory exceeds the device's budget.
 
     Writes <out>/<LBS>/<server>/max_memory_profile_info.json.
 
@@ -41,7 +149,58 @@ def mem(
 
         jabas profile mem -c jabas.toml --lbs 16 --search dynamic
     """
-    not_implemented("profile mem", 4)
+    from jabascli.profiler.memory import profile_memory
+
+    loaded = load_config(config, check_profiles=False)
+    with _reporting("Memory profile", json_out) as reporter:
+        run = profile_memory(
+            loaded,
+            server=server,
+            out=out,
+            lbs=lbs,
+            search=search,
+            lbs_step=lbs_step,
+            max_lbs=max_lbs,
+            max_vsw=max_vsw,
+            iterations=trial_iters,
+            threads=threads,
+            force=force,
+            reporter=reporter,
+        )
+    if json_out:
+        print_json(
+            {
+                "server": run.target.server.name,
+                "device_type": run.target.device_type,
+                "memory_bytes": run.target.memory_bytes,
+                "folder": str(run.folder),
+                "stopped": run.stopped,
+                "results": [
+                    {
+                        "lbs": r.lbs,
+                        "max_num_models": r.max_num_models,
+                        "trials": [t.model_dump(exclude_none=True) for t in r.trials],
+                        "path": str(r.path) if r.path else None,
+                        "skipped": r.skipped,
+                    }
+                    for r in run.results
+                ],
+            }
+        )
+        return
+    target = run.target
+    table = Table(title=f"{target.server.name}: {target.describe()}, {_mib(target.memory_bytes)} per device")
+    for column in ("LBS", "max VSWs", "trials", "peak at max", "file"):
+        table.add_column(column, justify="left" if column == "file" else "right")
+    for r in run.results:
+        peak = next((t.peak_bytes for t in r.trials if t.fits and t.num_models == r.max_num_models), None)
+        trials = "on disk" if r.skipped else str(len(r.trials))
+        where = str(r.path.relative_to(run.folder)) if r.path else "-"
+        table.add_row(str(r.lbs), str(r.max_num_models), trials, _mib(peak), where)
+    console.print(table)
+    console.print(f"stopped: {run.stopped}; profiles in {run.folder}")
+    if not any(r.max_num_models > 0 for r in run.results):
+        console.print("[yellow]no LBS fits even one VSW: try a smaller --lbs[/yellow]")
 
 
 @app.command()
@@ -50,13 +209,27 @@ def comp(
     config: ConfigOption,
     out: OutOption = None,
     server: ServerOption = None,
+    memory_dir: Annotated[
+        Path | None, typer.Option(help="Memory profile folder to read (default: the config's \\[profiles]).")
+    ] = None,
     warmup: Annotated[int, typer.Option(help="Warm-up iterations before measuring.")] = 5,
-    iters: Annotated[int, typer.Option(help="Measured iterations per configuration.")] = 20,
-    cooldown: Annotated[float | None, typer.Option(help="Seconds to pause between runs (default 0 on CPU).")] = None,
+    iters: Annotated[
+        int, typer.Option(help="Measured iterations per configuration (more, up to 4x, until the median is stable).")
+    ] = 20,
+    cooldown: Annotated[
+        float | None, typer.Option(help="Seconds to pause between runs (default: 10 on a GPU, 0 on the CPU).")
+    ] = None,
+    synthetic_data: Annotated[
+        bool, typer.Option(help="Time the workload's synthetic batches instead of loading its training set.")
+    ] = False,
+    threads: ThreadsOption = None,
     force: ForceOption = False,
     json_out: JsonOption = False,
 ) -> None:
     """Computation profile: data, forward, backward, update, copy time per (LBS, VSW).
+
+    Measures 1 VSW, the maximum, and one between, at every LBS of this
+    server's memory profile, each in a process of its own.
 
     Writes <out>/<LBS>/<server>/<server>_<model>_<LBS>_<VSW>_comp_profile.json.
 
@@ -64,7 +237,45 @@ def comp(
 
         jabas profile comp -c jabas.toml --iters 30
     """
-    not_implemented("profile comp", 4)
+    from jabascli.profiler.comp import profile_comp
+
+    loaded = load_config(config, check_profiles=False)
+    with _reporting("Computation profile", json_out) as reporter:
+        run = profile_comp(
+            loaded,
+            server=server,
+            out=out,
+            memory_dir=memory_dir,
+            warmup=warmup,
+            iters=iters,
+            cooldown=cooldown,
+            threads=threads,
+            synthetic_data=synthetic_data,
+            force=force,
+            reporter=reporter,
+        )
+    if json_out:
+        print_json(
+            [
+                {"path": str(r.path), "skipped": r.skipped, **r.profile.model_dump(exclude_none=True)}
+                for r in run.results
+            ]
+        )
+        return
+    table = Table(title=f"{run.model} on {run.target.server.name}: {run.target.describe()}, ms per iteration")
+    for column in ("LBS", "VSWs", "data", "fwd", "bwd", "copy", "update", "total", "samples/s", ""):
+        table.add_column(column, justify="right")
+    for r in run.results:
+        p = r.profile
+        rate = p.lbs * p.num_models / p.total_time * 1e3 if p.total_time > 0 else 0.0
+        times = (p.data_time, p.fwd_time, p.bwd_time, p.copy_time, p.update_time, p.total_time)
+        table.add_row(
+            str(p.lbs), str(p.num_models), *(f"{t:.2f}" for t in times), f"{rate:,.0f}", "on disk" if r.skipped else ""
+        )
+    console.print(table)
+    if run.target.slowdown != 1.0:
+        console.print(f"compute phases multiplied by the emulated slowdown x{run.target.slowdown:g}")
+    console.print(f"written to {run.folder}")
 
 
 @app.command()
@@ -72,7 +283,9 @@ def comp(
 def bucket(
     config: ConfigOption,
     out: OutOption = None,
-    bucket_cap_mb: Annotated[float, typer.Option(help="DDP bucket cap in MB.")] = 25.0,
+    bucket_cap_mb: Annotated[
+        float | None, typer.Option(help="DDP bucket cap in MB (default: DDP's own, 25 MB with a small first bucket).")
+    ] = None,
     force: ForceOption = False,
     json_out: JsonOption = False,
 ) -> None:
@@ -84,7 +297,21 @@ def bucket(
 
         jabas profile bucket -c examples/resnet50.toml
     """
-    not_implemented("profile bucket", 4)
+    from jabascli.profiler.bucket import profile_buckets
+
+    loaded = load_config(config, check_profiles=False)
+    with _reporting("Bucket profile", json_out) as reporter:
+        run = profile_buckets(loaded, out=out, bucket_cap_mb=bucket_cap_mb, force=force, reporter=reporter)
+    if json_out:
+        print_json({"path": str(run.path), "skipped": run.skipped, **run.profile.model_dump(exclude_none=True)})
+        return
+    sizes = run.profile.bucket_size_distribution
+    console.print(
+        f"{run.profile.model}: {len(sizes)} bucket{'s' if len(sizes) != 1 else ''} "
+        f"[{', '.join(f'{s:.2f}' for s in sizes)}] MB, {sum(sizes):.2f} MB in all"
+        + (" (on disk)" if run.skipped else "")
+    )
+    console.print(f"written to {run.path}")
 
 
 @app.command()
@@ -92,17 +319,27 @@ def bucket(
 def comm(
     config: ConfigOption,
     out: OutOption = None,
+    server: ServerOption = None,
     sizes: Annotated[str, typer.Option(help="Message sizes in MB: LO:HI (doubling) or a comma list.")] = "1:150",
-    nprocs: Annotated[int, typer.Option(help="Local processes (intra-node profile).")] = 2,
+    nprocs: Annotated[
+        int | None, typer.Option(help="Processes on this node (default: the server's devices, at least 2 for intra).")
+    ] = None,
     rank: Annotated[int | None, typer.Option(help="This node's rank (inter-node profile).")] = None,
     world: Annotated[int | None, typer.Option(help="Number of nodes (inter-node profile).")] = None,
     master: Annotated[str | None, typer.Option(help="ADDR:PORT of rank 0 (inter-node profile).")] = None,
+    warmup: Annotated[int, typer.Option(help="Warm-up all-reduces per size.")] = 3,
+    reps: Annotated[
+        int | None, typer.Option(help="Timed all-reduces per size (default: about 1 s worth, 5 to 200).")
+    ] = None,
+    backend: Annotated[str | None, typer.Option(help="gloo or nccl (default: nccl on GPUs, else gloo).")] = None,
     force: ForceOption = False,
     json_out: JsonOption = False,
 ) -> None:
     """All-reduce time per message size, intra-node (and inter-node with --rank/--world/--master).
 
-    Writes ideal_ms,measured_ms lines to intra_comm_profile_data.txt or inter_comm_profile_data.txt.
+    Writes ideal_ms,measured_ms lines to intra_comm_profile_data.txt or
+    inter_comm_profile_data.txt, and the bandwidth and world size behind
+    ideal_ms to intra_comm_profile_meta.json or inter_comm_profile_meta.json.
 
     Example:
 
@@ -110,7 +347,44 @@ def comm(
 
         jabas profile comm -c jabas.toml --rank 0 --world 2 --master 10.0.0.5:29500
     """
-    not_implemented("profile comm", 4)
+    from jabascli.profiler.comm import profile_comm
+    from jabascli.profiles.formats import BUCKET_MB
+
+    loaded = load_config(config, check_profiles=False)
+    with _reporting("Communication profile", json_out) as reporter:
+        run = profile_comm(
+            loaded,
+            server=server,
+            out=out,
+            sizes=sizes,
+            nprocs=nprocs,
+            rank=rank,
+            world=world,
+            master=master,
+            warmup=warmup,
+            reps=reps,
+            backend=backend,
+            force=force,
+            reporter=reporter,
+        )
+    profile = run.profile
+    if json_out:
+        print_json({"path": str(run.path), "skipped": run.skipped, **profile.model_dump(exclude_none=True)})
+        return
+    meta = profile.meta
+    title = f"{profile.kind}-node all-reduce"
+    if meta is not None:
+        title += f": {meta.world_size} processes ({meta.backend}), ideal at {meta.bandwidth / 1e9:g} GB/s"
+    table = Table(title=title)
+    for column in ("MB", "ideal ms", "measured ms", "p25-p75 ms"):
+        table.add_column(column, justify="right")
+    sizes_bytes: list[Any] = list(meta.sizes_bytes or []) if meta is not None else []
+    for i, (ideal, measured) in enumerate(zip(profile.ideal_ms, profile.measured_ms, strict=True)):
+        size = f"{sizes_bytes[i] / BUCKET_MB:g}" if i < len(sizes_bytes) else "?"
+        spread = f"{run.spread[i][0]:.3f}-{run.spread[i][1]:.3f}" if run.spread else ""
+        table.add_row(size, f"{ideal:.3f}", f"{measured:.3f}", spread)
+    console.print(table)
+    console.print(f"written to {run.path}" + (" (already there; --force measures again)" if run.skipped else ""))
 
 
 @app.command()
@@ -121,8 +395,54 @@ def summary(
 ) -> None:
     """Print the memory and computation profiles as a table (LBS x device type).
 
+    Each cell: the most VSWs that fit, and at the measured VSW count with the
+    highest throughput, the time per iteration and samples per second.
+
     Example:
 
         jabas profile summary profiles/
     """
-    not_implemented("profile summary", 4)
+    from jabascli.profiler.summary import summarize_profiles
+
+    result = summarize_profiles(folder)
+    if json_out:
+        print_json(
+            {
+                "model": result.model,
+                "rows": [
+                    {
+                        "lbs": r.lbs,
+                        "server": r.server,
+                        "device_type": r.device_type,
+                        "max_vsw": r.max_vsw,
+                        "points": {
+                            n: {"total_ms": p.total_time, "samples_per_s": r.throughput(n)}
+                            for n, p in sorted(r.points.items())
+                        },
+                    }
+                    for r in result.rows
+                ],
+            }
+        )
+        return
+    servers = result.servers()
+    table = Table(title=f"{result.model or 'profiles'}: max VSWs; best measured VSWs, ms per iteration, samples/s")
+    table.add_column("LBS", justify="right")
+    for server, device_type in servers:
+        table.add_column(f"{server}\n{device_type}", justify="right")
+    for lbs in result.lbs_values():
+        cells = []
+        for server, _ in servers:
+            row = result.row(lbs, server)
+            if row is None:
+                cells.append("-")
+                continue
+            fit = "?" if row.max_vsw is None else str(row.max_vsw)
+            best = row.best_vsw
+            if best is None:
+                cells.append(f"max {fit}")
+            else:
+                ms = row.points[best].total_time
+                cells.append(f"max {fit}; {best}: {ms:,.1f} ms, {row.throughput(best):,.0f}/s")
+        table.add_row(str(lbs), *cells)
+    console.print(table)

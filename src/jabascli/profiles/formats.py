@@ -73,6 +73,16 @@ class CompProfile(_Format):
     update_time: NonNegativeFloat
     copy_time: NonNegativeFloat
     bn_sync_time: NonNegativeFloat = 0.0
+    # Written by jabas' profiler (absent from seed files):
+    spread: dict[str, list[float]] | None = None
+    """Quartiles ``[p25, p75]`` (ms) of each ``*_time`` over the measured iterations."""
+    iterations: PositiveInt | None = None
+    """Measured iterations (after ``warmup`` unmeasured ones)."""
+    warmup: int | None = Field(None, ge=0)
+    timer: str | None = None
+    """``cuda-events`` or ``perf_counter``."""
+    slowdown: float | None = Field(None, ge=1.0)
+    """Emulated devices: the factor the compute phases were multiplied by."""
 
 
 class BucketProfile(_Format):
@@ -80,6 +90,8 @@ class BucketProfile(_Format):
 
     model: str
     bucket_size_distribution: list[NonNegativeFloat]
+    bucket_cap_mb: float | None = Field(None, gt=0)
+    """The DDP bucket cap the distribution was measured with (absent from seed files)."""
 
 
 class CommMeta(_Format):
@@ -88,6 +100,8 @@ class CommMeta(_Format):
     bandwidth: float = Field(gt=0)  # bytes per second
     world_size: PositiveInt
     backend: str | None = None
+    sizes_bytes: list[PositiveInt] | None = None
+    """The all-reduce message size of each line of the profile."""
 
 
 class CommProfile(BaseModel):
@@ -268,10 +282,17 @@ def write_bucket_profile(folder: Path, profile: BucketProfile) -> Path:
 
 
 def write_comm_profile(folder: Path, profile: CommProfile) -> Path:
+    """Write the data file, then its meta file.
+
+    The old meta file goes first: however the writing is interrupted, a data
+    file is never left beside the meta file of another measurement.
+    """
     lines = "".join(f"{a!r},{b!r}\n" for a, b in zip(profile.ideal_ms, profile.measured_ms, strict=True))
+    comm_meta_path(folder, profile.kind).unlink(missing_ok=True)
+    path = atomic_write_text(comm_profile_path(folder, profile.kind), lines)
     if profile.meta is not None:
         atomic_write_json(comm_meta_path(folder, profile.kind), profile.meta.model_dump(exclude_none=True))
-    return atomic_write_text(comm_profile_path(folder, profile.kind), lines)
+    return path
 
 
 def ring_allreduce_ideal_ms(size_bytes: float, bandwidth: float, world_size: int) -> float:

@@ -1,0 +1,390 @@
+"""Run one measurement in a child process, so that whatever happens there stays there.
+
+The parent writes a JSON spec to a private temporary folder and runs
+``<module>.main([SPEC, RESULT])`` in a child process. The child's stdout and
+stderr go to a log file in that folder; the parent follows it for progress
+lines (``PROGRESS_PREFIX`` + JSON; anything else a workload prints is kept
+for the error report) while it waits. The child writes its result as JSON to
+RESULT and exits 0. A child that dies without a result (a segfault, the
+kernel's OOM killer, a timeout) is reported with its exit status and the last
+line of its log.
+
+Children are started in one of two ways:
+
+- *fresh*: ``python -m <module> SPEC RESULT``, a new interpreter. Always used
+  for CUDA work (a CUDA context must never be inherited) and for the
+  processes of an all-reduce measurement, which run together.
+- *forked* from a zygote (Linux, CPU work): a helper process
+  (:mod:`jabascli.profiler.zygote`) that imported torch once forks a child per
+  run. Importing torch and ``torch._dynamo`` (which every training step pulls
+  in) takes seconds, more than a small trial itself. The child is still a
+  process of its own: the zygote never runs a model, a crash or a leak stays
+  in the child, and the workload is imported afresh in each. Set
+  ``JABAS_PROFILE_FRESH=1`` to start every child fresh.
+
+Every child dies with the profiler (Linux's parent-death signal), and on any
+exception in the parent, Ctrl-C included, the children are killed before the
+exception propagates and the temporary folder is removed: nothing is left in
+the profile folders, which only the parent writes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+PROGRESS_PREFIX = "@@jabas-progress "
+POLL_SECONDS = 0.05
+
+
+class ChildCrashed(Exception):
+    """The child exited without a result."""
+
+    def __init__(self, returncode: int | None, last_line: str, timed_out: bool = False) -> None:
+        self.returncode = returncode
+        self.last_line = last_line
+        self.timed_out = timed_out
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        if self.timed_out:
+            status = "timed out and was killed"
+        elif self.returncode is not None and self.returncode < 0:
+            try:
+                name = signal.Signals(-self.returncode).name
+            except ValueError:
+                name = f"signal {-self.returncode}"
+            status = f"was killed by {name}"
+            if self.returncode == -signal.SIGKILL:
+                status += " (the kernel's out-of-memory killer?)"
+        else:
+            status = f"exited with status {self.returncode}"
+        return f"{status}: {self.last_line}" if self.last_line else status
+
+
+def emit_progress(**fields: Any) -> None:
+    """In a child: one progress line for the parent."""
+    print(PROGRESS_PREFIX + json.dumps(fields), flush=True)
+
+
+class _Process(Protocol):
+    def poll(self) -> int | None: ...
+    def kill(self) -> None: ...
+
+
+def run_child(
+    module: str,
+    spec: dict[str, Any],
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    timeout: float | None = None,
+    fresh: bool = False,
+) -> dict[str, Any]:
+    """Run ``module.main([SPEC, RESULT])`` in a child; its result, or :class:`ChildCrashed`.
+
+    ``fresh``, or a spec whose ``device`` is ``cuda``, starts a new interpreter.
+    """
+    fresh = fresh or spec.get("device") == "cuda" or bool(os.environ.get("JABAS_PROFILE_FRESH"))
+    use_zygote = not fresh and sys.platform == "linux"
+    return _run(module, [spec], on_progress, timeout, forked=use_zygote)[0]
+
+
+def run_children(
+    module: str,
+    specs: Sequence[dict[str, Any]],
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    timeout: float | None = None,
+) -> list[dict[str, Any]]:
+    """Run one fresh child per spec, together; progress is read from the first one.
+
+    When one of them fails, the others are killed (they would otherwise wait
+    for it forever in a collective) and :class:`ChildCrashed` is raised for
+    the one that failed first.
+    """
+    return _run(module, specs, on_progress, timeout, forked=False)
+
+
+def _run(
+    module: str,
+    specs: Sequence[dict[str, Any]],
+    on_progress: Callable[[dict[str, Any]], None] | None,
+    timeout: float | None,
+    forked: bool,
+) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="jabas-profile-") as tmp:
+        folder = Path(tmp)
+        procs: list[_Process] = []
+        try:
+            for i, spec in enumerate(specs):
+                spec_path, result_path, log_path = (folder / f"{name}{i}" for name in ("spec", "result", "log"))
+                spec_path.write_text(json.dumps(spec, default=str), encoding="utf-8")
+                args = [str(spec_path), str(result_path)]
+                procs.append(_zygote().start(module, args, log_path) if forked else _start(module, args, log_path))
+            timed_out = _follow(procs, folder / "log0", on_progress, timeout)
+            return _collect(folder, procs, timed_out)
+        finally:
+            _kill_all(procs)
+
+
+def _start(module: str, args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent if _LIBC is not None else None,
+        )
+
+
+def _load_libc() -> Any:
+    if sys.platform != "linux":
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()  # loaded here, not between fork and exec
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel kill this process when the thread that started it ends."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _follow(
+    procs: list[_Process],
+    log_path: Path,
+    on_progress: Callable[[dict[str, Any]], None] | None,
+    timeout: float | None,
+) -> bool:
+    """Relay the first child's progress until every child has exited; True if time ran out.
+
+    A child that fails takes its siblings down with it: they would otherwise
+    wait for it forever in a collective operation.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _LogFollower(log_path) as log:
+        while True:
+            codes = [p.poll() for p in procs]
+            for line in log.new_lines():
+                if on_progress is not None and line.startswith(PROGRESS_PREFIX):
+                    with contextlib.suppress(json.JSONDecodeError):
+                        on_progress(json.loads(line[len(PROGRESS_PREFIX) :]))
+            if all(code is not None for code in codes):
+                return False
+            if any(code not in (None, 0) for code in codes):
+                _kill_all(procs)
+            if deadline is not None and time.monotonic() > deadline:
+                _kill_all(procs)
+                return True
+            time.sleep(POLL_SECONDS)
+
+
+class _LogFollower:
+    """Complete lines appended to a file since the last look."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file: IO[bytes] | None = None
+        self.partial = b""
+
+    def __enter__(self) -> _LogFollower:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            self.file.close()
+
+    def new_lines(self) -> list[str]:
+        if self.file is None:
+            try:
+                self.file = open(self.path, "rb")  # noqa: SIM115 - kept open across calls, closed in __exit__
+            except FileNotFoundError:
+                return []
+        data = self.partial + self.file.read()
+        *lines, self.partial = data.split(b"\n")
+        return [line.decode("utf-8", errors="replace") for line in lines]
+
+
+def _collect(folder: Path, procs: list[_Process], timed_out: bool) -> list[dict[str, Any]]:
+    results = []
+    crashes = []
+    for i, proc in enumerate(procs):
+        code = proc.poll()
+        result = _read_result(folder / f"result{i}")
+        if result is not None and code == 0:
+            results.append(result)
+        else:
+            # A child that failed cleanly says why in its result; one that died, in its log.
+            said = result.get("error") if result is not None else None
+            crashes.append(ChildCrashed(code, said or _last_line(folder / f"log{i}"), timed_out))
+    if crashes:
+        # A child killed because another failed says little; report the one that failed first.
+        crashes.sort(key=lambda c: c.returncode == -signal.SIGKILL)
+        raise crashes[0]
+    return results
+
+
+def _read_result(path: Path) -> dict[str, Any] | None:
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return result if isinstance(result, dict) else None
+
+
+def _kill_all(procs: Sequence[_Process]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS)
+
+
+def _last_line(path: Path) -> str:
+    """The last meaningful line a child wrote (usually the exception)."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        line = line.strip()
+        if not line or line.startswith((PROGRESS_PREFIX.strip(), "File ", "warnings.warn")) or "Warning" in line:
+            continue
+        return line
+    return ""
+
+
+# The zygote ---------------------------------------------------------------------
+
+
+class _ForkedChild:
+    """A child forked by the zygote, seen through the zygote's reports."""
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.poll_exit(self.pid)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+class _Zygote:
+    """The parent's handle on ``python -m jabascli.profiler.zygote``: one run at a time."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jabascli.profiler.zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            preexec_fn=die_with_parent if _LIBC is not None else None,
+        )
+        self.lock = threading.Lock()
+        self.buffer = b""
+        self.exits: dict[int, int] = {}
+        self.running: _ForkedChild | None = None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def start(self, module: str, args: list[str], log_path: Path) -> _ForkedChild:
+        with self.lock:
+            if self.running is not None and self.running.poll() is None:
+                raise RuntimeError("the zygote runs one child at a time")
+            request = {"module": module, "args": args, "log": str(log_path), "env": dict(os.environ)}
+            request["cwd"] = os.getcwd()
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+                self.proc.stdin.flush()
+                reply = self._read(timeout=None)
+                while reply is not None and "exit" in reply:  # a late report on an earlier child
+                    self.exits[int(reply["pid"])] = int(reply["exit"])
+                    reply = self._read(timeout=None)
+            except BaseException:
+                # Interrupted between request and reply: the zygote may fork a child nobody watches.
+                # Stopping the zygote stops that child too (parent-death signal).
+                self.close(kill=True)
+                raise
+            if reply is None or "pid" not in reply:
+                self.close(kill=True)
+                raise ChildCrashed(self.proc.poll(), "the zygote process that starts children died")
+            self.running = _ForkedChild(self, int(reply["pid"]))
+            return self.running
+
+    def poll_exit(self, pid: int) -> int | None:
+        """The exit code of ``pid`` if the zygote has reported it (never blocks)."""
+        while pid not in self.exits:
+            reply = self._read(timeout=0)
+            if reply is None:
+                if not self.alive():
+                    return -signal.SIGKILL  # the zygote died, and its children with it
+                return None
+            if "exit" in reply:
+                self.exits[int(reply["pid"])] = int(reply["exit"])
+        return self.exits.pop(pid)
+
+    def _read(self, timeout: float | None) -> dict[str, Any] | None:
+        """One reply line, or None if none is complete within ``timeout``."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            ready, _, _ = select.select([fd], [], [], timeout)
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def close(self, kill: bool = False) -> None:
+        if self.alive() and not kill:
+            with contextlib.suppress(OSError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait()
+
+
+_ZYGOTE: _Zygote | None = None
+
+
+def _zygote() -> _Zygote:
+    global _ZYGOTE
+    if _ZYGOTE is None or not _ZYGOTE.alive():
+        _ZYGOTE = _Zygote()
+        atexit.register(_ZYGOTE.close)
+    return _ZYGOTE

@@ -1,0 +1,141 @@
+"""What every profiler shares: the device being profiled, progress reporting, output folders.
+
+The library never prints: progress and notes go to a :class:`Reporter`, which
+the CLI renders as Rich progress bars. Resolving a target imports no torch; the
+measurements themselves run in child processes (:mod:`.child`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from jabascli.config.loader import LoadedConfig
+from jabascli.config.models import ServerConfig
+from jabascli.devices import NodeDevices, detect_devices
+from jabascli.errors import InputError
+from jabascli.workload import Workload, load_workload
+
+DeviceKind = Literal["cuda", "cpu", "emulated"]
+
+
+class Reporter:
+    """Receives progress from a profiler; the default one ignores it.
+
+    ``progress(completed, total, what)``: ``completed`` of ``total`` units of
+    work are done (``total`` None when unknown); ``what`` says what is being
+    measured now. ``note(message)``: one finished result worth a line.
+    """
+
+    def progress(self, completed: float, total: float | None, what: str) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Target:
+    """The server this node profiles, and how its device is run and judged."""
+
+    server: ServerConfig
+    kind: DeviceKind
+    memory_bytes: int
+    """Memory budget of one device: the GPU's memory, or the emulated or configured budget."""
+    slowdown: float
+    """Emulated servers: measured compute times are multiplied by this (1 elsewhere)."""
+    threads: int | None
+    """torch threads in each measuring process (None: torch's default)."""
+
+    @property
+    def device_type(self) -> str:
+        return self.server.device_type
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.kind == "cuda" else "cpu"
+
+    def describe(self) -> str:
+        if self.kind == "emulated":
+            return f"{self.device_type} (emulated on the CPU, slowdown x{self.slowdown:g})"
+        return f"{self.device_type} ({self.kind})"
+
+
+def pick_server(loaded: LoadedConfig, name: str | None) -> ServerConfig:
+    """``--server NAME``, or the first server of the config."""
+    servers = loaded.config.cluster.servers
+    if not servers:
+        raise InputError.at(loaded.path, "cluster.servers", "no servers: add a [[cluster.servers]] entry for this node")
+    if name is None:
+        return servers[0]
+    for server in servers:
+        if server.name == name:
+            return server
+    known = ", ".join(s.name for s in servers)
+    raise InputError.at(loaded.path, "cluster.servers", f"no server named {name!r} (known servers: {known})")
+
+
+def resolve_target(
+    loaded: LoadedConfig,
+    server_name: str | None = None,
+    threads: int | None = None,
+    devices: NodeDevices | None = None,
+) -> Target:
+    """How this node profiles the chosen server.
+
+    An emulated server runs on the CPU, held to ``emulate.memory_bytes`` and
+    slowed by ``emulate.slowdown``. Otherwise a node with an NVIDIA GPU runs on
+    it, held to ``memory_bytes`` when the server gives a smaller figure than
+    the GPU has; a node without one runs on the CPU, held to ``memory_bytes``
+    or else the node's RAM.
+    """
+    server = pick_server(loaded, server_name)
+    if threads is not None and threads < 1:
+        raise InputError.at(None, "--threads", f"must be at least 1, got {threads}")
+    if server.emulate is not None:
+        kind: DeviceKind = "emulated"
+        memory = server.emulate.memory_bytes
+        slowdown = server.emulate.slowdown
+    else:
+        found = devices or detect_devices()
+        kind = "cuda" if found.backend == "cuda" else "cpu"
+        slowdown = 1.0
+        memory = found.memory_bytes  # the GPU's memory, or the node's RAM
+        if server.memory_bytes is not None and (not memory or server.memory_bytes < memory):
+            memory = server.memory_bytes
+    if kind != "cuda" and threads is None:
+        # One device of a CPU server is one trainer process: it gets its share of the cores.
+        threads = max(1, (os.cpu_count() or 1) // server.devices)
+    return Target(server, kind, int(memory), float(slowdown), threads)
+
+
+def ensure_writable(folder: Path) -> Path:
+    """Create ``folder`` and check a file can be written in it, before measuring anything."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".jabas-write-check.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise InputError.at(folder, None, f"output folder is not writable: {reason}") from None
+    return folder
+
+
+def positive(value: int | float, option: str) -> None:
+    if value <= 0:
+        raise InputError.at(None, option, f"must be positive, got {value}")
+
+
+def job_workload(loaded: LoadedConfig) -> tuple[Workload, dict[str, Any]]:
+    """The job's workload, checked in this process, and how a child process loads it again."""
+    job = loaded.config.job
+    if job.workload is None:
+        raise InputError.at(loaded.path, "job.workload", "no workload: set [job] workload to a built-in name or a file")
+    workload = load_workload(job.workload, job.options, job.data)
+    spec = {"workload": str(workload.path), "options": job.options, "data": str(job.data) if job.data else None}
+    return workload, spec

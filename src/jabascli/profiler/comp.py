@@ -1,0 +1,207 @@
+"""Computation profiler: time per phase of an iteration, per (LBS, VSW count).
+
+For every LBS of this server's memory profile, and VSW counts 1, the maximum
+that fits, and one between when the maximum is above 2, one run of
+:class:`~jabascli.profiler.step.VswStep` in a process of its own
+(:mod:`jabascli.profiler.trial`): warm-up iterations, then measured ones (at
+least ``iters``, more, up to four times as many, until the medians of the
+first and second half of the total time agree within 5%). Times are taken
+with CUDA events on a GPU and ``time.perf_counter`` on the CPU.
+
+Each phase's value is its median over the measured iterations, and
+``total_time`` their sum, as in the seed. New fields: the quartiles of every
+phase and of the per-iteration total (``spread``), the iteration counts, the
+timer, and the ``slowdown`` applied: on an emulated server the compute phases
+(fwd, bwd, copy, update; not data loading) are multiplied by
+``emulate.slowdown``, which is what the engine's slowed-down trainers take in
+expectation.
+
+Writes ``<out>/<LBS>/<server>/<server>_<model>_<LBS>_<VSW>_comp_profile.json``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jabascli.config.loader import LoadedConfig
+from jabascli.errors import InputError, RuntimeFailure
+from jabascli.profiler.child import ChildCrashed, run_child
+from jabascli.profiler.common import Reporter, Target, ensure_writable, job_workload, positive, resolve_target
+from jabascli.profiles.formats import (
+    CompProfile,
+    comp_profile_path,
+    read_comp_profile,
+    read_memory_profiles,
+    write_comp_profile,
+)
+
+TRIAL_MODULE = "jabascli.profiler.trial"
+PHASE_KEYS = {"data": "data_time", "fwd": "fwd_time", "bwd": "bwd_time", "update": "update_time", "copy": "copy_time"}
+GPU_COOLDOWN = 10.0  # seconds between runs on a GPU, so each starts at a similar temperature and clock
+
+
+@dataclass
+class CompResult:
+    lbs: int
+    num_models: int
+    profile: CompProfile
+    path: Path
+    skipped: bool = False
+
+
+@dataclass
+class CompRun:
+    target: Target
+    folder: Path
+    model: str
+    results: list[CompResult]
+
+
+def vsw_points(max_num_models: int) -> list[int]:
+    """VSW counts to measure: 1, the maximum, and the middle when the maximum is above 2."""
+    if max_num_models < 1:
+        return []
+    points = {1, max_num_models}
+    if max_num_models > 2:
+        points.add((max_num_models + 1) // 2)
+    return sorted(points)
+
+
+def profile_comp(
+    loaded: LoadedConfig,
+    *,
+    server: str | None = None,
+    out: Path | None = None,
+    memory_dir: Path | None = None,
+    warmup: int = 5,
+    iters: int = 20,
+    cooldown: float | None = None,
+    threads: int | None = None,
+    synthetic_data: bool = False,
+    force: bool = False,
+    run_timeout: float | None = 3600.0,
+    reporter: Reporter | None = None,
+) -> CompRun:
+    """Measure every (LBS, VSW count) the memory profile allows; write one file each."""
+    reporter = reporter or Reporter()
+    if warmup < 0:
+        raise InputError.at(None, "--warmup", f"must be 0 or more, got {warmup}")
+    positive(iters, "--iters")
+    if cooldown is not None and cooldown < 0:
+        raise InputError.at(None, "--cooldown", f"must be 0 or more, got {cooldown}")
+    target = resolve_target(loaded, server, threads)
+    workload, workload_spec = job_workload(loaded)
+    if cooldown is None:
+        cooldown = GPU_COOLDOWN if target.kind == "cuda" else 0.0
+    memory_folder = Path(memory_dir) if memory_dir is not None else loaded.profile_dirs().memory
+    plan = _plan(memory_folder, target)
+    folder = ensure_writable(Path(out) if out is not None else loaded.profile_dirs().computation)
+    name, model = target.server.name, workload.name
+
+    results: list[CompResult] = []
+    measured_before = False
+    for index, (lbs, n) in enumerate(plan):
+        path = comp_profile_path(folder, lbs, name, model, n)
+        what = f"LBS {lbs}, {n} VSW{'s' if n != 1 else ''}"
+        if path.is_file() and not force:
+            results.append(CompResult(lbs, n, read_comp_profile(path), path, skipped=True))
+            reporter.note(f"{what}: already profiled ({path})")
+            reporter.progress(index + 1, len(plan), f"{what}: already profiled")
+            continue
+        if measured_before and cooldown > 0:
+            reporter.progress(index, len(plan), f"cooling down for {cooldown:g} s")
+            time.sleep(cooldown)
+        measured_before = True
+
+        def on_progress(fields: dict[str, Any], index: int = index, what: str = what) -> None:
+            fraction = min(fields.get("done", 0) / max(fields.get("total", 1), 1), 1.0)
+            reporter.progress(index + fraction, len(plan), f"{what}: iteration {fields.get('done')}")
+
+        reporter.progress(index, len(plan), f"{what}: starting")
+        spec = {
+            "kind": "comp",
+            **workload_spec,
+            "lbs": lbs,
+            "num_models": n,
+            "device": target.device,
+            "threads": target.threads,
+            "warmup": warmup,
+            "min_iters": iters,
+            "max_iters": 4 * iters,
+            "slowdown": target.slowdown,
+            "synthetic_data": synthetic_data,
+        }
+        result = _run(spec, on_progress, run_timeout, what)
+        profile = _profile(result, model, target, lbs, n)
+        written = write_comp_profile(folder, name, profile)
+        results.append(CompResult(lbs, n, profile, written))
+        unstable = "" if result["stable"] else ", median still moving by more than 5%"
+        reporter.note(f"{what}: {profile.total_time:.2f} ms per iteration ({result['iterations']} measured{unstable})")
+        reporter.progress(index + 1, len(plan), f"{what}: done")
+    return CompRun(target, folder, model, results)
+
+
+def _plan(memory_folder: Path, target: Target) -> list[tuple[int, int]]:
+    """(LBS, VSW count) pairs to measure, from this server's memory profiles."""
+    name = target.server.name
+    if not memory_folder.is_dir():
+        raise InputError.at(memory_folder, None, "memory profile folder does not exist: run `jabas profile mem` first")
+    profiles = read_memory_profiles(memory_folder)
+    mine = {lbs: p for (server, lbs), p in profiles.items() if server == name}
+    if not mine:
+        found = sorted({server for server, _ in profiles})
+        others = f" (it has profiles for {', '.join(found)})" if found else ""
+        raise InputError.at(
+            memory_folder,
+            None,
+            f"no memory profile for server {name!r}{others}: run `jabas profile mem --server {name}` first",
+        )
+    for lbs, profile in sorted(mine.items()):
+        if profile.gpu_type != target.device_type:
+            raise InputError.at(
+                memory_folder / str(lbs) / name,
+                "gpu_type",
+                f"{profile.gpu_type!r} was profiled, but server {name!r} is a {target.device_type!r}",
+            )
+    return [(lbs, n) for lbs, profile in sorted(mine.items()) for n in vsw_points(profile.max_num_models)]
+
+
+def _run(spec: dict[str, Any], on_progress: Any, timeout: float | None, what: str) -> dict[str, Any]:
+    try:
+        result = run_child(TRIAL_MODULE, spec, on_progress, timeout=timeout)
+    except ChildCrashed as crash:
+        raise RuntimeFailure([f"computation run ({what}) crashed: {crash.describe()}"]) from None
+    if result.get("status") == "oom":
+        raise RuntimeFailure(
+            [
+                f"computation run ({what}) ran out of memory although the memory profile says it fits: "
+                f"{result.get('error')}; measure memory again (`jabas profile mem --force`)"
+            ]
+        )
+    if result.get("status") != "ok":
+        raise RuntimeFailure([f"computation run ({what}) crashed: {result.get('error')}"])
+    return result
+
+
+def _profile(result: dict[str, Any], model: str, target: Target, lbs: int, n: int) -> CompProfile:
+    phases = result["phases"]
+    times = {key: phases[phase]["median"] for phase, key in PHASE_KEYS.items()}
+    spread = {key: [phases[phase]["p25"], phases[phase]["p75"]] for phase, key in PHASE_KEYS.items()}
+    spread["total_time"] = [result["total"]["p25"], result["total"]["p75"]]
+    return CompProfile(
+        model=model,
+        gpu_type=target.device_type,
+        lbs=lbs,
+        num_models=n,
+        total_time=sum(times.values()),
+        **times,
+        bn_sync_time=0.0,
+        spread=spread,
+        iterations=result["iterations"],
+        warmup=result["warmup"],
+        timer=result["timer"],
+        slowdown=target.slowdown,
+    )

@@ -1,0 +1,266 @@
+"""The measured training step: ``n`` VSWs of a workload on one device, phase by phase.
+
+This is the one place where the profilers run a training iteration; when the
+engine's VSW executor lands, it can take this module's place as long as it
+reports the same phases. One iteration of :class:`VswStep` is:
+
+``data``
+    take ``n`` batches of LBS samples and move them to the device;
+``fwd``
+    the forward pass and loss of every VSW;
+``bwd``
+    the backward pass of every VSW;
+``copy``
+    what exists only because there are several VSWs: sum the replicas'
+    gradients into replica 0 (scaled to their mean) before the update, and
+    copy the updated parameters back to the other replicas after it. Exactly 0
+    for one VSW. (The seed timed only the copy back; its gradient sum ran
+    inside its patched DDP's all-reduce.)
+``update``
+    the optimizer step on replica 0.
+
+Each VSW has its own model replica, as in the seed, where VSWs run
+concurrently on CUDA streams: so memory grows with the VSW count. All forward
+passes run before the backward passes, so every VSW's activations are alive
+at once, as they are when the streams overlap. On CUDA each replica runs on
+its own stream; on the CPU the replicas run in turn.
+
+BatchNorm statistics are per replica (per micro-batch), and nothing is
+synchronised between devices here: ``bn_sync_time`` is not measured.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from jabascli.workload import Workload
+
+PHASES = ("data", "fwd", "bwd", "copy", "update")
+COMPUTE_PHASES = ("fwd", "bwd", "copy", "update")  # what an emulated device's slowdown applies to
+
+Batch = tuple[Any, Any]
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Milliseconds spent in each phase of one iteration."""
+
+    data: float
+    fwd: float
+    bwd: float
+    copy: float
+    update: float
+
+    @property
+    def total(self) -> float:
+        return self.data + self.fwd + self.bwd + self.copy + self.update
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Tensors (also inside tuples, lists and dicts) moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def synthetic_batches(workload: Workload, lbs: int) -> Iterator[Batch]:
+    """Endless synthetic batches from the workload (what memory trials use)."""
+    while True:
+        yield workload.synthetic_batch(lbs)
+
+
+def dataset_batches(workload: Workload, lbs: int, seed: int = 0) -> Iterator[Batch]:
+    """Endless batches of ``lbs`` samples drawn from the training set, as training loads them.
+
+    Sampling with replacement gives full batches even from a data set smaller
+    than the batch.
+    """
+    from torch.utils.data import DataLoader, RandomSampler
+
+    dataset = workload.train_dataset()
+    generator = torch.Generator().manual_seed(seed)
+    sampler = RandomSampler(dataset, replacement=True, num_samples=lbs * 1024, generator=generator)
+    loader = DataLoader(dataset, batch_size=lbs, sampler=sampler, collate_fn=workload.collate, drop_last=True)
+    while True:
+        yield from loader
+
+
+def _record_stream(obj: Any, stream: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        obj.record_stream(stream)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _record_stream(o, stream)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _record_stream(o, stream)
+
+
+class _CpuClock:
+    """Wall-clock marks: the CPU runs every phase synchronously."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return (end - start) * 1e3
+
+    def finish(self) -> None:
+        pass
+
+
+class _CudaClock:
+    """CUDA events on the current stream; read after one synchronisation per iteration."""
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end))
+
+    def finish(self) -> None:
+        torch.cuda.synchronize()
+
+
+class VswStep:
+    """``num_models`` replicas of the workload's model, trained one iteration at a time."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        lbs: int,
+        num_models: int,
+        device: str | torch.device = "cpu",
+        batches: Iterator[Batch] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if num_models < 1:
+            raise ValueError(f"num_models must be at least 1, got {num_models}")
+        self.workload = workload
+        self.lbs = lbs
+        self.num_models = num_models
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.batches = batches if batches is not None else synthetic_batches(workload, lbs)
+        torch.manual_seed(seed)
+        main = workload.build_model().to(self.device)
+        main.train()
+        self.replicas = [main] + [copy.deepcopy(main) for _ in range(num_models - 1)]
+        self.params = [[p for p in r.parameters() if p.requires_grad] for r in self.replicas]
+        self.optimizer = workload.optimizer(self.params[0])
+        self.clock: _CpuClock | _CudaClock = _CudaClock() if self.cuda else _CpuClock()
+        self.streams = [torch.cuda.Stream(self.device) for _ in self.replicas] if self.cuda else []
+        self.last_losses: list[float] = []
+
+    def _next_batches(self) -> list[Batch]:
+        return [to_device(next(self.batches), self.device) for _ in self.replicas]
+
+    def _forward(self, index: int, batch: Batch) -> torch.Tensor:
+        inputs, target = batch
+        model = self.replicas[index]
+        output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+        return self.workload.loss(output, target)
+
+    def run(self) -> StepTimes:
+        """One training iteration; the time of each phase."""
+        clock = self.clock
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        # Data: the host work of loading is part of it, so it is timed on the host.
+        t0 = time.perf_counter()
+        batches = self._next_batches()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        data_ms = (time.perf_counter() - t0) * 1e3
+
+        start = clock.mark()
+        losses = []
+        if self.cuda:
+            main_stream = torch.cuda.current_stream(self.device)
+            for i, stream in enumerate(self.streams):
+                stream.wait_stream(main_stream)
+                _record_stream(batches[i], stream)  # allocated on the main stream, used on this one
+                with torch.cuda.stream(stream):
+                    losses.append(self._forward(i, batches[i]))
+            for stream in self.streams:
+                main_stream.wait_stream(stream)
+        else:
+            losses = [self._forward(i, batch) for i, batch in enumerate(batches)]
+        after_fwd = clock.mark()
+
+        # Each replica's backward runs on the stream its forward ran on.
+        torch.autograd.backward(losses)
+        after_bwd = clock.mark()
+
+        self._sum_gradients()
+        after_sum = clock.mark()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        after_update = clock.mark()
+        self._copy_parameters()
+        after_copy = clock.mark()
+        clock.finish()
+        self.last_losses = [float(loss.detach()) for loss in losses]
+
+        copy_ms = 0.0
+        if self.num_models > 1:
+            copy_ms = clock.elapsed_ms(after_bwd, after_sum) + clock.elapsed_ms(after_update, after_copy)
+        return StepTimes(
+            data=data_ms,
+            fwd=clock.elapsed_ms(start, after_fwd),
+            bwd=clock.elapsed_ms(after_fwd, after_bwd),
+            copy=copy_ms,
+            update=clock.elapsed_ms(after_sum, after_update),
+        )
+
+    @torch.no_grad()
+    def _sum_gradients(self) -> None:
+        """Replica 0's gradients become the mean over replicas; the others' are freed."""
+        if self.num_models == 1:
+            return
+        main = self.params[0]
+        for params in self.params[1:]:
+            pairs = [(p0, p) for p0, p in zip(main, params, strict=True) if p.grad is not None]
+            for p0, p in pairs:
+                if p0.grad is None:
+                    p0.grad = p.grad
+            mine = [p0.grad for p0, p in pairs if p0.grad is not p.grad]
+            theirs = [p.grad for p0, p in pairs if p0.grad is not p.grad]
+            if mine:
+                torch._foreach_add_(mine, theirs)
+            for p in params:
+                p.grad = None
+        grads = [p.grad for p in main if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, float(self.num_models))
+
+    @torch.no_grad()
+    def _copy_parameters(self) -> None:
+        """The updated parameters of replica 0, copied to the others."""
+        for params in self.params[1:]:
+            for dst, src in zip(params, self.params[0], strict=True):
+                dst.copy_(src)
+
+
+def time_iterations(
+    step: VswStep, count: int, on_iteration: Callable[[int, StepTimes], None] | None = None
+) -> list[StepTimes]:
+    """Run ``count`` iterations; their times."""
+    times = []
+    for i in range(count):
+        times.append(step.run())
+        if on_iteration is not None:
+            on_iteration(i, times[-1])
+    return times

@@ -1,0 +1,187 @@
+"""One memory trial or one computation run, in a process of its own.
+
+``python -m jabascli.profiler.trial SPEC RESULT`` (see :mod:`jabascli.profiler.child`).
+The spec names the workload, the LBS, the VSW count, the device and what to
+measure; the result says how it went:
+
+``status``
+    ``ok``; ``oom`` when the device ran out of memory (a CUDA
+    ``OutOfMemoryError``, or an emulated device's tensors exceeding its
+    budget); ``error`` for anything else, with the error's first line. Only
+    ``oom`` means "does not fit": a trial that crashed for another reason is
+    never counted as out of memory.
+``peak_bytes``
+    memory trials: ``torch.cuda.max_memory_allocated`` on CUDA, the peak of
+    live tensor bytes (:mod:`jabascli.profiler.memtrack`) elsewhere.
+``phases``, ``total``
+    computation runs: per-phase median and quartiles in ms.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import traceback
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from jabascli.profiler.child import emit_progress
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), interpolating between order statistics."""
+    data = sorted(values)
+    if not data:
+        return math.nan
+    pos = (len(data) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    return {"median": median(values), "p25": percentile(values, 25), "p75": percentile(values, 75)}
+
+
+def median_is_stable(values: list[float], tolerance: float) -> bool:
+    """Whether the medians of the first and the second half agree within ``tolerance`` (relative)."""
+    if len(values) < 4:
+        return False
+    half = len(values) // 2
+    whole = median(values)
+    return abs(median(values[:half]) - median(values[half:])) <= tolerance * max(whole, 1e-9)
+
+
+def _setup(spec: dict[str, Any]) -> Any:
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    if spec["device"] == "cuda":
+        torch.cuda.set_device(0)
+        budget = spec.get("budget")
+        total = torch.cuda.get_device_properties(0).total_memory
+        if budget and budget < total:
+            # A server that says its GPUs have less memory than this one is held to its figure.
+            torch.cuda.set_per_process_memory_fraction(budget / total, 0)
+    from jabascli.workload import load_workload
+
+    data = Path(spec["data"]) if spec.get("data") else None
+    return load_workload(spec["workload"], spec.get("options") or {}, data)
+
+
+def _is_cuda_oom(exc: BaseException) -> bool:
+    """A CUDA allocation failure: the OOM error itself, or cuBLAS/cuDNN failing to get workspace."""
+    import torch
+
+    text = str(exc)
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or any(
+        marker in text for marker in ("CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def run_memory_trial(spec: dict[str, Any]) -> dict[str, Any]:
+    """A few training iterations of ``num_models`` VSWs; did they fit, and at what peak."""
+    import torch
+
+    from jabascli.profiler.memtrack import TensorMemoryTracker
+    from jabascli.profiler.step import VswStep, synthetic_batches
+
+    workload = _setup(spec)
+    lbs, n, iterations = int(spec["lbs"]), int(spec["num_models"]), int(spec.get("iterations", 3))
+    if spec["device"] == "cuda":
+        torch.cuda.reset_peak_memory_stats(0)
+        try:
+            step = VswStep(workload, lbs, n, "cuda", synthetic_batches(workload, lbs))
+            for _ in range(iterations):
+                step.run()
+            torch.cuda.synchronize()
+        except Exception as exc:
+            if not _is_cuda_oom(exc):
+                raise
+            return {"status": "oom", "peak_bytes": int(torch.cuda.max_memory_allocated(0)), "error": _first_line(exc)}
+        return {"status": "ok", "peak_bytes": int(torch.cuda.max_memory_allocated(0))}
+
+    tracker = TensorMemoryTracker(budget=spec.get("budget"))
+    try:
+        with tracker:
+            step = VswStep(workload, lbs, n, "cpu", synthetic_batches(workload, lbs))
+            for _ in range(iterations):
+                step.run()
+    except Exception:
+        # However the error surfaced (autograd may wrap it), the tracker knows whether it raised it.
+        if tracker.exceeded is None:
+            raise
+        return {"status": "oom", "peak_bytes": tracker.peak, "error": str(tracker.exceeded)}
+    return {"status": "ok", "peak_bytes": tracker.peak}
+
+
+def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
+    """Warm-up, then measured iterations until the median is stable; per-phase statistics."""
+    from jabascli.profiler.step import COMPUTE_PHASES, PHASES, VswStep, dataset_batches, synthetic_batches
+
+    workload = _setup(spec)
+    lbs, n = int(spec["lbs"]), int(spec["num_models"])
+    warmup, min_iters = int(spec["warmup"]), int(spec["min_iters"])
+    max_iters = max(min_iters, int(spec.get("max_iters", min_iters)))
+    tolerance = float(spec.get("tolerance", 0.05))
+    slowdown = float(spec.get("slowdown", 1.0))
+    batches = synthetic_batches(workload, lbs) if spec.get("synthetic_data") else dataset_batches(workload, lbs)
+    try:
+        step = VswStep(workload, lbs, n, spec["device"], batches)
+        planned = warmup + min_iters
+        for i in range(warmup):
+            step.run()
+            emit_progress(done=i + 1, total=planned)
+        samples: dict[str, list[float]] = {phase: [] for phase in PHASES}
+        totals: list[float] = []
+        while True:
+            times = step.run()
+            total = 0.0
+            for phase in PHASES:
+                value = getattr(times, phase) * (slowdown if phase in COMPUTE_PHASES else 1.0)
+                samples[phase].append(value)
+                total += value
+            totals.append(total)
+            count = len(totals)
+            emit_progress(done=warmup + count, total=max(planned, warmup + count + 1))
+            if count >= max_iters or (count >= min_iters and median_is_stable(totals, tolerance)):
+                break
+    except Exception as exc:
+        if spec["device"] == "cuda" and _is_cuda_oom(exc):
+            return {"status": "oom", "error": _first_line(exc)}
+        raise
+    losses = step.last_losses
+    if not all(math.isfinite(loss) for loss in losses):
+        return {"status": "error", "error": f"the loss is not finite ({losses}): check the workload's loss"}
+    return {
+        "status": "ok",
+        "phases": {phase: summarize(values) for phase, values in samples.items()},
+        "total": summarize(totals),
+        "iterations": len(totals),
+        "warmup": warmup,
+        "stable": median_is_stable(totals, tolerance),
+        "timer": "cuda-events" if spec["device"] == "cuda" else "perf_counter",
+    }
+
+
+def main(argv: list[str]) -> int:
+    spec_path, result_path = Path(argv[0]), Path(argv[1])
+    spec = json.loads(spec_path.read_text(encoding="utf-8"))
+    try:
+        result = run_memory_trial(spec) if spec["kind"] == "memory" else run_comp(spec)
+    except Exception as exc:
+        traceback.print_exc()
+        result = {"status": "error", "error": _first_line(exc)}
+    result_path.write_text(json.dumps(result), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
