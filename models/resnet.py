@@ -95,9 +95,11 @@ class BasicBlock(nn.Module):
         self.downsample = downsample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
         out = F.relu(self.bn1(self.conv1(x)), inplace=True)
         out = self.bn2(self.conv2(out))
+        # The shortcut runs after the main path, as in torchvision (which the seed
+        # used): that fixes DDP's gradient-ready order, and so its buckets.
+        identity = x if self.downsample is None else self.downsample(x)
         return F.relu(out + identity, inplace=True)
 
 
@@ -117,10 +119,10 @@ class Bottleneck(nn.Module):
         self.downsample = downsample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
         out = F.relu(self.bn1(self.conv1(x)), inplace=True)
         out = F.relu(self.bn2(self.conv2(out)), inplace=True)
         out = self.bn3(self.conv3(out))
+        identity = x if self.downsample is None else self.downsample(x)  # after, as in BasicBlock
         return F.relu(out + identity, inplace=True)
 
 
