@@ -1,0 +1,231 @@
+"""Virtual stream workers: how one rank runs its ``VSW * (GA + 1)`` worker micro-steps.
+
+Two strategies behind one interface (:class:`VswStrategy`):
+
+* ``sequential``: one model replica; the micro-batches run one after another
+  and their gradients accumulate in it. Least memory; runs everywhere.
+* ``streams``: one replica per VSW. On CUDA each replica runs on its own
+  ``torch.cuda.Stream``, so the VSWs' kernels overlap; their gradients are
+  added into replica 0's buckets just before each bucket's all-reduce (see
+  :mod:`jabascli.engine.weight_sync`). On the CPU the replicas run in turn,
+  which is how CI tests this path.
+
+In both, only the rank's last micro-step (on replica 0) runs a synchronising
+backward; every other micro-step runs under ``no_sync``, so there is one
+all-reduce per bucket per iteration.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from jabascli.engine.buffers import BufferSync
+from jabascli.engine.sampler import MicroBatch
+
+VSW_STRATEGIES = ("sequential", "streams")
+
+Fetch = Callable[[MicroBatch], tuple[Any, Any]]
+"""Loads a micro-batch's samples onto the device: ``(inputs, target)``."""
+
+
+class Emulation:
+    """An emulated slower device: after each compute step, sleep ``(slowdown - 1) x`` its measured time.
+
+    A synchronising backward is timed up to the moment its last gradient is
+    computed (:meth:`backward_done`, called from the communication hook), so the
+    sleep delays that rank's last all-reduce and never counts time spent
+    waiting for other ranks.
+    """
+
+    def __init__(self, slowdown: float) -> None:
+        self.extra = max(slowdown - 1.0, 0.0)
+        self._backward_start: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.extra > 0
+
+    def pause_since(self, start: float) -> None:
+        if self.extra > 0:
+            time.sleep(self.extra * (time.perf_counter() - start))
+
+    def backward_started(self) -> None:
+        self._backward_start = time.perf_counter()
+
+    def backward_done(self) -> None:
+        if self._backward_start is not None:
+            self.pause_since(self._backward_start)
+            self._backward_start = None
+
+
+@dataclass
+class WorkerStep:
+    """One worker micro-step: seed, load, forward, scaled backward, buffer terms, emulated slowdown."""
+
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    fetch: Fetch
+    workers: int
+    """GBS / LBS: every worker's mean loss is divided by it."""
+    buffers: BufferSync
+    emulation: Emulation
+
+    def __call__(self, module: nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> torch.Tensor:
+        torch.manual_seed(mb.seed)  # a worker's randomness depends on its samples only, not on the plan
+        inputs, target = self.fetch(mb)
+        self.buffers.before_micro_step(replica, mb.worker)
+        start = time.perf_counter()
+        output = module(*inputs) if isinstance(inputs, tuple) else module(inputs)
+        loss = self.loss_fn(output, target)
+        self.emulation.pause_since(start)
+        self.buffers.after_micro_step(replica, mb.worker)
+        if sync:
+            self.emulation.backward_started()  # the slowdown sleep happens before the last all-reduce
+            (loss / self.workers).backward()
+        else:
+            start = time.perf_counter()
+            (loss / self.workers).backward()
+            self.emulation.pause_since(start)
+        return loss.detach()
+
+
+class VswStrategy:
+    """Runs a rank's micro-batches of one iteration; replica 0 is the one the optimizer updates."""
+
+    name = ""
+
+    def __init__(self, replicas: Sequence[nn.Module], ddp: DistributedDataParallel) -> None:
+        self.replicas = list(replicas)
+        self.ddp = ddp
+
+    def run(self, micro_batches: Sequence[MicroBatch], step: WorkerStep) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the sum of their (unscaled) losses."""
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        # Replica 0's gradients are views into DDP's buckets: zero them in place to keep the views.
+        for p in self.replicas[0].parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def after_step(self) -> None:
+        """Bring the other replicas' parameters up to date with replica 0's."""
+
+
+class SequentialVsw(VswStrategy):
+    """One replica; the VSWs' micro-batches run one after another (see the module docstring)."""
+
+    name = "sequential"
+
+    def run(self, micro_batches: Sequence[MicroBatch], step: WorkerStep) -> torch.Tensor:
+        *local, last = micro_batches
+        losses = []
+        with self.ddp.no_sync():
+            for mb in local:
+                losses.append(step(self.ddp, 0, mb))
+        losses.append(step(self.ddp, 0, last, sync=True))
+        return torch.stack(losses).sum()
+
+
+class StreamsVsw(VswStrategy):
+    """One replica per VSW, each on its own CUDA stream (in turn on the CPU)."""
+
+    name = "streams"
+
+    def __init__(self, replicas: Sequence[nn.Module], ddp: DistributedDataParallel) -> None:
+        super().__init__(replicas, ddp)
+        cuda = next(self.replicas[0].parameters()).is_cuda
+        self.streams = [torch.cuda.Stream() for _ in self.replicas] if cuda else None
+        self._params = [list(r.parameters()) for r in self.replicas]
+
+    def replica_params(self) -> list[list[nn.Parameter]]:
+        """The parameters of replicas 1.. (what the communication hook adds into replica 0's buckets)."""
+        return self._params[1:]
+
+    def run(self, micro_batches: Sequence[MicroBatch], step: WorkerStep) -> torch.Tensor:
+        by_replica: list[list[MicroBatch]] = [[] for _ in self.replicas]
+        for mb in micro_batches:
+            by_replica[mb.vsw].append(mb)
+        losses = []
+        for v in range(1, len(self.replicas)):
+            with self._on_stream(v):
+                for mb in by_replica[v]:
+                    losses.append(step(self.replicas[v], v, mb))
+        *local, last = by_replica[0]
+        with self._on_stream(0):
+            with self.ddp.no_sync():
+                for mb in local:
+                    losses.append(step(self.ddp, 0, mb))
+            self._wait_for_replicas()
+            losses.append(step(self.ddp, 0, last, sync=True))
+        return torch.stack(losses).sum()
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for replica in self.replicas[1:]:
+            replica.zero_grad(set_to_none=True)
+
+    def after_step(self) -> None:
+        main = self._params[0]
+        with torch.no_grad():
+            for v, params in enumerate(self._params[1:], start=1):
+                with self._on_stream(v):
+                    if self.streams is not None:
+                        self.streams[v].wait_stream(self.streams[0])
+                    torch._foreach_copy_(params, main)
+
+    def _on_stream(self, v: int) -> Any:
+        if self.streams is None:
+            return _Nothing()
+        return torch.cuda.stream(self.streams[v])
+
+    def _wait_for_replicas(self) -> None:
+        if self.streams is not None:
+            for s in self.streams[1:]:
+                self.streams[0].wait_stream(s)
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def make_replicas(model: nn.Module, count: int) -> list[nn.Module]:
+    """``model`` and ``count - 1`` deep copies of it."""
+    return [model] + [copy.deepcopy(model) for _ in range(count - 1)]
+
+
+def choose_vsw_strategy(requested: str, vsw: int, model: nn.Module, device: torch.device) -> tuple[str, str]:
+    """(strategy, reason) for ``[job] vsw_strategy``: ``auto`` picks ``streams`` on CUDA when memory allows.
+
+    "Memory allows" means the extra replicas' parameters and gradients take at
+    most half of the free device memory; the activations of ``VSW`` concurrent
+    workers are what the memory profile bounds (the solver never picks more
+    VSWs than fit).
+    """
+    if requested in VSW_STRATEGIES:
+        return requested, "set in [job] vsw_strategy"
+    if vsw == 1:
+        return "sequential", "one VSW"
+    if device.type != "cuda":
+        return "sequential", "no CUDA streams on the CPU"
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    free, _ = torch.cuda.mem_get_info(device)
+    needed = (vsw - 1) * 2 * param_bytes
+    if needed <= free // 2:
+        return "streams", f"{vsw - 1} extra replicas need {needed / 2**20:.0f} MiB of {free / 2**20:.0f} MiB free"
+    return "sequential", f"{vsw - 1} extra replicas need {needed / 2**20:.0f} MiB, {free / 2**20:.0f} MiB free"
+
+
+def build_vsw_strategy(name: str, replicas: Sequence[nn.Module], ddp: DistributedDataParallel) -> VswStrategy:
+    return {"sequential": SequentialVsw, "streams": StreamsVsw}[name](replicas, ddp)
