@@ -7,7 +7,7 @@ event is one ``os.write`` of one line under ``PIPE_BUF`` bytes, so lines from
 different ranks never interleave.
 
 =============  ================================================================================
-``start``      ``job, world_size, gbs, lbs, workers, plan, weight_sync, weight_sync_reason,
+``start``      ``pid, job, world_size, gbs, lbs, workers, plan, weight_sync, weight_sync_reason,
                vsw_strategy, device, epochs, steps_per_epoch, epoch, position, step``
 ``step``       ``epoch, step, epoch_step, epoch_steps, gbs, loss, samples_per_s, lr``
 ``epoch``      ``epoch, step, train_loss, val_loss, val_accuracy, samples_per_s, time_s``

@@ -17,6 +17,8 @@ and applies the mean of their gradients once (:mod:`jabascli.engine.reference`).
 from __future__ import annotations
 
 import contextlib
+import gc
+import os
 import signal
 import threading
 import time
@@ -80,6 +82,7 @@ def run_trainer(
     options = options or TrainOptions()
     env = DistEnv.from_environ(environ)
     created = False
+    trainer: Trainer | None = None
     try:
         with _sigterm_raises():
             plan = load_plan(loaded, options.plan)
@@ -96,6 +99,10 @@ def run_trainer(
                 on_event({"event": "error", "rank": env.rank, "kind": kind, "message": message})
         raise
     finally:
+        # Free DDP (it holds the process group) before the group goes: left to the interpreter's
+        # exit, gloo's threads may be torn down out of order and abort the process.
+        trainer = None
+        gc.collect()
         if created and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -336,6 +343,7 @@ class Trainer:
         self.emit(
             {
                 "event": "start",
+                "pid": os.getpid(),
                 "job": self.loaded.config.job.name,
                 "world_size": plan.world_size,
                 "gbs": plan.gbs,
