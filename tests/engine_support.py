@@ -14,6 +14,8 @@ from jabascli.config import LoadedConfig, load_config
 # Small enough for 2 busy CPU cores; BatchNorm to test the running statistics, dropout to
 # test that every worker's random numbers follow its samples, a scheduler to test its step.
 WORKLOAD = """
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,8 @@ from torch.utils.data import TensorDataset
 
 NAME = "tiny"
 FEATURES, CLASSES = 6, 4
+_OPTIONS = {}
+_LOSSES = [0]
 
 
 def _dtype(options):
@@ -28,6 +32,7 @@ def _dtype(options):
 
 
 def build_model(options):
+    _OPTIONS.update(options)
     model = nn.Sequential(
         nn.Linear(FEATURES, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(options.get("dropout", 0.2)),
         nn.Linear(16, 12), nn.BatchNorm1d(12, momentum=options.get("bn_momentum", 0.1)), nn.ReLU(),
@@ -52,6 +57,10 @@ def val_dataset(options):
 
 
 def loss(output, target):
+    _LOSSES[0] += 1
+    crash = _OPTIONS.get("crash_rank")
+    if crash is not None and os.environ.get("RANK") == str(crash) and _LOSSES[0] > _OPTIONS.get("crash_after", 0):
+        raise RuntimeError(f"boom on rank {crash}")
     return F.cross_entropy(output, target)
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -69,7 +70,7 @@ def train(
 def _print_epoch(event: dict[str, Any]) -> None:
     """Rank 0's report when no launcher listens: one line per epoch."""
     if event.get("event") == "epoch":
-        console.print(_epoch_line(event), highlight=False)
+        console.print(_epoch_line(event), highlight=False, markup=False)
     elif event.get("event") == "done" and event["results"] and event["results"][-1]["val_accuracy"] is not None:
         console.print(f"validation accuracy: {event['results'][-1]['val_accuracy']:.4f}")
 
@@ -151,13 +152,13 @@ class _RunDisplay:
         if kind == "start":
             self.start = event
             if not self.disable:
-                console.print(
-                    f"[bold]{event['job']}[/bold]: {event['world_size']} trainers on {event['device']}, "
+                details = (
+                    f"{event['world_size']} trainers on {event['device']}, "
                     f"GBS {event['gbs']} = LBS {event['lbs']} x {event['workers']} workers ({event['plan']}), "
                     f"weight sync {event['weight_sync']} ({event['weight_sync_reason']}), "
-                    f"VSW strategy {event['vsw_strategy']}",
-                    highlight=False,
+                    f"VSW strategy {event['vsw_strategy']}"
                 )
+                console.print(f"[bold]{escape(event['job'])}[/bold]: {escape(details)}", highlight=False)
             total = event["steps_per_epoch"]
             self.progress.update(self.task, total=total, completed=event["position"] // event["gbs"])
             self.progress.update(self.task, epoch=f"{event['epoch'] + 1}/{event['epochs']}", gbs=event["gbs"])
@@ -173,7 +174,7 @@ class _RunDisplay:
                 loss=f"{event['loss']:.4f}",
             )
         elif kind == "epoch" and not self.disable:
-            self.progress.console.print(_epoch_line(event), highlight=False)
+            self.progress.console.print(_epoch_line(event), highlight=False, markup=False)
 
 
 def _print_results(job: str, start: dict[str, Any], results: list[dict[str, Any]]) -> None:

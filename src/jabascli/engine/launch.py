@@ -240,6 +240,8 @@ class _LocalRun:
             lines = message.splitlines() or [""]
             if error.get("kind") == "input":
                 return InputError([Problem(None, None, line) for line in lines])
+            if isinstance(rank, int) and 0 <= rank < len(self.logs):
+                lines[-1] += f" (log: {self.logs[rank]})"
             return RuntimeFailure([f"trainer rank {rank} failed: {lines[0]}", *lines[1:]])
         rank = killed[0] if killed else min(failed)
         code = failed[rank]
