@@ -24,22 +24,21 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import default_collate
 
 from jabascli.config import LoadedConfig
 from jabascli.engine.buffers import BufferSync, allreduce_sum
 from jabascli.engine.checkpoint import Progress, read_checkpoint, restore_checkpoint, save_checkpoint
+from jabascli.engine.data import BatchLoader, batch_len
 from jabascli.engine.distributed import DistEnv, choose_device, init_process_group, wrap_ddp
 from jabascli.engine.events import EventSink
 from jabascli.engine.layout import checkpoint_path, run_folder
 from jabascli.engine.metrics import MetricsWriter
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import TrainingPlan, load_plan
-from jabascli.engine.sampler import IIDPSampler, Iteration, MicroBatch
+from jabascli.engine.sampler import IIDPSampler, Iteration
 from jabascli.engine.vsw import Emulation, WorkerStep, build_vsw_strategy, choose_vsw_strategy, make_replicas
 from jabascli.engine.weight_sync import (
     BucketOptimizer,
@@ -158,9 +157,9 @@ class Trainer:
 
         self.train_set = self.workload.train_dataset()
         self.val_set = self.workload.val_dataset()
-        self.collate = self.workload.collate or default_collate
         self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)
-        self.worker_step = WorkerStep(self.workload.loss, self._fetch, plan.workers, self.buffers, self.emulation)
+        load = BatchLoader(self.train_set, device, self.workload.collate)
+        self.worker_step = WorkerStep(self.workload.loss, load, plan.workers, self.buffers, self.emulation)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -252,14 +251,15 @@ class Trainer:
         batch = self.plan.lbs * self.me.vsw
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, samples
         has_accuracy = callable(getattr(self.workload.module, "count_correct", None))
+        load = BatchLoader(self.val_set, self.device, self.workload.collate)
         model = self.model
         model.eval()
         try:
             with torch.no_grad():
                 for start in range(lo, hi, batch):
-                    inputs, target = self._load(list(range(start, min(start + batch, hi))), self.val_set)
+                    inputs, target = load(range(start, min(start + batch, hi)))
                     output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-                    count = _batch_len(target)
+                    count = batch_len(target)
                     totals[0] += float(self.workload.loss(output, target)) * count
                     if has_accuracy:
                         totals[1] += self.workload.count_correct(output, target) or 0
@@ -271,17 +271,6 @@ class Trainer:
         if seen == 0:
             return None, None
         return loss_sum / seen, (correct / seen if has_accuracy else None)
-
-    # -- data ----------------------------------------------------------------------------------
-
-    def _fetch(self, mb: MicroBatch) -> tuple[Any, Any]:
-        return self._load(mb.indices, self.train_set)
-
-    def _load(self, indices: list[int], dataset: Any) -> tuple[Any, Any]:
-        getitems = getattr(dataset, "__getitems__", None)
-        samples = getitems(indices) if getitems is not None else [dataset[i] for i in indices]
-        inputs, target = self.collate(samples)
-        return _to(inputs, self.device), _to(target, self.device)
 
     # -- decisions, checkpoints, reports ---------------------------------------------------------
 
@@ -403,20 +392,6 @@ class _StepLog:
         self.loss.zero_()
         self.steps = 0
         self.since = self.last = now
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, tuple | list):
-        return type(value)(_to(v, device) for v in value)
-    return value
-
-
-def _batch_len(target: Any) -> int:
-    if isinstance(target, torch.Tensor):
-        return int(target.shape[0])
-    return len(target)
 
 
 @contextlib.contextmanager

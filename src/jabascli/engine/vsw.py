@@ -32,8 +32,8 @@ from jabascli.engine.sampler import MicroBatch
 
 VSW_STRATEGIES = ("sequential", "streams")
 
-Fetch = Callable[[MicroBatch], tuple[Any, Any]]
-"""Loads a micro-batch's samples onto the device: ``(inputs, target)``."""
+Load = Callable[[Sequence[int]], tuple[Any, Any]]
+"""Loads samples by index onto the device: ``(inputs, target)`` (a :class:`~jabascli.engine.data.BatchLoader`)."""
 
 
 class Emulation:
@@ -71,7 +71,7 @@ class WorkerStep:
     """One worker micro-step: seed, load, forward, scaled backward, buffer terms, emulated slowdown."""
 
     loss_fn: Callable[[Any, Any], torch.Tensor]
-    fetch: Fetch
+    load: Load
     workers: int
     """GBS / LBS: every worker's mean loss is divided by it."""
     buffers: BufferSync
@@ -79,7 +79,7 @@ class WorkerStep:
 
     def __call__(self, module: nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> torch.Tensor:
         torch.manual_seed(mb.seed)  # a worker's randomness depends on its samples only, not on the plan
-        inputs, target = self.fetch(mb)
+        inputs, target = self.load(mb.indices)
         self.buffers.before_micro_step(replica, mb.worker)
         start = time.perf_counter()
         output = module(*inputs) if isinstance(inputs, tuple) else module(inputs)
