@@ -164,3 +164,12 @@ def test_a_zero_lbs_or_vsw_in_the_config_exits_2(tmp_path: Path, key: str, value
     assert result.exit_code == 2
     assert ("job.lbs" if key == "lbs" else "cluster.servers[0].vsw") in result.stderr
     assert "greater than 0" in result.stderr
+
+
+def test_a_gbs_larger_than_the_training_set_exits_2(tmp_path: Path) -> None:
+    from tests.engine_support import write_job
+
+    config = write_job(tmp_path, [(3, 0)], lbs=4, options={"samples": 10})
+    result = CliRunner().invoke(app, ["train", "-c", str(config)])
+    assert result.exit_code == 2, result.output
+    assert f"{config}: job.lbs: GBS 12 is more than the 10 training samples" in result.stderr

@@ -125,6 +125,7 @@ class Trainer:
         self.epochs = cfg.job.epochs
         self.validate_every = cfg.job.validate_every
 
+        # What to train, and where training stands.
         self.workload: Workload = load_workload(cfg.job.workload, cfg.job.options, cfg.job.data)
         torch.manual_seed(cfg.job.seed)
         model = self.workload.build_model().to(device)
@@ -139,6 +140,15 @@ class Trainer:
             )
         self.progress.record_plan(plan.gbs, plan.lbs, plan.describe())
 
+        # The data: one seeded permutation per epoch, dealt to the workers in LBS chunks.
+        self.train_set = self.workload.train_dataset()
+        self.val_set = self.workload.val_dataset()
+        self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)
+        if self.sampler.iterations_per_epoch(plan.gbs) == 0:
+            where, field = (loaded.path, "job.lbs") if plan.source == "config" else (plan.source, "gbs")
+            raise InputError.at(where, field, f"GBS {plan.gbs} is more than the {len(self.train_set)} training samples")
+
+        # How this rank runs its workers (VSW strategy) and combines gradients (weight sync).
         self.weight_sync, self.weight_sync_reason = self._choose_weight_sync(plan.weight_sync)
         self.vsw_name, self.vsw_reason = choose_vsw_strategy(cfg.job.vsw_strategy, self.me.vsw, model, device)
         replicas = make_replicas(model, self.me.vsw if self.vsw_name == "streams" else 1)
@@ -150,14 +160,10 @@ class Trainer:
         self.emulation = Emulation(self.me.slowdown)
         GradientSync(
             list(model.parameters()),
-            replicas=self.vsw.replica_params() if hasattr(self.vsw, "replica_params") else (),
+            replicas=self.vsw.replica_params(),
             optimizer=BucketOptimizer(self.optimizer) if self.weight_sync == "overlap" else None,
             before_last_bucket=self.emulation.backward_done if self.emulation.active else None,
         ).register(self.ddp)
-
-        self.train_set = self.workload.train_dataset()
-        self.val_set = self.workload.val_dataset()
-        self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)
         load = BatchLoader(self.train_set, device, self.workload.collate)
         self.worker_step = WorkerStep(self.workload.loss, load, plan.workers, self.buffers, self.emulation)
 

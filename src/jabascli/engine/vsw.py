@@ -17,6 +17,7 @@ all-reduce per bucket per iteration.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable, Sequence
@@ -109,6 +110,10 @@ class VswStrategy:
         """Forward and backward of every micro-batch; returns the sum of their (unscaled) losses."""
         raise NotImplementedError
 
+    def replica_params(self) -> list[list[nn.Parameter]]:
+        """The parameters of replicas 1.., whose gradients the communication hook adds into replica 0's buckets."""
+        return []
+
     def zero_grad(self) -> None:
         # Replica 0's gradients are views into DDP's buckets: zero them in place to keep the views.
         for p in self.replicas[0].parameters():
@@ -135,18 +140,24 @@ class SequentialVsw(VswStrategy):
 
 
 class StreamsVsw(VswStrategy):
-    """One replica per VSW, each on its own CUDA stream (in turn on the CPU)."""
+    """One replica per VSW; on CUDA, replicas 1.. each run on their own stream (in turn on the CPU).
+
+    Replica 0 runs on the current stream, with DDP. Stream order, per iteration:
+    every replica stream first waits for the current stream (updated parameters,
+    zeroed statistics), and the current stream waits for all of them before
+    replica 0's synchronising backward, whose communication hook reads their
+    gradients.
+    """
 
     name = "streams"
 
     def __init__(self, replicas: Sequence[nn.Module], ddp: DistributedDataParallel) -> None:
         super().__init__(replicas, ddp)
         cuda = next(self.replicas[0].parameters()).is_cuda
-        self.streams = [torch.cuda.Stream() for _ in self.replicas] if cuda else None
+        self.streams = [torch.cuda.Stream() for _ in self.replicas[1:]] if cuda else None
         self._params = [list(r.parameters()) for r in self.replicas]
 
     def replica_params(self) -> list[list[nn.Parameter]]:
-        """The parameters of replicas 1.. (what the communication hook adds into replica 0's buckets)."""
         return self._params[1:]
 
     def run(self, micro_batches: Sequence[MicroBatch], step: WorkerStep) -> torch.Tensor:
@@ -159,12 +170,13 @@ class StreamsVsw(VswStrategy):
                 for mb in by_replica[v]:
                     losses.append(step(self.replicas[v], v, mb))
         *local, last = by_replica[0]
-        with self._on_stream(0):
-            with self.ddp.no_sync():
-                for mb in local:
-                    losses.append(step(self.ddp, 0, mb))
-            self._wait_for_replicas()
-            losses.append(step(self.ddp, 0, last, sync=True))
+        with self.ddp.no_sync():
+            for mb in local:
+                losses.append(step(self.ddp, 0, mb))
+        if self.streams is not None:
+            for stream in self.streams:
+                torch.cuda.current_stream().wait_stream(stream)
+        losses.append(step(self.ddp, 0, last, sync=True))
         return torch.stack(losses).sum()
 
     def zero_grad(self) -> None:
@@ -173,31 +185,17 @@ class StreamsVsw(VswStrategy):
             replica.zero_grad(set_to_none=True)
 
     def after_step(self) -> None:
-        main = self._params[0]
+        # On the current stream: the replica streams wait for it before their next use.
         with torch.no_grad():
-            for v, params in enumerate(self._params[1:], start=1):
-                with self._on_stream(v):
-                    if self.streams is not None:
-                        self.streams[v].wait_stream(self.streams[0])
-                    torch._foreach_copy_(params, main)
+            for params in self._params[1:]:
+                torch._foreach_copy_(params, self._params[0])
 
     def _on_stream(self, v: int) -> Any:
         if self.streams is None:
-            return _Nothing()
-        return torch.cuda.stream(self.streams[v])
-
-    def _wait_for_replicas(self) -> None:
-        if self.streams is not None:
-            for s in self.streams[1:]:
-                self.streams[0].wait_stream(s)
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+            return contextlib.nullcontext()
+        stream = self.streams[v - 1]
+        stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(stream)
 
 
 def make_replicas(model: nn.Module, count: int) -> list[nn.Module]:
