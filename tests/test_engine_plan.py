@@ -13,6 +13,7 @@ from jabascli.cli.app import app
 from jabascli.config import LoadedConfig, load_config
 from jabascli.engine.plan import load_plan
 from jabascli.errors import InputError
+from tests.engine_support import write_job
 
 CONFIG = """
 [job]
@@ -167,8 +168,6 @@ def test_a_zero_lbs_or_vsw_in_the_config_exits_2(tmp_path: Path, key: str, value
 
 
 def test_a_gbs_larger_than_the_training_set_exits_2(tmp_path: Path) -> None:
-    from tests.engine_support import write_job
-
     config = write_job(tmp_path, [(3, 0)], lbs=4, options={"samples": 10})
     result = CliRunner().invoke(app, ["train", "-c", str(config)])
     assert result.exit_code == 2, result.output
