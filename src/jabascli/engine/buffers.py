@@ -15,8 +15,9 @@ The rule (see docs/engine.md, "BatchNorm and buffers"):
       r = r0 * prod_k (1 - f_k) + sum_k f_k s_k * prod_{j > k} (1 - f_j)
 
   Each worker's term ``f_k s_k`` is what the layer writes into a zeroed buffer;
-  a rank weights its workers' terms by their global index, one all-reduce sums
-  them, and every rank adds ``r0 * prod (1 - f_k)``. The statistics, and
+  a rank weights its workers' terms by their global index, one all-reduce
+  (started before the rank's last backward, so it overlaps it) sums them, and
+  every rank adds ``r0 * prod (1 - f_k)``. The statistics, and
   therefore evaluation, do not depend on how the GBS was split across devices.
 * Every other buffer is broadcast from rank 0 at the end of each iteration, as
   DDP does at the start of each forward.
@@ -28,6 +29,7 @@ in one forward updates its statistics twice per micro-batch).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,8 +60,8 @@ class BufferSync:
     """Keeps the buffers of a model's VSW replicas exact and identical across ranks.
 
     Per iteration: :meth:`begin`, then :meth:`before_micro_step` /
-    :meth:`after_micro_step` around every worker's forward on its replica, then
-    :meth:`end_iteration` on every rank.
+    :meth:`after_micro_step` around every worker's forward on its replica,
+    :meth:`launch` once the rank's forwards are done, and :meth:`end_iteration`.
     """
 
     def __init__(self, replicas: Sequence[nn.Module], workers: int, group: dist.ProcessGroup | None = None) -> None:
@@ -71,6 +73,7 @@ class BufferSync:
         other = [name for name, b in self.replicas[0].named_buffers() if id(b) not in in_norms]
         self._other = [[dict(r.named_buffers())[name] for name in other] for r in self.replicas]
         self._groups: list[_Group] = []
+        self._pending: AsyncSum | None = None
 
     # -- per iteration -------------------------------------------------------------------------
 
@@ -97,16 +100,28 @@ class BufferSync:
         for g in self._groups:
             torch._foreach_add_(g.acc[replica], g.stats[replica], alpha=g.weights[worker])
 
-    def end_iteration(self, extra: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Sum the terms over replicas and ranks (``extra`` in the same all-reduce), then write the buffers.
+    def launch(self, extra: torch.Tensor | None = None) -> None:
+        """Start summing the terms over replicas and ranks (with ``extra``, e.g. the loss) without waiting.
 
-        Returns ``extra``, summed over ranks in place.
+        Called once all of the rank's forwards are done, just before its last
+        backward, so that the all-reduce overlaps that backward.
         """
         for g in self._groups:
             for acc in g.acc[1:]:
                 torch._foreach_add_(g.acc[0], acc)
         tensors = [t for g in self._groups for t in g.acc[0]]
-        allreduce_sum([*tensors, extra] if extra is not None else tensors, self.group)
+        self._pending = AsyncSum([*tensors, extra] if extra is not None else tensors, self.group)
+
+    def end_iteration(self, extra: torch.Tensor | None = None) -> None:
+        """Finish the sum (launching it first if :meth:`launch` was not called) and write the buffers.
+
+        ``extra``, given here or to :meth:`launch`, is summed over ranks in place.
+        """
+        if self._pending is None:
+            self.launch(extra)
+        assert self._pending is not None
+        self._pending.wait()
+        self._pending = None
         for g in self._groups:
             torch._foreach_mul_(g.start_stats, g.total_decay)
             torch._foreach_add_(g.start_stats, g.acc[0])
@@ -117,7 +132,6 @@ class BufferSync:
                     m.num_batches_tracked.copy_(count)
         self._groups = []
         self._broadcast(self._other)
-        return extra
 
     # -- whole model ---------------------------------------------------------------------------
 
@@ -157,18 +171,30 @@ class _Group:
         self.acc = [[torch.zeros_like(t) for t in stats] for stats in self.stats]
 
 
+class AsyncSum:
+    """SUM-all-reduce tensors in place, one collective per dtype (flattened), without waiting."""
+
+    def __init__(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+        self._parts: list[tuple[torch.Tensor, list[torch.Tensor], Any]] = []
+        if not tensors or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+            flat = torch.cat([t.reshape(-1) for t in by_dtype[dtype]])
+            self._parts.append((flat, by_dtype[dtype], dist.all_reduce(flat, group=group, async_op=True)))
+
+    def wait(self) -> None:
+        for flat, tensors, work in self._parts:
+            work.wait()
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        self._parts = []
+
+
 def allreduce_sum(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
     """SUM-all-reduce tensors in place with one collective per dtype (flattened)."""
-    if not tensors or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-        same = by_dtype[dtype]
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+    AsyncSum(tensors, group).wait()

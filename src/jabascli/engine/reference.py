@@ -2,7 +2,7 @@
 
 Per iteration it takes the GBS samples the sampler deals, feeds them in
 micro-batches of LBS in worker order (so BatchNorm sees the same per-micro-batch
-statistics and every worker the same random seed), accumulates
+statistics, and every micro-batch is drawn after the same seeding), accumulates
 ``loss / (GBS / LBS)``, and steps the optimizer and the LR scheduler once.
 Tests compare trainers against it; it is also a readable statement of the
 semantics.
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import default_collate
 
 from jabascli.config import LoadedConfig
+from jabascli.engine.data import BatchLoader, seed_worker
 from jabascli.engine.plan import TrainingPlan
 from jabascli.engine.sampler import IIDPSampler
 from jabascli.workload import load_workload
@@ -31,15 +31,15 @@ def reference_run(loaded: LoadedConfig, plan: TrainingPlan, steps: int) -> tuple
     optimizer = workload.optimizer(model.parameters())
     scheduler = workload.lr_scheduler(optimizer)
     dataset = workload.train_dataset()
-    collate = workload.collate or default_collate
+    load = BatchLoader(dataset, torch.device("cpu"), workload.collate)
     sampler = IIDPSampler(len(dataset), cfg.job.seed)
     done, epoch = 0, 0
     while done < steps:
         for iteration in sampler.global_iterations(epoch, 0, plan):
             optimizer.zero_grad(set_to_none=True)
             for mb in iteration.micro_batches:
-                torch.manual_seed(mb.seed)
-                inputs, target = collate([dataset[i] for i in mb.indices])
+                seed_worker(mb.seed, torch.device("cpu"))
+                inputs, target = load(mb.indices)
                 output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
                 loss: Any = workload.loss(output, target)
                 (loss / plan.workers).backward()

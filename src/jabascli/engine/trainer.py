@@ -235,14 +235,17 @@ class Trainer:
         """One iteration of this rank; returns the mean loss over all workers of the job."""
         self.vsw.zero_grad()
         self.buffers.begin()
-        loss_sum = self.vsw.run(iteration.micro_batches, self.worker_step)  # all-reduces every bucket
+        self.worker_step.begin()
+        self.vsw.run(iteration.micro_batches, self.worker_step)  # all-reduces every gradient bucket
         if self.weight_sync == "sequential":
             self.optimizer.step()  # with overlap, each bucket was already updated as its all-reduce completed
         if self.scheduler is not None:
             self.scheduler.step()
         self.vsw.after_step()
-        self.buffers.end_iteration(loss_sum)  # exact running statistics and the global loss: one all-reduce
-        return loss_sum.detach().to(torch.float64) / self.plan.workers
+        self.buffers.end_iteration()  # exact running statistics, and the loss summed over ranks
+        loss_sum = self.worker_step.loss_sum
+        assert loss_sum is not None
+        return loss_sum.to(torch.float64) / self.plan.workers
 
     # -- validation ----------------------------------------------------------------------------
 

@@ -29,12 +29,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from jabascli.engine.buffers import BufferSync
+from jabascli.engine.data import BatchLoader, seed_worker
 from jabascli.engine.sampler import MicroBatch
 
 VSW_STRATEGIES = ("sequential", "streams")
-
-Load = Callable[[Sequence[int]], tuple[Any, Any]]
-"""Loads samples by index onto the device: ``(inputs, target)`` (a :class:`~jabascli.engine.data.BatchLoader`)."""
 
 
 class Emulation:
@@ -72,14 +70,19 @@ class WorkerStep:
     """One worker micro-step: seed, load, forward, scaled backward, buffer terms, emulated slowdown."""
 
     loss_fn: Callable[[Any, Any], torch.Tensor]
-    load: Load
+    load: BatchLoader
     workers: int
     """GBS / LBS: every worker's mean loss is divided by it."""
     buffers: BufferSync
     emulation: Emulation
+    loss_sum: torch.Tensor | None = None
+    """The sum of the (unscaled) losses of the rank's micro-steps so far in this iteration."""
 
-    def __call__(self, module: nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> torch.Tensor:
-        torch.manual_seed(mb.seed)  # a worker's randomness depends on its samples only, not on the plan
+    def begin(self) -> None:
+        self.loss_sum = None
+
+    def __call__(self, module: nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> None:
+        seed_worker(mb.seed, self.load.device)  # a worker's randomness follows its samples, not the plan
         inputs, target = self.load(mb.indices)
         self.buffers.before_micro_step(replica, mb.worker)
         start = time.perf_counter()
@@ -87,14 +90,17 @@ class WorkerStep:
         loss = self.loss_fn(output, target)
         self.emulation.pause_since(start)
         self.buffers.after_micro_step(replica, mb.worker)
+        self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
         if sync:
+            # All of the rank's forwards are done: start the statistics-and-loss all-reduce, so that
+            # it overlaps this backward.
+            self.buffers.launch(self.loss_sum)
             self.emulation.backward_started()  # the slowdown sleep happens before the last all-reduce
             (loss / self.workers).backward()
         else:
             start = time.perf_counter()
             (loss / self.workers).backward()
             self.emulation.pause_since(start)
-        return loss.detach()
 
 
 class VswStrategy:
@@ -105,9 +111,10 @@ class VswStrategy:
     def __init__(self, replicas: Sequence[nn.Module], ddp: DistributedDataParallel) -> None:
         self.replicas = list(replicas)
         self.ddp = ddp
+        self._params = [list(r.parameters()) for r in self.replicas]
 
-    def run(self, micro_batches: Sequence[MicroBatch], step: WorkerStep) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns the sum of their (unscaled) losses."""
+    def run(self, micro_batches: Sequence[MicroBatch], step: WorkerStep) -> None:
+        """Forward and backward of every micro-batch; the last backward synchronises."""
         raise NotImplementedError
 
     def replica_params(self) -> list[list[nn.Parameter]]:
@@ -116,9 +123,9 @@ class VswStrategy:
 
     def zero_grad(self) -> None:
         # Replica 0's gradients are views into DDP's buckets: zero them in place to keep the views.
-        for p in self.replicas[0].parameters():
-            if p.grad is not None:
-                p.grad.zero_()
+        grads = [p.grad for p in self._params[0] if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
 
     def after_step(self) -> None:
         """Bring the other replicas' parameters up to date with replica 0's."""
@@ -129,14 +136,12 @@ class SequentialVsw(VswStrategy):
 
     name = "sequential"
 
-    def run(self, micro_batches: Sequence[MicroBatch], step: WorkerStep) -> torch.Tensor:
+    def run(self, micro_batches: Sequence[MicroBatch], step: WorkerStep) -> None:
         *local, last = micro_batches
-        losses = []
         with self.ddp.no_sync():
             for mb in local:
-                losses.append(step(self.ddp, 0, mb))
-        losses.append(step(self.ddp, 0, last, sync=True))
-        return torch.stack(losses).sum()
+                step(self.ddp, 0, mb)
+        step(self.ddp, 0, last, sync=True)
 
 
 class StreamsVsw(VswStrategy):
@@ -153,31 +158,28 @@ class StreamsVsw(VswStrategy):
 
     def __init__(self, replicas: Sequence[nn.Module], ddp: DistributedDataParallel) -> None:
         super().__init__(replicas, ddp)
-        cuda = next(self.replicas[0].parameters()).is_cuda
+        cuda = self._params[0][0].is_cuda
         self.streams = [torch.cuda.Stream() for _ in self.replicas[1:]] if cuda else None
-        self._params = [list(r.parameters()) for r in self.replicas]
 
     def replica_params(self) -> list[list[nn.Parameter]]:
         return self._params[1:]
 
-    def run(self, micro_batches: Sequence[MicroBatch], step: WorkerStep) -> torch.Tensor:
+    def run(self, micro_batches: Sequence[MicroBatch], step: WorkerStep) -> None:
         by_replica: list[list[MicroBatch]] = [[] for _ in self.replicas]
         for mb in micro_batches:
             by_replica[mb.vsw].append(mb)
-        losses = []
         for v in range(1, len(self.replicas)):
             with self._on_stream(v):
                 for mb in by_replica[v]:
-                    losses.append(step(self.replicas[v], v, mb))
+                    step(self.replicas[v], v, mb)
         *local, last = by_replica[0]
         with self.ddp.no_sync():
             for mb in local:
-                losses.append(step(self.ddp, 0, mb))
+                step(self.ddp, 0, mb)
         if self.streams is not None:
             for stream in self.streams:
                 torch.cuda.current_stream().wait_stream(stream)
-        losses.append(step(self.ddp, 0, last, sync=True))
-        return torch.stack(losses).sum()
+        step(self.ddp, 0, last, sync=True)
 
     def zero_grad(self) -> None:
         super().zero_grad()
