@@ -172,3 +172,12 @@ def test_a_gbs_larger_than_the_training_set_exits_2(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["train", "-c", str(config)])
     assert result.exit_code == 2, result.output
     assert f"{config}: job.lbs: GBS 12 is more than the 10 training samples" in result.stderr
+
+
+def test_without_a_plan_file_the_config_is_named_when_ranks_do_not_match(tmp_path: Path) -> None:
+    loaded = config(tmp_path)
+    with pytest.raises(InputError) as err:
+        load_plan(loaded).check_world_size(1)
+    problem = err.value.problems[0]
+    assert (problem.file, problem.field) == (str(loaded.path), "cluster.servers")
+    assert "torchrun --nproc-per-node 6" in problem.message

@@ -20,6 +20,7 @@ and the field.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,8 +59,9 @@ class TrainingPlan:
     ranks: tuple[RankPlan, ...]
     weight_sync: str = "recommend"
     """``sequential``, ``overlap`` or ``recommend`` (decided by the trainer from the bucket profile)."""
-    source: str = "config"
-    """Where the plan came from: ``config`` or the plan file's path."""
+    file: str = ""
+    """The file the plan came from: the plan file, or the config."""
+    from_plan_file: bool = False
 
     @property
     def world_size(self) -> int:
@@ -84,11 +86,12 @@ class TrainingPlan:
     def check_world_size(self, world_size: int) -> None:
         """A plan must name exactly the ranks that exist."""
         if world_size != self.world_size:
-            field = "assignments" if self.source != "config" else "cluster.servers"
+            field = "assignments" if self.from_plan_file else "cluster.servers"
             raise InputError.at(
-                self.source,
+                self.file,
                 field,
-                f"the plan has {self.world_size} ranks (one per GPU) but WORLD_SIZE is {world_size}",
+                f"the plan has {self.world_size} ranks (one per GPU) but WORLD_SIZE is {world_size}: "
+                f"start one trainer per rank (`jabas run`, or torchrun --nproc-per-node {self.world_size})",
             )
 
     def describe(self) -> str:
@@ -139,7 +142,7 @@ def plan_from_config(loaded: LoadedConfig) -> TrainingPlan:
             ranks.append(_rank(len(ranks), server, server.name, server.device_type, server.vsw, server.ga))
     if not ranks:
         raise InputError.at(loaded.path, "cluster.servers", "no servers to train on")
-    return TrainingPlan(cfg.job.lbs, tuple(ranks), cfg.job.weight_sync, "config")
+    return TrainingPlan(cfg.job.lbs, tuple(ranks), cfg.job.weight_sync, str(loaded.path))
 
 
 def load_plan(loaded: LoadedConfig, plan_path: Path | None = None) -> TrainingPlan:
@@ -153,7 +156,7 @@ def load_plan(loaded: LoadedConfig, plan_path: Path | None = None) -> TrainingPl
         return plan_from_config(loaded)
     plan = read_plan_file(Path(path), loaded)
     if loaded.config.job.weight_sync != "recommend":
-        plan = TrainingPlan(plan.lbs, plan.ranks, loaded.config.job.weight_sync, plan.source)
+        plan = dataclasses.replace(plan, weight_sync=loaded.config.job.weight_sync)
     return plan
 
 
@@ -224,7 +227,7 @@ def parse_plan(raw: Any, path: Path | str, loaded: LoadedConfig) -> TrainingPlan
     if problems:
         raise InputError(problems)
     assert lbs is not None
-    return TrainingPlan(lbs, tuple(ranks), str(weight_sync), str(path))
+    return TrainingPlan(lbs, tuple(ranks), str(weight_sync), str(path), from_plan_file=True)
 
 
 def _int_field(obj: dict[str, Any], key: str, minimum: int, problem: Any, prefix: str = "") -> int | None:

@@ -145,8 +145,10 @@ class Trainer:
         self.val_set = self.workload.val_dataset()
         self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)
         if self.sampler.iterations_per_epoch(plan.gbs) == 0:
-            where, field = (loaded.path, "job.lbs") if plan.source == "config" else (plan.source, "gbs")
-            raise InputError.at(where, field, f"GBS {plan.gbs} is more than the {len(self.train_set)} training samples")
+            field = "gbs" if plan.from_plan_file else "job.lbs"
+            raise InputError.at(
+                plan.file, field, f"GBS {plan.gbs} is more than the {len(self.train_set)} training samples"
+            )
 
         # How this rank runs its workers (VSW strategy) and combines gradients (weight sync).
         self.weight_sync, self.weight_sync_reason = self._choose_weight_sync(plan.weight_sync)
@@ -293,8 +295,7 @@ class Trainer:
                 "(it needs an optimizer that updates each parameter on its own: SGD, Adam, AdamW ...)",
             )
         if requested != "recommend":
-            source = "plan file" if self.plan.source != "config" else "[job] weight_sync"
-            return requested, f"set in the {source}"
+            return requested, "set in the plan file" if self.plan.from_plan_file else "set in [job] weight_sync"
         profile = read_bucket_profile(self.loaded.profile_dirs().bucket, self.workload.name)
         if profile is None:
             profile = [size / 1e6 for size in bucket_sizes(self.model, self.options.bucket_cap_mb)]
