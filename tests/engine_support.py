@@ -31,8 +31,27 @@ def _dtype(options):
     return torch.float64 if options.get("dtype", "float64") == "float64" else torch.float32
 
 
+class Counter(nn.Module):
+    # A buffer that is not BatchNorm's: samples seen by this replica (differs between ranks).
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            self.seen += x.shape[0]
+        return x
+
+
 def build_model(options):
     _OPTIONS.update(options)
+    if options.get("counter"):
+        return nn.Sequential(Counter(), _layers(options)).to(_dtype(options))
+    return _layers(options)
+
+
+def _layers(options):
     model = nn.Sequential(
         nn.Linear(FEATURES, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(options.get("dropout", 0.2)),
         nn.Linear(16, 12), nn.BatchNorm1d(12, momentum=options.get("bn_momentum", 0.1)), nn.ReLU(),

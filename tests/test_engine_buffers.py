@@ -95,12 +95,16 @@ def _trainer_rank(rank: int, world: int, port: int, config: str, out: str) -> No
 
 
 def test_every_replica_on_every_rank_ends_with_the_same_parameters_and_buffers(tmp_path: Path) -> None:
-    config = write_job(tmp_path, [(2, 1), (1, 0), (3, 0)], vsw_strategy="streams", weight_sync="overlap")
+    options = {"counter": True}  # plus a buffer that is not BatchNorm's, counting differently on every rank
+    config = write_job(
+        tmp_path, [(2, 1), (1, 0), (3, 0)], vsw_strategy="streams", weight_sync="overlap", options=options
+    )
     out = tmp_path / "states.pt"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_trainer_rank, args=(3, free_port(), str(config), str(out)), nprocs=3)
     states = torch.load(out, weights_only=True)
     assert len(states) == 2 + 1 + 3  # every replica of every rank
+    assert float(states[0]["0.seen"]) == 6 * 2 * 4  # rank 0, replica 0: 6 iterations of 2 micro-batches of 4
     for other in states[1:]:
         for name, value in states[0].items():
             assert torch.equal(value, other[name]), name

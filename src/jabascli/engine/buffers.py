@@ -19,8 +19,9 @@ The rule (see docs/engine.md, "BatchNorm and buffers"):
   (started before the rank's last backward, so it overlaps it) sums them, and
   every rank adds ``r0 * prod (1 - f_k)``. The statistics, and
   therefore evaluation, do not depend on how the GBS was split across devices.
-* Every other buffer is broadcast from rank 0 at the end of each iteration, as
-  DDP does at the start of each forward.
+* Every other buffer takes the value of rank 0's replica 0 at the end of each
+  iteration (one broadcast per dtype), as DDP broadcasts rank 0's buffers at
+  the start of each forward.
 
 Assumes each normalisation layer runs once per forward (a layer applied twice
 in one forward updates its statistics twice per micro-batch).
@@ -145,8 +146,10 @@ class BufferSync:
             return
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             root = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-            for b in source:
-                dist.broadcast(b, root, group=self.group)
+            for tensors in _by_dtype(source):  # one broadcast per dtype, as DDP coalesces them
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+                dist.broadcast(flat, root, group=self.group)
+                _unflatten(flat, tensors)
         for replica in per_replica[1:]:
             for dst, src in zip(replica, source, strict=True):
                 dst.copy_(src)
@@ -178,23 +181,32 @@ class AsyncSum:
         self._parts: list[tuple[torch.Tensor, list[torch.Tensor], Any]] = []
         if not tensors or not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-            flat = torch.cat([t.reshape(-1) for t in by_dtype[dtype]])
-            self._parts.append((flat, by_dtype[dtype], dist.all_reduce(flat, group=group, async_op=True)))
+        for same in _by_dtype(tensors):
+            flat = torch.cat([t.reshape(-1) for t in same])
+            self._parts.append((flat, same, dist.all_reduce(flat, group=group, async_op=True)))
 
     def wait(self) -> None:
         for flat, tensors, work in self._parts:
             work.wait()
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            _unflatten(flat, tensors)
         self._parts = []
 
 
 def allreduce_sum(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
     """SUM-all-reduce tensors in place with one collective per dtype (flattened)."""
     AsyncSum(tensors, group).wait()
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped by dtype, groups in the same order on every rank."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return [groups[dtype] for dtype in sorted(groups, key=str)]
+
+
+def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
