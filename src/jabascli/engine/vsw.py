@@ -4,11 +4,11 @@ Two strategies behind one interface (:class:`VswStrategy`):
 
 * ``sequential``: one model replica; the micro-batches run one after another
   and their gradients accumulate in it. Least memory; runs everywhere.
-* ``streams``: one replica per VSW. On CUDA each replica runs on its own
-  ``torch.cuda.Stream``, so the VSWs' kernels overlap; their gradients are
-  added into replica 0's buckets just before each bucket's all-reduce (see
-  :mod:`jabascli.engine.weight_sync`). On the CPU the replicas run in turn,
-  which is how CI tests this path.
+* ``streams``: one replica per VSW. On CUDA, replicas 1.. run on their own
+  ``torch.cuda.Stream`` and replica 0 on the current stream, so the VSWs'
+  kernels overlap; their gradients are added into replica 0's buckets just
+  before each bucket's all-reduce (see :mod:`jabascli.engine.weight_sync`). On
+  the CPU the replicas run in turn, which is how CI tests this path.
 
 In both, only the rank's last micro-step (on replica 0) runs a synchronising
 backward; every other micro-step runs under ``no_sync``, so there is one

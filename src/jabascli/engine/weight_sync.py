@@ -124,8 +124,9 @@ class GradientSync:
     # Unannotated on purpose: DDP checks the annotations' values, and this module's are strings.
     def hook(self, state, bucket):  # (object, dist.GradBucket) -> torch.futures.Future[torch.Tensor]
         params = bucket.parameters()
+        if self.replicas or self.optimizer is not None:
+            _check_views(params, bucket.buffer())
         if self.replicas:
-            # With gradient_as_bucket_view, replica 0's grads are views into the bucket.
             grads = [p.grad for p in params]
             for replica in self.replicas:
                 theirs = [replica[self._index[p]].grad for p in params]
@@ -144,6 +145,17 @@ class GradientSync:
             return f.value()[0]
 
         return future.then(apply)
+
+
+def _check_views(params: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
+    """Replica 0's ``.grad`` must alias the bucket (``gradient_as_bucket_view``): both uses above rely on it."""
+    storage = buffer.untyped_storage().data_ptr()
+    for p in params:
+        if p.grad is None or p.grad.untyped_storage().data_ptr() != storage:
+            raise RuntimeError(
+                "a gradient is not a view into its DDP bucket; local VSW aggregation and per-bucket optimizer "
+                "steps need DistributedDataParallel(gradient_as_bucket_view=True)"
+            )
 
 
 @dataclass(frozen=True)
