@@ -128,7 +128,7 @@ class _RunDisplay:
         self.disable = disable
         self.start: dict[str, Any] = {}
         self.progress = Progress(
-            TextColumn("[bold]epoch {task.fields[epoch]}"),
+            TextColumn("[bold]{task.fields[epoch]}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("step {task.fields[step]}  GBS {task.fields[gbs]}"),
@@ -138,7 +138,9 @@ class _RunDisplay:
             disable=disable,
             transient=True,
         )
-        self.task = self.progress.add_task("train", total=None, epoch="-", step=0, gbs="-", rate="-", loss="-")
+        self.task = self.progress.add_task(
+            "train", total=None, epoch="starting trainers", step=0, gbs="-", rate="-", loss="-"
+        )
 
     def __enter__(self) -> _RunDisplay:
         self.progress.__enter__()
@@ -161,13 +163,13 @@ class _RunDisplay:
                 console.print(f"[bold]{escape(event['job'])}[/bold]: {escape(details)}", highlight=False)
             total = event["steps_per_epoch"]
             self.progress.update(self.task, total=total, completed=event["position"] // event["gbs"])
-            self.progress.update(self.task, epoch=f"{event['epoch'] + 1}/{event['epochs']}", gbs=event["gbs"])
+            self.progress.update(self.task, epoch=f"epoch {event['epoch'] + 1}/{event['epochs']}", gbs=event["gbs"])
         elif kind == "step":
             self.progress.update(
                 self.task,
                 completed=event["epoch_step"],
                 total=event["epoch_steps"],
-                epoch=f"{event['epoch'] + 1}/{self.start.get('epochs', '?')}",
+                epoch=f"epoch {event['epoch'] + 1}/{self.start.get('epochs', '?')}",
                 step=event["step"],
                 gbs=event["gbs"],
                 rate=f"{event['samples_per_s']:.0f}",
