@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from jabascli.engine.plan import TrainingPlan
+from jabascli.errors import InputError
 
 _MASK64 = (1 << 64) - 1
 
@@ -76,7 +77,7 @@ class IIDPSampler:
 
     def __init__(self, dataset_size: int, seed: int) -> None:
         if dataset_size <= 0:
-            raise ValueError("the training dataset is empty")
+            raise InputError.at(None, "job.workload", "the workload's training dataset is empty")
         self.dataset_size = dataset_size
         self.seed = seed
 
