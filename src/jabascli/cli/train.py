@@ -3,76 +3,192 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, not_implemented, print_json
+from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
 from jabascli.config import load_config
+from jabascli.engine.options import DEFAULT_BUCKET_CAP_MB, TrainOptions
+
+PlanOption = Annotated[
+    Path | None, typer.Option("--plan", help="A plan from `jabas solve --out` (default: [job] plan).")
+]
+ResumeOption = Annotated[Path | None, typer.Option("--resume", help="Checkpoint to resume from.")]
+CheckpointEveryOption = Annotated[
+    int | None,
+    typer.Option(
+        "--checkpoint-every", min=1, help="Also checkpoint every N iterations (always: every epoch end and at exit)."
+    ),
+]
+BucketCapOption = Annotated[
+    float, typer.Option("--bucket-cap-mb", min=0.0001, help="DDP gradient bucket size in MiB (DDP's default: 25).")
+]
+MaxStepsOption = Annotated[
+    int | None, typer.Option("--max-steps", min=1, help="Stop after N iterations in total (a checkpoint is written).")
+]
 
 
 @cli_command
 def train(
     config: ConfigOption,
-    plan: Annotated[Path | None, typer.Option(help="A plan from `jabas solve --out` (default: [job] plan).")] = None,
-    resume: Annotated[Path | None, typer.Option(help="Checkpoint to resume from.")] = None,
+    plan: PlanOption = None,
+    resume: ResumeOption = None,
+    checkpoint_every: CheckpointEveryOption = None,
+    max_steps: MaxStepsOption = None,
+    bucket_cap_mb: BucketCapOption = DEFAULT_BUCKET_CAP_MB,
+    metrics: Annotated[bool, typer.Option(help="Write metrics to the run folder (rank 0).")] = True,
 ) -> None:
     """Run one trainer process; rank and world come from the torch.distributed environment.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, so it runs
     under plain torchrun as well as under `jabas run` and `jabas worker`.
+    Without WORLD_SIZE it trains alone (a plan of one rank).
 
     Example:
 
         torchrun --nproc-per-node 2 -m jabascli train -c jabas.toml
     """
-    not_implemented("train", 3)
+    from jabascli.engine.events import events_from_environment
+    from jabascli.engine.trainer import run_trainer
+
+    loaded = load_config(config)
+    options = TrainOptions(
+        plan=plan,
+        resume=resume,
+        checkpoint_every=checkpoint_every,
+        max_steps=max_steps,
+        bucket_cap_mb=bucket_cap_mb,
+        metrics=metrics,
+    )
+    run_trainer(loaded, options, on_event=events_from_environment() or _print_epoch)
+
+
+def _print_epoch(event: dict[str, Any]) -> None:
+    """Rank 0's report when no launcher listens: one line per epoch."""
+    if event.get("event") == "epoch":
+        console.print(_epoch_line(event), highlight=False, markup=False)
+    elif event.get("event") == "done" and event["results"] and event["results"][-1]["val_accuracy"] is not None:
+        console.print(f"validation accuracy: {event['results'][-1]['val_accuracy']:.4f}")
+
+
+def _epoch_line(e: dict[str, Any]) -> str:
+    parts = [f"epoch {e['epoch'] + 1}", f"train loss {_num(e['train_loss'])}", f"val loss {_num(e['val_loss'])}"]
+    if e.get("val_accuracy") is not None:
+        parts.append(f"val accuracy {e['val_accuracy']:.4f}")
+    parts.append(f"{e['samples_per_s']:.0f} samples/s")
+    return ", ".join(parts)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 @cli_command
-def run(config: ConfigOption, json_out: JsonOption = False) -> None:
-    """Train the whole job on this machine: scheduler, worker and trainers in one command.
+def run(
+    config: ConfigOption,
+    plan: PlanOption = None,
+    resume: ResumeOption = None,
+    checkpoint_every: CheckpointEveryOption = None,
+    max_steps: MaxStepsOption = None,
+    bucket_cap_mb: BucketCapOption = DEFAULT_BUCKET_CAP_MB,
+    json_out: JsonOption = False,
+) -> None:
+    """Train the whole job on this machine: one trainer process per device (or emulated device).
+
+    Shows progress (epoch, step, GBS, samples/s, loss) and a validation table;
+    metrics also go to the run folder as CSV, JSON lines and TensorBoard scalars.
 
     Example:
 
         jabas run -c examples/quickstart.toml
     """
-    from jabascli.engine.local import fixed_gbs, train_single_process
+    from jabascli.engine.launch import run_local
 
     loaded = load_config(config)
-    cfg = loaded.config
-    lbs, gbs = fixed_gbs(loaded)
-    with Progress(
-        TextColumn("[bold]epoch {task.fields[epoch]}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=json_out,
-        transient=True,
-    ) as progress:
-        task = progress.add_task("train", total=None, epoch=0, loss=float("nan"))
-
-        def on_step(epoch: int, step: int, loss: float) -> None:
-            progress.update(task, completed=step + 1, epoch=epoch + 1, loss=loss)
-
-        results = train_single_process(loaded, on_step)
+    options = TrainOptions(
+        plan=plan, resume=resume, checkpoint_every=checkpoint_every, max_steps=max_steps, bucket_cap_mb=bucket_cap_mb
+    )
+    with _RunDisplay(disable=json_out) as display:
+        result = run_local(loaded, options, on_event=display)
+    results = result.done["results"]
     if json_out:
-        print_json([r.__dict__ for r in results])
+        print_json(results)
         return
-    table = Table(title=f"{cfg.job.name}: LBS {lbs}, GBS {gbs}")
-    for column in ("epoch", "train loss", "val loss", "val accuracy"):
+    _print_results(loaded.config.job.name, display.start, results)
+
+
+class _RunDisplay:
+    """One Rich progress bar for the whole job, fed by rank 0's events."""
+
+    def __init__(self, disable: bool) -> None:
+        self.disable = disable
+        self.start: dict[str, Any] = {}
+        self.progress = Progress(
+            TextColumn("[bold]{task.fields[epoch]}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("step {task.fields[step]}  GBS {task.fields[gbs]}"),
+            TextColumn("{task.fields[rate]} samples/s  loss {task.fields[loss]}"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=disable,
+            transient=True,
+        )
+        self.task = self.progress.add_task(
+            "train", total=None, epoch="starting trainers", step=0, gbs="-", rate="-", loss="-"
+        )
+
+    def __enter__(self) -> _RunDisplay:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(*exc)  # type: ignore[arg-type]
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "start":
+            self.start = event
+            if not self.disable:
+                details = (
+                    f"{event['world_size']} trainers on {event['device']}, "
+                    f"GBS {event['gbs']} = LBS {event['lbs']} x {event['workers']} workers ({event['plan']}), "
+                    f"weight sync {event['weight_sync']} ({event['weight_sync_reason']}), "
+                    f"VSW strategy {event['vsw_strategy']}"
+                )
+                console.print(f"[bold]{escape(event['job'])}[/bold]: {escape(details)}", highlight=False)
+            total = event["steps_per_epoch"]
+            self.progress.update(self.task, total=total, completed=event["position"] // event["gbs"])
+            self.progress.update(self.task, epoch=f"epoch {event['epoch'] + 1}/{event['epochs']}", gbs=event["gbs"])
+        elif kind == "step":
+            self.progress.update(
+                self.task,
+                completed=event["epoch_step"],
+                total=event["epoch_steps"],
+                epoch=f"epoch {event['epoch'] + 1}/{self.start.get('epochs', '?')}",
+                step=event["step"],
+                gbs=event["gbs"],
+                rate=f"{event['samples_per_s']:.0f}",
+                loss=f"{event['loss']:.4f}",
+            )
+        elif kind == "epoch" and not self.disable:
+            self.progress.console.print(_epoch_line(event), highlight=False, markup=False)
+
+
+def _print_results(job: str, start: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    title = f"{job}: GBS {start.get('gbs', '?')} (LBS {start.get('lbs', '?')}), {start.get('plan', '')}"
+    table = Table(title=title)
+    for column in ("epoch", "train loss", "val loss", "val accuracy", "samples/s"):
         table.add_column(column, justify="right")
     for r in results:
+        accuracy = "-" if r["val_accuracy"] is None else f"{r['val_accuracy']:.4f}"
         table.add_row(
-            str(r.epoch + 1),
-            f"{r.train_loss:.4f}",
-            "-" if r.val_loss is None else f"{r.val_loss:.4f}",
-            "-" if r.val_accuracy is None else f"{r.val_accuracy:.4f}",
+            str(r["epoch"] + 1), _num(r["train_loss"]), _num(r["val_loss"]), accuracy, f"{r['samples_per_s']:.0f}"
         )
     console.print(table)
-    if results and results[-1].val_accuracy is not None:
-        console.print(f"validation accuracy: {results[-1].val_accuracy:.4f}")
+    if results and results[-1]["val_accuracy"] is not None:
+        console.print(f"validation accuracy: {results[-1]['val_accuracy']:.4f}")

@@ -1,0 +1,212 @@
+"""Module buffers across VSWs and ranks: BatchNorm running statistics made exact.
+
+The rule (see docs/engine.md, "BatchNorm and buffers"):
+
+* In training mode every micro-batch is normalised with its own batch
+  statistics, as in a single process feeding the GBS samples in micro-batches
+  of LBS. Nothing here changes the forward pass, so gradients are exact.
+* Running statistics (``running_mean``, ``running_var``, ``num_batches_tracked``
+  of every ``BatchNorm*``/``InstanceNorm*`` layer that tracks them) end every
+  iteration equal, on every rank and replica, to those of that single process,
+  which updates them once per micro-batch in worker order. The update
+  ``r <- (1 - f_k) r + f_k s_k`` (``f_k`` the momentum, or ``1 / (n0 + k + 1)``
+  for ``momentum=None``) is affine, so after the ``W`` workers of an iteration::
+
+      r = r0 * prod_k (1 - f_k) + sum_k f_k s_k * prod_{j > k} (1 - f_j)
+
+  Each worker's term ``f_k s_k`` is what the layer writes into a zeroed buffer;
+  a rank weights its workers' terms by their global index, one all-reduce
+  (started before the rank's last backward, so it overlaps it) sums them, and
+  every rank adds ``r0 * prod (1 - f_k)``. The statistics, and
+  therefore evaluation, do not depend on how the GBS was split across devices.
+* Every other buffer takes the value of rank 0's replica 0 at the end of each
+  iteration (one broadcast per dtype), as DDP broadcasts rank 0's buffers at
+  the start of each forward.
+
+Assumes each normalisation layer runs once per forward (a layer applied twice
+in one forward updates its statistics twice per micro-batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from jabascli.errors import InputError
+
+try:  # every BatchNorm*/InstanceNorm* layer; private name, stable since torch 1.x
+    from torch.nn.modules.batchnorm import _NormBase as _Norm
+except ImportError:  # pragma: no cover
+    from torch.nn.modules.batchnorm import _BatchNorm as _Norm
+
+
+def norm_layers(model: nn.Module) -> list[nn.Module]:
+    layers = [m for m in model.modules() if isinstance(m, _Norm)]
+    for m in layers:
+        if isinstance(m, nn.SyncBatchNorm):
+            raise InputError.at(
+                None,
+                "model",
+                "SyncBatchNorm normalises over all ranks in every forward, which cannot run with per-rank "
+                "VSW/GA counts; use BatchNorm (jabas keeps its running statistics exact, see docs/engine.md)",
+            )
+    return layers
+
+
+class BufferSync:
+    """Keeps the buffers of a model's VSW replicas exact and identical across ranks.
+
+    Per iteration: :meth:`begin`, then :meth:`before_micro_step` /
+    :meth:`after_micro_step` around every worker's forward on its replica,
+    :meth:`launch` once the rank's forwards are done, and :meth:`end_iteration`.
+    """
+
+    def __init__(self, replicas: Sequence[nn.Module], workers: int, group: dist.ProcessGroup | None = None) -> None:
+        self.replicas = list(replicas)
+        self.workers = workers
+        self.group = group
+        self._norms = [norm_layers(r) for r in self.replicas]
+        in_norms = {id(b) for m in self._norms[0] for b in m.buffers(recurse=False)}
+        other = [name for name, b in self.replicas[0].named_buffers() if id(b) not in in_norms]
+        self._other = [[dict(r.named_buffers())[name] for name in other] for r in self.replicas]
+        self._groups: list[_Group] = []
+        self._pending: AsyncSum | None = None
+
+    # -- per iteration -------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Snapshot the statistics all workers of this iteration start from."""
+        groups: dict[tuple[float, int], list[int]] = {}
+        for i, m in enumerate(self._norms[0]):
+            if m.training and m.track_running_stats and m.running_mean is not None:
+                # momentum None: cumulative average, f = 1 / num_batches_tracked (a host read, rare)
+                key = (-1.0, int(m.num_batches_tracked)) if m.momentum is None else (float(m.momentum), 0)
+                groups.setdefault(key, []).append(i)
+        self._groups = [_Group(key, idx, self._norms, self.workers) for key, idx in groups.items()]
+
+    def before_micro_step(self, replica: int, worker: int) -> None:
+        """Zero the replica's running statistics, so that its layers write ``f_k s_k`` into them."""
+        for g in self._groups:
+            torch._foreach_zero_(g.stats[replica])
+            if g.cumulative:  # the layer's factor is 1 / (num_batches_tracked + 1)
+                for m in g.layers[replica]:
+                    m.num_batches_tracked.fill_(g.n0 + worker)
+
+    def after_micro_step(self, replica: int, worker: int) -> None:
+        """Add worker ``worker``'s term, weighted by the decay of the workers after it."""
+        for g in self._groups:
+            torch._foreach_add_(g.acc[replica], g.stats[replica], alpha=g.weights[worker])
+
+    def launch(self, extra: torch.Tensor | None = None) -> None:
+        """Start summing the terms over replicas and ranks (with ``extra``, e.g. the loss) without waiting.
+
+        Called once all of the rank's forwards are done, just before its last
+        backward, so that the all-reduce overlaps that backward.
+        """
+        for g in self._groups:
+            for acc in g.acc[1:]:
+                torch._foreach_add_(g.acc[0], acc)
+        tensors = [t for g in self._groups for t in g.acc[0]]
+        self._pending = AsyncSum([*tensors, extra] if extra is not None else tensors, self.group)
+
+    def end_iteration(self, extra: torch.Tensor | None = None) -> None:
+        """Finish the sum (launching it first if :meth:`launch` was not called) and write the buffers.
+
+        ``extra``, given here or to :meth:`launch`, is summed over ranks in place.
+        """
+        if self._pending is None:
+            self.launch(extra)
+        assert self._pending is not None
+        self._pending.wait()
+        self._pending = None
+        for g in self._groups:
+            torch._foreach_mul_(g.start_stats, g.total_decay)
+            torch._foreach_add_(g.start_stats, g.acc[0])
+            torch._foreach_add_(g.start_counts, self.workers)
+            for stats, layers in zip(g.stats, g.layers, strict=True):
+                torch._foreach_copy_(stats, g.start_stats)
+                for m, count in zip(layers, g.start_counts, strict=True):
+                    m.num_batches_tracked.copy_(count)
+        self._groups = []
+        self._broadcast(self._other)
+
+    # -- whole model ---------------------------------------------------------------------------
+
+    def broadcast_all(self) -> None:
+        """Make every buffer equal to rank 0's replica 0, on every rank and replica."""
+        self._broadcast([list(r.buffers()) for r in self.replicas])
+
+    def _broadcast(self, per_replica: list[list[torch.Tensor]]) -> None:
+        source = per_replica[0]
+        if not source:
+            return
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            root = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+            for tensors in _by_dtype(source):  # one broadcast per dtype, as DDP coalesces them
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+                dist.broadcast(flat, root, group=self.group)
+                _unflatten(flat, tensors)
+        for replica in per_replica[1:]:
+            for dst, src in zip(replica, source, strict=True):
+                dst.copy_(src)
+
+
+class _Group:
+    """Normalisation layers that share one update factor sequence in an iteration."""
+
+    def __init__(self, key: tuple[float, int], indices: list[int], norms: list[list[nn.Module]], workers: int) -> None:
+        momentum, self.n0 = key
+        self.cumulative = momentum < 0
+        factors = [1.0 / (self.n0 + k + 1) if self.cumulative else momentum for k in range(workers)]
+        # weights[k] = prod_{j > k} (1 - f_j); total_decay = prod_j (1 - f_j)
+        self.weights = [1.0] * workers
+        for k in range(workers - 2, -1, -1):
+            self.weights[k] = self.weights[k + 1] * (1 - factors[k + 1])
+        self.total_decay = self.weights[0] * (1 - factors[0])
+        self.layers = [[replica[i] for i in indices] for replica in norms]
+        self.stats = [[t for m in layers for t in (m.running_mean, m.running_var)] for layers in self.layers]
+        self.start_stats = [t.clone() for t in self.stats[0]]
+        self.start_counts = [m.num_batches_tracked.clone() for m in self.layers[0]]
+        self.acc = [[torch.zeros_like(t) for t in stats] for stats in self.stats]
+
+
+class AsyncSum:
+    """SUM-all-reduce tensors in place, one collective per dtype (flattened), without waiting."""
+
+    def __init__(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+        self._parts: list[tuple[torch.Tensor, list[torch.Tensor], Any]] = []
+        if not tensors or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return
+        for same in _by_dtype(tensors):
+            flat = torch.cat([t.reshape(-1) for t in same])
+            self._parts.append((flat, same, dist.all_reduce(flat, group=group, async_op=True)))
+
+    def wait(self) -> None:
+        for flat, tensors, work in self._parts:
+            work.wait()
+            _unflatten(flat, tensors)
+        self._parts = []
+
+
+def allreduce_sum(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """SUM-all-reduce tensors in place with one collective per dtype (flattened)."""
+    AsyncSum(tensors, group).wait()
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped by dtype, groups in the same order on every rank."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return [groups[dtype] for dtype in sorted(groups, key=str)]
+
+
+def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -1,0 +1,174 @@
+"""Checkpoints: everything needed to continue training exactly, under any plan.
+
+A checkpoint holds the model (replica 0; buffers are identical everywhere),
+the optimizer, the LR scheduler, rank 0's random number generator states, the
+progress (epoch, position in the epoch in samples, iterations done), the
+configuration and plan it was written under, and the GBS history. None of it
+depends on the world size or on the per-rank (VSW, GA): the optimizer steps
+once per iteration on the whole model, and the sampler resumes at
+``perm[position:]`` (see :mod:`jabascli.engine.sampler`). So a checkpoint can be
+resumed by a different number of trainers with a different configuration.
+
+Written atomically by rank 0 (temporary file in the same folder, fsync, rename):
+an interrupted save leaves the previous checkpoint in place.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from jabascli.atomic import atomic_write
+from jabascli.errors import InputError
+
+FORMAT = "jabas-checkpoint"
+VERSION = 1
+
+
+@dataclass
+class Progress:
+    """Where training stands."""
+
+    epoch: int = 0
+    position: int = 0
+    """Samples of ``epoch`` already consumed."""
+    step: int = 0
+    """Iterations (optimizer steps) done since the start of training."""
+    gbs_history: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per change of GBS or plan: ``{step, epoch, position, gbs, lbs, plan}``."""
+
+    def record_plan(self, gbs: int, lbs: int, plan: str) -> None:
+        last = self.gbs_history[-1] if self.gbs_history else None
+        if last is None or (last["gbs"], last["lbs"], last["plan"]) != (gbs, lbs, plan):
+            entry = {"step": self.step, "epoch": self.epoch, "position": self.position, "gbs": gbs, "lbs": lbs}
+            self.gbs_history.append({**entry, "plan": plan})
+
+
+def fingerprint(model: nn.Module) -> dict[str, tuple[list[int], str]]:
+    """Name -> (shape, dtype) of every entry of the model's state dict."""
+    return {name: (list(t.shape), str(t.dtype)) for name, t in model.state_dict().items()}
+
+
+def rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    states["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos)}
+    states["numpy"].update(has_gauss=int(has_gauss), gauss=float(gauss))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(_tuples(states["python"]))
+    n = states["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "cuda" in states and torch.cuda.is_available():
+        cuda = states["cuda"][: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+def save_checkpoint(
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    progress: Progress,
+    workload: str,
+    config: dict[str, Any],
+    plan: dict[str, Any],
+) -> Path:
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "workload": workload,
+        "model": model.state_dict(),
+        "fingerprint": fingerprint(model),
+        "optimizer": optimizer.state_dict(),
+        "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+        "rng": rng_states(),
+        "progress": asdict(progress),
+        "config": config,
+        "plan": plan,
+    }
+    buffer = io.BytesIO()  # serialise first: a failure cannot leave a temporary file behind
+    torch.save(payload, buffer)
+    return atomic_write(path, lambda f: f.write(buffer.getbuffer()))
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a checkpoint file onto the CPU; anything that is not a jabas checkpoint is an InputError."""
+    if not path.is_file():
+        raise InputError.at(path, None, "checkpoint not found")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise InputError.at(path, None, f"not a readable checkpoint: {type(exc).__name__}: {exc}") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise InputError.at(path, None, "not a jabas checkpoint")
+    if payload.get("version") != VERSION:
+        raise InputError.at(path, "version", f"checkpoint version {payload.get('version')!r}, expected {VERSION}")
+    return payload
+
+
+def restore_checkpoint(
+    payload: dict[str, Any],
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+) -> Progress:
+    """Load states into a freshly built model, optimizer and scheduler; returns the progress."""
+    check_same_model(payload, path, model)
+    model.load_state_dict(payload["model"])
+    try:
+        optimizer.load_state_dict(payload["optimizer"])
+    except (ValueError, KeyError) as exc:
+        raise InputError.at(path, "optimizer", f"does not fit this workload's optimizer: {exc}") from None
+    if scheduler is not None and payload.get("lr_scheduler") is not None:
+        scheduler.load_state_dict(payload["lr_scheduler"])
+    set_rng_states(payload["rng"])
+    return Progress(**payload["progress"])
+
+
+def check_same_model(payload: dict[str, Any], path: Path, model: nn.Module) -> None:
+    theirs = {name: (list(shape), dtype) for name, (shape, dtype) in payload["fingerprint"].items()}
+    ours = fingerprint(model)
+    if theirs == ours:
+        return
+    missing = sorted(set(ours) - set(theirs))
+    extra = sorted(set(theirs) - set(ours))
+    differ = sorted(n for n in set(ours) & set(theirs) if ours[n] != theirs[n])
+    details = []
+    if missing:
+        details.append(f"{len(missing)} tensors missing (e.g. {missing[0]!r})")
+    if extra:
+        details.append(f"{len(extra)} unexpected tensors (e.g. {extra[0]!r})")
+    if differ:
+        n = differ[0]
+        details.append(
+            f"{len(differ)} tensors differ (e.g. {n!r}: {theirs[n][0]} {theirs[n][1]} in the checkpoint, "
+            f"{ours[n][0]} {ours[n][1]} here)"
+        )
+    workload = payload.get("workload", "?")
+    raise InputError.at(path, "model", f"checkpoint is of another model (workload {workload!r}): {'; '.join(details)}")
+
+
+def check_resumable(path: Path, workload: Any) -> None:
+    """Fail early (InputError) unless ``path`` is a checkpoint of ``workload``'s model."""
+    payload = read_checkpoint(path)
+    check_same_model(payload, path, workload.build_model())

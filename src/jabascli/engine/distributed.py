@@ -1,0 +1,106 @@
+"""The trainer's place in the job: the torch.distributed environment, device and process group.
+
+A trainer reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT``, as set by ``jabas run``, ``jabas worker`` or plain
+``torchrun``. Without ``WORLD_SIZE`` it is a job of one rank and needs no
+rendezvous address.
+
+Device and backend: every rank runs on ``cuda:LOCAL_RANK`` with NCCL when CUDA
+is available and no server of the plan is emulated or of device type ``cpu``;
+otherwise every rank runs on the CPU with gloo. (All ranks decide from the
+same plan, so they agree.)
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from jabascli.engine.plan import TrainingPlan
+from jabascli.errors import InputError
+
+ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int | None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
+        env = os.environ if environ is None else environ
+        if "WORLD_SIZE" not in env:
+            return cls(0, 1, 0, None, None)
+        values = {name: _int_var(env, name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        addr = env.get("MASTER_ADDR")
+        if not addr:
+            raise InputError.at("environment", "MASTER_ADDR", "required when WORLD_SIZE is set")
+        world, rank = values["WORLD_SIZE"], values["RANK"]
+        if world < 1 or not 0 <= rank < world:
+            raise InputError.at("environment", "RANK", f"rank {rank} is outside a world of size {world}")
+        return cls(rank, world, values["LOCAL_RANK"], addr, values["MASTER_PORT"])
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int:
+    value = env.get(name)
+    if value is None:
+        raise InputError.at("environment", name, "required when WORLD_SIZE is set (see `jabas train --help`)")
+    try:
+        return int(value)
+    except ValueError:
+        raise InputError.at("environment", name, f"expected an integer (got {value!r})") from None
+
+
+def choose_device(plan: TrainingPlan, env: DistEnv) -> torch.device:
+    gpu_job = all(not r.emulated and r.device_type.lower() != "cpu" for r in plan.ranks)
+    if gpu_job and torch.cuda.is_available():
+        if env.local_rank >= torch.cuda.device_count():
+            raise InputError.at(
+                "environment",
+                "LOCAL_RANK",
+                f"local rank {env.local_rank} but this node has {torch.cuda.device_count()} CUDA devices",
+            )
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(env: DistEnv, device: torch.device) -> bool:
+    """Join the job's process group; returns False when one was already initialised (by the caller)."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if env.world_size == 1 and env.master_addr is None:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(
+            backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank, world_size=env.world_size
+        )
+    return True
+
+
+def wrap_ddp(module: nn.Module, device: torch.device, bucket_cap_mb: float) -> DistributedDataParallel:
+    """DDP over replica 0 with gradients as bucket views and no per-forward buffer broadcast.
+
+    Buffers are kept in step by :class:`~jabascli.engine.buffers.BufferSync` at
+    the end of every iteration instead (ranks run different numbers of forwards).
+    """
+    kwargs: dict[str, object] = {"gradient_as_bucket_view": True, "bucket_cap_mb": bucket_cap_mb}
+    if device.type == "cuda":
+        kwargs["device_ids"] = [device.index]
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        kwargs["forward_sync_buffers"] = False  # torch >= 2.13
+    else:
+        kwargs["broadcast_buffers"] = False
+    return DistributedDataParallel(module, **kwargs)

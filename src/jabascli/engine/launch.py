@@ -1,0 +1,272 @@
+"""The local launcher of ``jabas run``: one ``jabas train`` process per rank on this machine.
+
+Each trainer gets the torch.distributed environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), an equal
+share of the CPU threads (``OMP_NUM_THREADS``, unless set), and the write end
+of one pipe on which rank 0 reports progress and any rank reports its error
+(:mod:`jabascli.engine.events`). Each trainer's output goes to
+``<run folder>/logs/rank<R>.log``.
+
+Failures: when a trainer exits with an error, the others are stopped (SIGTERM,
+then SIGKILL after a grace period) and :class:`RuntimeFailure` (or
+:class:`InputError`, for a trainer's bad-input exit) names that rank and its
+error. An interrupt (Ctrl-C) stops every trainer the same way and propagates.
+Trainers run in their own sessions, so a terminal's Ctrl-C reaches only this
+process, which then stops them in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jabascli.config import LoadedConfig
+from jabascli.engine.events import EVENT_FD_ENV
+from jabascli.engine.layout import run_folder
+from jabascli.engine.options import TrainOptions
+from jabascli.engine.plan import TrainingPlan, load_plan
+from jabascli.errors import InputError, Problem, RuntimeFailure
+
+GRACE_S = 5.0
+PORT_ATTEMPTS = 3
+POLL_S = 0.1
+
+
+@dataclass
+class LaunchResult:
+    """What the trainers reported: rank 0's ``done`` event, and every event in order."""
+
+    done: dict[str, Any]
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_local(
+    loaded: LoadedConfig,
+    options: TrainOptions | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+    env: dict[str, str] | None = None,
+) -> LaunchResult:
+    """Train ``loaded``'s job on this machine: check the inputs, then one trainer per rank of its plan.
+
+    Bad input (the plan, the checkpoint to resume) fails here, before any trainer starts.
+    """
+    options = options or TrainOptions()
+    plan = load_plan(loaded, options.plan)
+    if options.resume is not None:
+        from jabascli.engine.checkpoint import check_resumable
+        from jabascli.workload import load_workload
+
+        job = loaded.config.job
+        check_resumable(options.resume, load_workload(job.workload, job.options, job.data))
+    logs = run_folder(loaded) / "logs"
+    return launch_local(loaded.path, plan, options.train_args(), logs, on_event, env)
+
+
+def launch_local(
+    config: Path,
+    plan: TrainingPlan,
+    train_args: Sequence[str],
+    logs: Path,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+    env: dict[str, str] | None = None,
+) -> LaunchResult:
+    """Run ``jabas train -c config *train_args`` as every rank of ``plan`` and wait for them.
+
+    Retries with another port when the rendezvous port was taken before rank 0 bound it.
+    """
+    for attempt in range(PORT_ATTEMPTS):
+        run = _LocalRun(config, plan, train_args, logs, on_event, env)
+        try:
+            return run.wait()
+        except _PortTaken:
+            if attempt == PORT_ATTEMPTS - 1:
+                raise RuntimeFailure.at(None, None, "no free rendezvous port on 127.0.0.1") from None
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+class _LocalRun:
+    def __init__(
+        self,
+        config: Path,
+        plan: TrainingPlan,
+        train_args: Sequence[str],
+        logs: Path,
+        on_event: Callable[[dict[str, Any]], None] | None,
+        env: dict[str, str] | None,
+    ) -> None:
+        self.on_event = on_event
+        self.events: list[dict[str, Any]] = []
+        self.errors: list[dict[str, Any]] = []  # in arrival order
+        self.started = False
+        logs.mkdir(parents=True, exist_ok=True)
+        self.logs = [logs / f"rank{r}.log" for r in range(plan.world_size)]
+        read_fd, write_fd = os.pipe()
+        self.read_fd = read_fd
+        self.buffer = b""
+        base = {**os.environ, **(env or {})}
+        threads = max(1, (os.cpu_count() or 1) // plan.world_size)
+        port = free_port()
+        command = [sys.executable, "-m", "jabascli", "train", "-c", str(config), *train_args]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank in range(plan.world_size):
+                child_env = {
+                    **base,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(plan.world_size),
+                    "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(plan.world_size),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    EVENT_FD_ENV: str(write_fd),
+                }
+                child_env.setdefault("OMP_NUM_THREADS", str(threads))
+                with self.logs[rank].open("wb") as log:
+                    self.procs.append(
+                        subprocess.Popen(
+                            command,
+                            env=child_env,
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            pass_fds=(write_fd,),
+                            start_new_session=True,
+                        )
+                    )
+        except BaseException:
+            self.stop()
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)  # the children hold it; EOF once they are all gone
+
+    def wait(self) -> LaunchResult:
+        try:
+            while True:
+                self._read_events(POLL_S)
+                codes = [p.poll() for p in self.procs]
+                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                if failed:
+                    self._read_events(0)  # a failed trainer sends its error before it exits
+                    reported = list(self.errors)
+                    self.stop()
+                    raise self._failure({r: codes[r] for r in failed}, reported)
+                if all(c == 0 for c in codes):
+                    self._read_events(0)
+                    break
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            os.close(self.read_fd)
+        done = next((e for e in reversed(self.events) if e.get("event") == "done"), None)
+        if done is None:
+            raise RuntimeFailure.at(None, None, f"the trainers exited without finishing (see {self.logs[0]})")
+        return LaunchResult(done, self.events)
+
+    def _read_events(self, timeout: float) -> None:
+        ready, _, _ = select.select([self.read_fd], [], [], timeout)
+        while ready:
+            chunk = os.read(self.read_fd, 65536)
+            if not chunk:
+                return
+            self.buffer += chunk
+            *lines, self.buffer = self.buffer.split(b"\n")
+            for line in lines:
+                self._dispatch(line)
+            ready, _, _ = select.select([self.read_fd], [], [], 0)
+
+    def _dispatch(self, line: bytes) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(event, dict):
+            return
+        self.events.append(event)
+        if event.get("event") == "error":
+            self.errors.append(event)
+            return
+        if event.get("event") == "start":
+            self.started = True
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def stop(self) -> None:
+        """SIGTERM every live trainer, then SIGKILL what is left after the grace period."""
+        live = [p for p in self.procs if p.poll() is None]
+        for p in live:
+            _signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for p in live:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                _signal(p, signal.SIGKILL)
+                p.wait()
+
+    def _failure(self, failed: dict[int, int | None], reported: list[dict[str, Any]]) -> Exception:
+        """The root cause: a trainer killed by a signal, else the first error reported, else a log tail.
+
+        (When one trainer dies, the others soon fail too, in their collectives.)
+        """
+        killed = [r for r, code in failed.items() if code is not None and code < 0]
+        if reported and not killed:
+            error = reported[0]
+            rank, message = error.get("rank", "?"), str(error.get("message", ""))
+            if not self.started and _port_taken(message):
+                return _PortTaken()
+            lines = message.splitlines() or [""]
+            if error.get("kind") == "input":
+                return InputError([Problem(None, None, line) for line in lines])
+            if isinstance(rank, int) and 0 <= rank < len(self.logs):
+                lines[-1] += f" (log: {self.logs[rank]})"
+            return RuntimeFailure([f"trainer rank {rank} failed: {lines[0]}", *lines[1:]])
+        rank = killed[0] if killed else min(failed)
+        code = failed[rank]
+        tail = _tail(self.logs[rank])
+        if not self.started and _port_taken(tail):
+            return _PortTaken()
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        detail = tail.strip().splitlines()[-1] if tail.strip() else "no output"
+        return RuntimeFailure([f"trainer rank {rank} {how}: {detail} (log: {self.logs[rank]})"])
+
+
+def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(sig)
+
+
+def _tail(path: Path, size: int = 4000) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(path.stat().st_size - size, 0))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _port_taken(text: str) -> bool:
+    text = text.lower()
+    return "address already in use" in text or "eaddrinuse" in text

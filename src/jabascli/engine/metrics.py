@@ -1,0 +1,83 @@
+"""Training metrics on disk: CSV, JSON lines and TensorBoard scalars (rank 0 only).
+
+In the run folder (``[storage] run_dir / <job name>``):
+
+* ``steps.csv``: ``time, epoch, step, gbs, loss, samples_per_s, lr``, one row per
+  logged step (a few per second at most);
+* ``epochs.csv``: ``epoch, step, train_loss, val_loss, val_accuracy, samples_per_s, time_s``;
+* ``metrics.jsonl``: every row of both, as ``{"kind": "step" | "epoch", ...}``;
+* ``tensorboard/``: ``train/loss``, ``train/samples_per_s``, ``train/gbs``,
+  ``train/lr``, ``val/loss``, ``val/accuracy``, against the step.
+
+A fresh run starts new files; a resumed run appends, and TensorBoard is told to
+drop events past the resumed step (``purge_step``). Rows are written whole and
+flushed one by one, so a killed trainer leaves complete lines.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+STEP_FIELDS = ("time", "epoch", "step", "gbs", "loss", "samples_per_s", "lr")
+EPOCH_FIELDS = ("epoch", "step", "train_loss", "val_loss", "val_accuracy", "samples_per_s", "time_s")
+
+
+class MetricsWriter:
+    def __init__(self, folder: Path, *, resume_step: int | None, tensorboard: bool = True) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        mode = "a" if resume_step is not None else "w"
+        self._steps = self._open_csv("steps.csv", STEP_FIELDS, mode)
+        self._epochs = self._open_csv("epochs.csv", EPOCH_FIELDS, mode)
+        self._jsonl = (folder / "metrics.jsonl").open(mode, encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(folder / "tensorboard"), purge_step=resume_step or 0)
+
+    def _open_csv(self, name: str, fields: tuple[str, ...], mode: str) -> tuple[Any, Any]:
+        path = self.folder / name
+        new = mode == "w" or not path.exists() or path.stat().st_size == 0
+        f = path.open(mode, encoding="utf-8", newline="")
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+            f.flush()
+        return f, writer
+
+    def step(self, *, epoch: int, step: int, gbs: int, loss: float, samples_per_s: float, lr: float | None) -> None:
+        row = {"time": round(time.time(), 3), "epoch": epoch, "step": step, "gbs": gbs, "loss": loss}
+        row.update(samples_per_s=samples_per_s, lr=lr)
+        self._write(self._steps, "step", row)
+        if self._tb is not None:
+            self._tb.add_scalar("train/loss", loss, step)
+            self._tb.add_scalar("train/samples_per_s", samples_per_s, step)
+            self._tb.add_scalar("train/gbs", gbs, step)
+            if lr is not None:
+                self._tb.add_scalar("train/lr", lr, step)
+
+    def epoch(self, row: dict[str, Any]) -> None:
+        self._write(self._epochs, "epoch", row)
+        if self._tb is not None:
+            for key, tag in (("val_loss", "val/loss"), ("val_accuracy", "val/accuracy")):
+                if row.get(key) is not None:
+                    self._tb.add_scalar(tag, row[key], row["step"])
+            self._tb.flush()
+
+    def _write(self, target: tuple[Any, Any], kind: str, row: dict[str, Any]) -> None:
+        f, writer = target
+        writer.writerow(row)
+        f.flush()
+        self._jsonl.write(json.dumps({"kind": kind, **row}) + "\n")
+        self._jsonl.flush()
+
+    def close(self) -> None:
+        for f in (self._steps[0], self._epochs[0], self._jsonl):
+            f.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,38 @@
+"""The options of a training run, beyond the config, and how they reach trainer processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+"""DDP's default gradient bucket size."""
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    plan: Path | None = None
+    """A plan file; default ``[job] plan``, else the config's servers."""
+    resume: Path | None = None
+    """A checkpoint to continue from (any world size or per-rank configuration)."""
+    checkpoint_every: int | None = None
+    """Also checkpoint every this many iterations (a checkpoint is always written at each epoch end and at exit)."""
+    max_steps: int | None = None
+    """Stop after this many iterations in total (counting those before a resume)."""
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    """DDP's gradient bucket size."""
+    metrics: bool = True
+    """Write CSV, JSONL and TensorBoard metrics in the run folder (rank 0)."""
+
+    def train_args(self) -> list[str]:
+        """The ``jabas train`` options that pass these on to a trainer process."""
+        args = ["--bucket-cap-mb", repr(self.bucket_cap_mb)]
+        for flag, path in (("--plan", self.plan), ("--resume", self.resume)):
+            if path is not None:
+                args += [flag, str(Path(path).resolve())]
+        for flag, number in (("--checkpoint-every", self.checkpoint_every), ("--max-steps", self.max_steps)):
+            if number is not None:
+                args += [flag, str(number)]
+        if not self.metrics:
+            args.append("--no-metrics")
+        return args

@@ -1,0 +1,53 @@
+"""The single-process reference: what an IIDP job must equal, written as plainly as possible.
+
+Per iteration it takes the GBS samples the sampler deals, feeds them in
+micro-batches of LBS in worker order (so BatchNorm sees the same per-micro-batch
+statistics, and every micro-batch is drawn after the same seeding), accumulates
+``loss / (GBS / LBS)``, and steps the optimizer and the LR scheduler once.
+Tests compare trainers against it; it is also a readable statement of the
+semantics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from jabascli.config import LoadedConfig
+from jabascli.engine.data import BatchLoader, seed_worker
+from jabascli.engine.plan import TrainingPlan
+from jabascli.engine.sampler import IIDPSampler
+from jabascli.workload import load_workload
+
+
+def reference_run(loaded: LoadedConfig, plan: TrainingPlan, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Train the config's workload for ``steps`` iterations at the plan's LBS and GBS, in one process."""
+    cfg = loaded.config
+    workload = load_workload(cfg.job.workload, cfg.job.options, cfg.job.data)
+    torch.manual_seed(cfg.job.seed)
+    model = workload.build_model()
+    optimizer = workload.optimizer(model.parameters())
+    scheduler = workload.lr_scheduler(optimizer)
+    dataset = workload.train_dataset()
+    load = BatchLoader(dataset, torch.device("cpu"), workload.collate)
+    sampler = IIDPSampler(len(dataset), cfg.job.seed)
+    done, epoch = 0, 0
+    while done < steps:
+        for iteration in sampler.global_iterations(epoch, 0, plan):
+            optimizer.zero_grad(set_to_none=True)
+            for mb in iteration.micro_batches:
+                seed_worker(mb.seed, torch.device("cpu"))
+                inputs, target = load(mb.indices)
+                output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+                loss: Any = workload.loss(output, target)
+                (loss / plan.workers).backward()
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            done += 1
+            if done == steps:
+                break
+        epoch += 1
+    return model, optimizer

@@ -1,0 +1,421 @@
+"""One trainer rank of an IIDP job: the training loop.
+
+Every iteration, on every rank ``r``::
+
+    for each of the rank's VSW_r * (GA_r + 1) workers w (its micro-batch of LBS samples):
+        loss_w = mean loss of the micro-batch          # normalised with its own batch statistics
+        backward(loss_w / (GBS / LBS))                 # only the rank's last backward communicates
+    all-reduce (SUM) every gradient bucket             # = mean over all GBS / LBS workers
+    optimizer step (per bucket with overlap), LR scheduler step
+    running statistics and loss: one all-reduce      # exact, identical everywhere
+
+which is synchronous SGD at GBS: every rank ends the iteration with the same
+parameters as one process that feeds the GBS samples in micro-batches of LBS
+and applies the mean of their gradients once (:mod:`jabascli.engine.reference`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from jabascli.config import LoadedConfig
+from jabascli.engine.buffers import BufferSync, allreduce_sum
+from jabascli.engine.checkpoint import Progress, read_checkpoint, restore_checkpoint, save_checkpoint
+from jabascli.engine.data import BatchLoader, batch_len
+from jabascli.engine.distributed import DistEnv, choose_device, init_process_group, wrap_ddp
+from jabascli.engine.events import EventSink
+from jabascli.engine.layout import checkpoint_path, run_folder
+from jabascli.engine.metrics import MetricsWriter
+from jabascli.engine.options import TrainOptions
+from jabascli.engine.plan import TrainingPlan, load_plan
+from jabascli.engine.sampler import IIDPSampler, Iteration
+from jabascli.engine.vsw import Emulation, WorkerStep, build_vsw_strategy, choose_vsw_strategy, make_replicas
+from jabascli.engine.weight_sync import (
+    BucketOptimizer,
+    GradientSync,
+    bucket_sizes,
+    read_bucket_profile,
+    recommend_weight_sync,
+    supports_overlap,
+)
+from jabascli.errors import InputError, JabasError
+from jabascli.workload import Workload, load_workload
+
+LOG_INTERVAL_S = 0.25
+"""Rank 0 reports (and reads the loss from the device) at most this often, and at every epoch end."""
+
+
+@dataclass(frozen=True)
+class EpochResult:
+    epoch: int
+    step: int
+    train_loss: float | None
+    val_loss: float | None
+    val_accuracy: float | None
+    samples_per_s: float
+    time_s: float
+
+
+def run_trainer(
+    loaded: LoadedConfig,
+    options: TrainOptions | None = None,
+    on_event: EventSink | None = None,
+    environ: dict[str, str] | None = None,
+) -> list[EpochResult]:
+    """Run this process's rank of the job to its end; the entry point of ``jabas train``.
+
+    Joins the process group from the environment (see
+    :mod:`jabascli.engine.distributed`), trains, and leaves it. Any failure is
+    also sent as an ``error`` event before it propagates.
+    """
+    options = options or TrainOptions()
+    env = DistEnv.from_environ(environ)
+    created = False
+    trainer: Trainer | None = None
+    try:
+        with _sigterm_raises():
+            plan = load_plan(loaded, options.plan)
+            plan.check_world_size(env.world_size)
+            device = choose_device(plan, env)
+            created = init_process_group(env, device)
+            trainer = Trainer(loaded, plan, env.rank, device, options, on_event)
+            return trainer.fit()
+    except Exception as exc:
+        if on_event is not None:
+            kind = "input" if isinstance(exc, InputError) else "runtime"
+            message = str(exc) if isinstance(exc, JabasError) else f"{type(exc).__name__}: {exc}"
+            with contextlib.suppress(OSError):
+                on_event({"event": "error", "rank": env.rank, "kind": kind, "message": message})
+        raise
+    finally:
+        # Free DDP (it holds the process group) before the group goes: left to the interpreter's
+        # exit, gloo's threads may be torn down out of order and abort the process.
+        trainer = None
+        gc.collect()
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Trainer:
+    """The state of one rank: model replicas, optimizer, sampler, progress."""
+
+    def __init__(
+        self,
+        loaded: LoadedConfig,
+        plan: TrainingPlan,
+        rank: int,
+        device: torch.device,
+        options: TrainOptions,
+        on_event: EventSink | None = None,
+    ) -> None:
+        cfg = loaded.config
+        self.loaded, self.plan, self.rank, self.device, self.options = loaded, plan, rank, device, options
+        self.me = plan.rank(rank)
+        self.emit = on_event if (on_event is not None and rank == 0) else None
+        self.epochs = cfg.job.epochs
+        self.validate_every = cfg.job.validate_every
+
+        # What to train, and where training stands.
+        self.workload: Workload = load_workload(cfg.job.workload, cfg.job.options, cfg.job.data)
+        torch.manual_seed(cfg.job.seed)
+        model = self.workload.build_model().to(device)
+        self.model = model
+        self.optimizer = self.workload.optimizer(model.parameters())
+        self.scheduler = self.workload.lr_scheduler(self.optimizer)
+        self.progress = Progress()
+        if options.resume is not None:
+            payload = read_checkpoint(options.resume)
+            self.progress = restore_checkpoint(
+                payload, options.resume, model=model, optimizer=self.optimizer, scheduler=self.scheduler
+            )
+        self.progress.record_plan(plan.gbs, plan.lbs, plan.describe())
+
+        # The data: one seeded permutation per epoch, dealt to the workers in LBS chunks.
+        self.train_set = self.workload.train_dataset()
+        self.val_set = self.workload.val_dataset()
+        self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)
+        if self.sampler.iterations_per_epoch(plan.gbs) == 0:
+            field = "gbs" if plan.from_plan_file else "job.lbs"
+            raise InputError.at(
+                plan.file, field, f"GBS {plan.gbs} is more than the {len(self.train_set)} training samples"
+            )
+
+        # How this rank runs its workers (VSW strategy) and combines gradients (weight sync).
+        self.weight_sync, self.weight_sync_reason = self._choose_weight_sync(plan.weight_sync)
+        self.vsw_name, self.vsw_reason = choose_vsw_strategy(cfg.job.vsw_strategy, self.me.vsw, model, device)
+        replicas = make_replicas(model, self.me.vsw if self.vsw_name == "streams" else 1)
+        self.buffers = BufferSync(replicas, plan.workers)
+        self.buffers.broadcast_all()
+        self.ddp = wrap_ddp(model, device, options.bucket_cap_mb)  # broadcasts rank 0's parameters
+        self.vsw = build_vsw_strategy(self.vsw_name, replicas, self.ddp)
+        self.vsw.after_step()  # replicas start from the broadcast parameters
+        self.emulation = Emulation(self.me.slowdown)
+        GradientSync(
+            list(model.parameters()),
+            replicas=self.vsw.replica_params(),
+            optimizer=BucketOptimizer(self.optimizer) if self.weight_sync == "overlap" else None,
+            before_last_bucket=self.emulation.backward_done if self.emulation.active else None,
+        ).register(self.ddp)
+        load = BatchLoader(self.train_set, device, self.workload.collate)
+        self.worker_step = WorkerStep(self.workload.loss, load, plan.workers, self.buffers, self.emulation)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def fit(self) -> list[EpochResult]:
+        self._report_start()
+        metrics = self._open_metrics()
+        results: list[EpochResult] = []
+        try:
+            while self.progress.epoch < self.epochs and not self._stop():
+                result = self._train_epoch(metrics)
+                if result is not None:
+                    results.append(result)
+            self._save_checkpoint()
+        finally:
+            if metrics is not None:
+                metrics.close()
+        if self.emit:
+            done = {"event": "done", "step": self.progress.step, "stopped": self.progress.epoch < self.epochs}
+            self.emit({**done, "results": [asdict(r) for r in results]})
+        return results
+
+    def _train_epoch(self, metrics: MetricsWriter | None) -> EpochResult | None:
+        """Train from the current position to the end of the epoch; None when ``max_steps`` stops it first."""
+        epoch, gbs = self.progress.epoch, self.plan.gbs
+        log = _StepLog(self, metrics, self.sampler.iterations_per_epoch(gbs))
+        start = time.perf_counter()
+        steps = 0
+        epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        for iteration in self.sampler.rank_iterations(epoch, self.progress.position, self.plan, self.rank):
+            loss = self.train_step(iteration)
+            self.progress.position = iteration.position + gbs
+            self.progress.step += 1
+            steps += 1
+            epoch_loss += loss
+            log.step(loss)
+            epoch_end = self.sampler.iterations_left(self.progress.position, gbs) == 0
+            if self._stop():
+                break
+            if self._checkpoint_due() and not epoch_end:
+                self._save_checkpoint()
+        log.flush()
+        train_time = time.perf_counter() - start
+        if self.sampler.iterations_left(self.progress.position, gbs) > 0:
+            return None
+        val_loss, val_accuracy = None, None
+        if (epoch + 1) % self.validate_every == 0 or epoch + 1 == self.epochs:
+            val_loss, val_accuracy = self.validate()
+        result = EpochResult(
+            epoch=epoch,
+            step=self.progress.step,
+            train_loss=float(epoch_loss) / steps if steps else None,
+            val_loss=val_loss,
+            val_accuracy=val_accuracy,
+            samples_per_s=steps * gbs / train_time if train_time > 0 else 0.0,
+            time_s=train_time,
+        )
+        self.progress.epoch, self.progress.position = epoch + 1, 0
+        if metrics is not None:
+            metrics.epoch(asdict(result))
+        if self.emit:
+            self.emit({"event": "epoch", **asdict(result)})
+        if self.progress.epoch < self.epochs and not self._stop():
+            self._save_checkpoint()  # at every epoch end; the last one is saved on exit
+        return result
+
+    def train_step(self, iteration: Iteration) -> torch.Tensor:
+        """One iteration of this rank; returns the mean loss over all workers of the job."""
+        self.vsw.zero_grad()
+        self.buffers.begin()
+        self.worker_step.begin()
+        self.vsw.run(iteration.micro_batches, self.worker_step)  # all-reduces every gradient bucket
+        if self.weight_sync == "sequential":
+            self.optimizer.step()  # with overlap, each bucket was already updated as its all-reduce completed
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.vsw.after_step()
+        self.buffers.end_iteration()  # exact running statistics, and the loss summed over ranks
+        loss_sum = self.worker_step.loss_sum
+        assert loss_sum is not None
+        return loss_sum.to(torch.float64) / self.plan.workers
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def validate(self) -> tuple[float | None, float | None]:
+        """Loss and accuracy over the validation set, each rank taking a share proportional to its workers."""
+        if self.val_set is None:
+            return None, None
+        n = len(self.val_set)
+        offset = self.plan.worker_offset(self.rank)
+        lo = n * offset // self.plan.workers
+        hi = n * (offset + self.me.micro_steps) // self.plan.workers
+        batch = self.plan.lbs * self.me.vsw
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, samples
+        has_accuracy = callable(getattr(self.workload.module, "count_correct", None))
+        load = BatchLoader(self.val_set, self.device, self.workload.collate)
+        model = self.model
+        model.eval()
+        try:
+            with torch.no_grad():
+                for start in range(lo, hi, batch):
+                    inputs, target = load(range(start, min(start + batch, hi)))
+                    output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+                    count = batch_len(target)
+                    totals[0] += float(self.workload.loss(output, target)) * count
+                    if has_accuracy:
+                        totals[1] += self.workload.count_correct(output, target) or 0
+                    totals[2] += count
+        finally:
+            model.train()
+        allreduce_sum([totals])
+        loss_sum, correct, seen = totals.tolist()
+        if seen == 0:
+            return None, None
+        return loss_sum / seen, (correct / seen if has_accuracy else None)
+
+    # -- decisions, checkpoints, reports ---------------------------------------------------------
+
+    def _choose_weight_sync(self, requested: str) -> tuple[str, str]:
+        if requested == "overlap" and not supports_overlap(self.optimizer):
+            name = type(self.optimizer).__name__
+            raise InputError.at(
+                self.loaded.path,
+                "job.weight_sync",
+                f"overlap applies the optimizer per gradient bucket, which {name} does not allow "
+                "(it needs an optimizer that updates each parameter on its own: SGD, Adam, AdamW ...)",
+            )
+        if requested != "recommend":
+            return requested, "set in the plan file" if self.plan.from_plan_file else "set in [job] weight_sync"
+        profile = read_bucket_profile(self.loaded.profile_dirs().bucket, self.workload.name)
+        if profile is None:
+            profile = [size / 1e6 for size in bucket_sizes(self.model, self.options.bucket_cap_mb)]
+        choice = recommend_weight_sync(profile, self.plan.world_size, self.optimizer)
+        return choice.method, f"recommended: {choice.reason}"
+
+    def _stop(self) -> bool:
+        return self.options.max_steps is not None and self.progress.step >= self.options.max_steps
+
+    def _checkpoint_due(self) -> bool:
+        every = self.options.checkpoint_every
+        return every is not None and self.progress.step > 0 and self.progress.step % every == 0
+
+    def _save_checkpoint(self) -> None:
+        if self.rank != 0:
+            return
+        path = checkpoint_path(self.loaded)
+        save_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            progress=self.progress,
+            workload=self.workload.name,
+            config=self.loaded.config.model_dump(mode="json"),
+            plan=self.plan.to_dict(),
+        )
+        if self.emit:
+            p = self.progress
+            self.emit(
+                {"event": "checkpoint", "path": str(path), "epoch": p.epoch, "position": p.position, "step": p.step}
+            )
+
+    def _open_metrics(self) -> MetricsWriter | None:
+        if self.rank != 0 or not self.options.metrics:
+            return None
+        resume_step = self.progress.step if self.options.resume is not None else None
+        return MetricsWriter(run_folder(self.loaded), resume_step=resume_step)
+
+    def _report_start(self) -> None:
+        if not self.emit:
+            return
+        p, plan = self.progress, self.plan
+        self.emit(
+            {
+                "event": "start",
+                "pid": os.getpid(),
+                "job": self.loaded.config.job.name,
+                "world_size": plan.world_size,
+                "gbs": plan.gbs,
+                "lbs": plan.lbs,
+                "workers": plan.workers,
+                "plan": plan.describe(),
+                "weight_sync": self.weight_sync,
+                "weight_sync_reason": self.weight_sync_reason,
+                "vsw_strategy": self.vsw_name,
+                "device": str(self.device),
+                "epochs": self.epochs,
+                "steps_per_epoch": self.sampler.iterations_per_epoch(plan.gbs),
+                "epoch": p.epoch,
+                "position": p.position,
+                "step": p.step,
+            }
+        )
+
+    def current_lr(self) -> float | None:
+        groups = self.optimizer.param_groups
+        lr = groups[0].get("lr") if groups else None
+        return float(lr) if isinstance(lr, int | float | torch.Tensor) else None
+
+
+class _StepLog:
+    """Rank 0's step reports: averaged over the steps since the last one, at most every LOG_INTERVAL_S."""
+
+    def __init__(self, trainer: Trainer, metrics: MetricsWriter | None, epoch_steps: int) -> None:
+        self.trainer, self.metrics, self.epoch_steps = trainer, metrics, epoch_steps
+        self.active = trainer.rank == 0 and (metrics is not None or trainer.emit is not None)
+        self.loss = torch.zeros((), dtype=torch.float64, device=trainer.device)
+        self.steps = 0
+        self.since = self.last = time.perf_counter()
+
+    def step(self, loss: torch.Tensor) -> None:
+        if not self.active:
+            return
+        self.loss += loss
+        self.steps += 1
+        if time.perf_counter() - self.last >= LOG_INTERVAL_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.active or self.steps == 0:
+            return
+        t, now = self.trainer, time.perf_counter()
+        loss = float(self.loss) / self.steps
+        rate = self.steps * t.plan.gbs / max(now - self.since, 1e-9)
+        p = t.progress
+        epoch_step, lr = p.position // t.plan.gbs, t.current_lr()
+        if self.metrics is not None:
+            self.metrics.step(epoch=p.epoch, step=p.step, gbs=t.plan.gbs, loss=loss, samples_per_s=rate, lr=lr)
+        if t.emit:
+            event = {"event": "step", "epoch": p.epoch, "step": p.step, "epoch_step": epoch_step}
+            event.update(epoch_steps=self.epoch_steps, gbs=t.plan.gbs, loss=loss, samples_per_s=rate, lr=lr)
+            t.emit(event)
+        self.loss.zero_()
+        self.steps = 0
+        self.since = self.last = now
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM (how ``jabas run`` stops trainers) into SystemExit, so cleanups run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

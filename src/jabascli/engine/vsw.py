@@ -1,0 +1,231 @@
+"""Virtual stream workers: how one rank runs its ``VSW * (GA + 1)`` worker micro-steps.
+
+Two strategies behind one interface (:class:`VswStrategy`):
+
+* ``sequential``: one model replica; the micro-batches run one after another
+  and their gradients accumulate in it. Least memory; runs everywhere.
+* ``streams``: one replica per VSW. On CUDA, replicas 1.. run on their own
+  ``torch.cuda.Stream`` and replica 0 on the current stream, so the VSWs'
+  kernels overlap; their gradients are added into replica 0's buckets just
+  before each bucket's all-reduce (see :mod:`jabascli.engine.weight_sync`). On
+  the CPU the replicas run in turn, which is how CI tests this path.
+
+In both, only the rank's last micro-step (on replica 0) runs a synchronising
+backward; every other micro-step runs under ``no_sync``, so there is one
+all-reduce per bucket per iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from jabascli.engine.buffers import BufferSync
+from jabascli.engine.data import BatchLoader, seed_worker
+from jabascli.engine.sampler import MicroBatch
+
+VSW_STRATEGIES = ("sequential", "streams")
+
+
+class Emulation:
+    """An emulated slower device: after each compute step, sleep ``(slowdown - 1) x`` its measured time.
+
+    A synchronising backward is timed up to the moment its last gradient is
+    computed (:meth:`backward_done`, called from the communication hook), so the
+    sleep delays that rank's last all-reduce and never counts time spent
+    waiting for other ranks.
+    """
+
+    def __init__(self, slowdown: float) -> None:
+        self.extra = max(slowdown - 1.0, 0.0)
+        self._backward_start: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.extra > 0
+
+    def pause_since(self, start: float) -> None:
+        if self.extra > 0:
+            time.sleep(self.extra * (time.perf_counter() - start))
+
+    def backward_started(self) -> None:
+        self._backward_start = time.perf_counter()
+
+    def backward_done(self) -> None:
+        if self._backward_start is not None:
+            self.pause_since(self._backward_start)
+            self._backward_start = None
+
+
+@dataclass
+class WorkerStep:
+    """One worker micro-step: seed, load, forward, scaled backward, buffer terms, emulated slowdown."""
+
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    load: BatchLoader
+    workers: int
+    """GBS / LBS: every worker's mean loss is divided by it."""
+    buffers: BufferSync
+    emulation: Emulation
+    loss_sum: torch.Tensor | None = None
+    """The sum of the (unscaled) losses of the rank's micro-steps so far in this iteration."""
+
+    def begin(self) -> None:
+        self.loss_sum = None
+
+    def __call__(self, module: nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> None:
+        seed_worker(mb.seed, self.load.device)  # a worker's randomness follows its samples, not the plan
+        inputs, target = self.load(mb.indices)
+        self.buffers.before_micro_step(replica, mb.worker)
+        start = time.perf_counter()
+        output = module(*inputs) if isinstance(inputs, tuple) else module(inputs)
+        loss = self.loss_fn(output, target)
+        self.emulation.pause_since(start)
+        self.buffers.after_micro_step(replica, mb.worker)
+        self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+        if sync:
+            # All of the rank's forwards are done: start the statistics-and-loss all-reduce, so that
+            # it overlaps this backward.
+            self.buffers.launch(self.loss_sum)
+            self.emulation.backward_started()  # the slowdown sleep happens before the last all-reduce
+            (loss / self.workers).backward()
+        else:
+            start = time.perf_counter()
+            (loss / self.workers).backward()
+            self.emulation.pause_since(start)
+
+
+class VswStrategy:
+    """Runs a rank's micro-batches of one iteration; replica 0 is the one the optimizer updates."""
+
+    name = ""
+
+    def __init__(self, replicas: Sequence[nn.Module], ddp: DistributedDataParallel) -> None:
+        self.replicas = list(replicas)
+        self.ddp = ddp
+        self._params = [list(r.parameters()) for r in self.replicas]
+
+    def run(self, micro_batches: Sequence[MicroBatch], step: WorkerStep) -> None:
+        """Forward and backward of every micro-batch; the last backward synchronises."""
+        raise NotImplementedError
+
+    def replica_params(self) -> list[list[nn.Parameter]]:
+        """The parameters of replicas 1.., whose gradients the communication hook adds into replica 0's buckets."""
+        return []
+
+    def zero_grad(self) -> None:
+        # Replica 0's gradients are views into DDP's buckets: zero them in place to keep the views.
+        grads = [p.grad for p in self._params[0] if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+
+    def after_step(self) -> None:
+        """Bring the other replicas' parameters up to date with replica 0's."""
+
+
+class SequentialVsw(VswStrategy):
+    """One replica; the VSWs' micro-batches run one after another (see the module docstring)."""
+
+    name = "sequential"
+
+    def run(self, micro_batches: Sequence[MicroBatch], step: WorkerStep) -> None:
+        *local, last = micro_batches
+        with self.ddp.no_sync():
+            for mb in local:
+                step(self.ddp, 0, mb)
+        step(self.ddp, 0, last, sync=True)
+
+
+class StreamsVsw(VswStrategy):
+    """One replica per VSW; on CUDA, replicas 1.. each run on their own stream (in turn on the CPU).
+
+    Replica 0 runs on the current stream, with DDP. Stream order, per iteration:
+    every replica stream first waits for the current stream (updated parameters,
+    zeroed statistics), and the current stream waits for all of them before
+    replica 0's synchronising backward, whose communication hook reads their
+    gradients.
+    """
+
+    name = "streams"
+
+    def __init__(self, replicas: Sequence[nn.Module], ddp: DistributedDataParallel) -> None:
+        super().__init__(replicas, ddp)
+        cuda = self._params[0][0].is_cuda
+        self.streams = [torch.cuda.Stream() for _ in self.replicas[1:]] if cuda else None
+
+    def replica_params(self) -> list[list[nn.Parameter]]:
+        return self._params[1:]
+
+    def run(self, micro_batches: Sequence[MicroBatch], step: WorkerStep) -> None:
+        by_replica: list[list[MicroBatch]] = [[] for _ in self.replicas]
+        for mb in micro_batches:
+            by_replica[mb.vsw].append(mb)
+        for v in range(1, len(self.replicas)):
+            with self._on_stream(v):
+                for mb in by_replica[v]:
+                    step(self.replicas[v], v, mb)
+        *local, last = by_replica[0]
+        with self.ddp.no_sync():
+            for mb in local:
+                step(self.ddp, 0, mb)
+        if self.streams is not None:
+            for stream in self.streams:
+                torch.cuda.current_stream().wait_stream(stream)
+        step(self.ddp, 0, last, sync=True)
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for replica in self.replicas[1:]:
+            replica.zero_grad(set_to_none=True)
+
+    def after_step(self) -> None:
+        # On the current stream: the replica streams wait for it before their next use.
+        with torch.no_grad():
+            for params in self._params[1:]:
+                torch._foreach_copy_(params, self._params[0])
+
+    def _on_stream(self, v: int) -> Any:
+        if self.streams is None:
+            return contextlib.nullcontext()
+        stream = self.streams[v - 1]
+        stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(stream)
+
+
+def make_replicas(model: nn.Module, count: int) -> list[nn.Module]:
+    """``model`` and ``count - 1`` deep copies of it."""
+    return [model] + [copy.deepcopy(model) for _ in range(count - 1)]
+
+
+def choose_vsw_strategy(requested: str, vsw: int, model: nn.Module, device: torch.device) -> tuple[str, str]:
+    """(strategy, reason) for ``[job] vsw_strategy``: ``auto`` picks ``streams`` on CUDA when memory allows.
+
+    "Memory allows" means the extra replicas' parameters and gradients take at
+    most half of the free device memory; the activations of ``VSW`` concurrent
+    workers are what the memory profile bounds (the solver never picks more
+    VSWs than fit).
+    """
+    if requested in VSW_STRATEGIES:
+        return requested, "set in [job] vsw_strategy"
+    if vsw == 1:
+        return "sequential", "one VSW"
+    if device.type != "cuda":
+        return "sequential", "no CUDA streams on the CPU"
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    free, _ = torch.cuda.mem_get_info(device)
+    needed = (vsw - 1) * 2 * param_bytes
+    if needed <= free // 2:
+        return "streams", f"{vsw - 1} extra replicas need {needed / 2**20:.0f} MiB of {free / 2**20:.0f} MiB free"
+    return "sequential", f"{vsw - 1} extra replicas need {needed / 2**20:.0f} MiB, {free / 2**20:.0f} MiB free"
+
+
+def build_vsw_strategy(name: str, replicas: Sequence[nn.Module], ddp: DistributedDataParallel) -> VswStrategy:
+    return {"sequential": SequentialVsw, "streams": StreamsVsw}[name](replicas, ddp)

@@ -1,0 +1,215 @@
+"""Weight synchronisation: one all-reduce per gradient bucket, then the optimizer.
+
+Gradients are reduced by a DDP communication hook on replica 0 of every rank:
+
+1. ``streams`` VSW strategy: the other replicas' gradients of the bucket's
+   parameters are first added into the bucket (local aggregation, so there is
+   still one all-reduce per bucket per rank);
+2. the bucket is SUM-all-reduced. Every worker's loss was scaled by
+   ``1 / (GBS / LBS)``, so the sum is exactly the mean over all workers, however
+   unevenly they are spread over ranks;
+3. ``overlap`` only: as soon as a bucket's all-reduce completes, the optimizer is
+   applied to that bucket's parameters (:class:`BucketOptimizer`), while backward
+   and the other buckets' all-reduces go on. ``sequential`` steps the optimizer
+   once, after backward.
+
+Methods: ``sequential``, ``overlap``, and ``recommend`` (:func:`recommend_weight_sync`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from jabascli.engine.options import DEFAULT_BUCKET_CAP_MB
+
+# Optimizers whose step updates every parameter from its own gradient and state
+# alone, so stepping a subset of parameters equals their part of a full step.
+# (Exact classes only: a subclass may couple parameters.)
+PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adagrad",
+        "Adadelta",
+        "Adamax",
+        "ASGD",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Rprop",
+        "Adafactor",
+    )
+    if hasattr(torch.optim, name)
+)
+
+
+def supports_overlap(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer) in PER_PARAMETER_OPTIMIZERS
+
+
+class BucketOptimizer:
+    """Applies an optimizer to some of its parameters, exactly as its full ``step()`` would update them.
+
+    Uses only public optimizer API: the ``params`` lists of ``param_groups`` are
+    narrowed to the bucket's parameters for the duration of one ``step()`` and
+    restored. So there is one optimizer (one ``state_dict``, one LR scheduler),
+    and hyper-parameters are read from the groups as usual. Calls come from the
+    communication threads, one at a time (a lock).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if not supports_overlap(optimizer):
+            raise ValueError(f"{type(optimizer).__name__} cannot be applied per bucket")
+        self.optimizer = optimizer
+        self._group = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._lock = threading.Lock()
+
+    def step(self, params: Sequence[torch.Tensor]) -> None:
+        groups = self.optimizer.param_groups
+        subsets: list[list[torch.Tensor]] = [[] for _ in groups]
+        for p in params:
+            i = self._group.get(p)
+            if i is not None:
+                subsets[i].append(p)
+        with self._lock:
+            saved = [g["params"] for g in groups]
+            try:
+                for g, subset in zip(groups, subsets, strict=True):
+                    g["params"] = subset
+                self.optimizer.param_groups = [g for g, subset in zip(groups, subsets, strict=True) if subset]
+                self.optimizer.step()
+            finally:
+                self.optimizer.param_groups = groups
+                for g, params_ in zip(groups, saved, strict=True):
+                    g["params"] = params_
+
+
+class GradientSync:
+    """The DDP communication hook of replica 0 (see the module docstring).
+
+    ``replicas``: the parameters of the other VSW replicas (``streams``), in the
+    order of replica 0's ``parameters()``. ``before_last_bucket`` runs once all
+    gradients of the iteration are computed, just before the last bucket's
+    all-reduce (emulated slowdown uses it).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        *,
+        replicas: Sequence[Sequence[nn.Parameter]] = (),
+        optimizer: BucketOptimizer | None = None,
+        before_last_bucket: Callable[[], None] | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self._index = {p: i for i, p in enumerate(params)}
+        self.replicas = [list(r) for r in replicas]
+        self.optimizer = optimizer
+        self.before_last_bucket = before_last_bucket
+        self.group = group
+
+    def register(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        ddp.register_comm_hook(None, self.hook)
+
+    # Unannotated on purpose: DDP checks the annotations' values, and this module's are strings.
+    def hook(self, state, bucket):  # (object, dist.GradBucket) -> torch.futures.Future[torch.Tensor]
+        params = bucket.parameters()
+        if self.replicas or self.optimizer is not None:
+            _check_views(params, bucket.buffer())
+        if self.replicas:
+            grads = [p.grad for p in params]
+            for replica in self.replicas:
+                theirs = [replica[self._index[p]].grad for p in params]
+                pairs = [(g, t) for g, t in zip(grads, theirs, strict=True) if t is not None]
+                if pairs:
+                    torch._foreach_add_([g for g, _ in pairs], [t for _, t in pairs])
+        if bucket.is_last() and self.before_last_bucket is not None:
+            self.before_last_bucket()
+        future = dist.all_reduce(bucket.buffer(), group=self.group, async_op=True).get_future()
+        optimizer = self.optimizer
+        if optimizer is None:
+            return future.then(lambda f: f.value()[0])
+
+        def apply(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            optimizer.step(params)
+            return f.value()[0]
+
+        return future.then(apply)
+
+
+def _check_views(params: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
+    """Replica 0's ``.grad`` must alias the bucket (``gradient_as_bucket_view``): both uses above rely on it."""
+    storage = buffer.untyped_storage().data_ptr()
+    for p in params:
+        if p.grad is None or p.grad.untyped_storage().data_ptr() != storage:
+            raise RuntimeError(
+                "a gradient is not a view into its DDP bucket; local VSW aggregation and per-bucket optimizer "
+                "steps need DistributedDataParallel(gradient_as_bucket_view=True)"
+            )
+
+
+@dataclass(frozen=True)
+class WeightSyncChoice:
+    method: str
+    reason: str
+
+
+def bucket_sizes(model: nn.Module, cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> list[int]:
+    """DDP's gradient buckets of a model in bytes, as it builds them once gradient order is known.
+
+    Parameters in reverse order (gradients are ready roughly back to front),
+    a new bucket whenever one reaches ``cap_mb`` MiB.
+    """
+    sizes: list[int] = []
+    current, cap = 0, cap_mb * 2**20
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        current += p.numel() * p.element_size()
+        if current >= cap:
+            sizes.append(current)
+            current = 0
+    if current:
+        sizes.append(current)
+    return sizes
+
+
+def read_bucket_profile(folder: Path | None, model_name: str) -> list[float] | None:
+    """Bucket sizes (MB) from a seed bucket profile, ``<model>_bucket_size_profile.json``, if there is one."""
+    if folder is None:
+        return None
+    path = folder / f"{model_name}_bucket_size_profile.json"
+    try:
+        sizes = json.loads(path.read_text(encoding="utf-8"))["bucket_size_distribution"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return [float(s) for s in sizes] if isinstance(sizes, list) and sizes else None
+
+
+def recommend_weight_sync(
+    buckets: Sequence[float], world_size: int, optimizer: torch.optim.Optimizer
+) -> WeightSyncChoice:
+    """The ``recommend`` rule.
+
+    ``overlap`` when it can hide work: the optimizer can be applied per bucket,
+    there is more than one rank, and the gradients form at least two buckets
+    (then every bucket's update but the last runs while later buckets are still
+    being computed or reduced). Otherwise ``sequential``: with one bucket the
+    update would wait for the only all-reduce anyway and per-bucket application
+    only adds overhead.
+    """
+    if not supports_overlap(optimizer):
+        return WeightSyncChoice("sequential", f"{type(optimizer).__name__} cannot be applied per bucket")
+    if world_size == 1:
+        return WeightSyncChoice("sequential", "one rank: no all-reduce to overlap with")
+    if len(buckets) < 2:
+        return WeightSyncChoice("sequential", "one gradient bucket: nothing to overlap")
+    return WeightSyncChoice("overlap", f"{len(buckets)} gradient buckets: updates overlap later all-reduces")

@@ -1,0 +1,91 @@
+"""Per-bucket optimizer application equals one full step; the `recommend` rule."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from jabascli.engine.weight_sync import BucketOptimizer, bucket_sizes, recommend_weight_sync, supports_overlap
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.Linear(7, 3)).double()
+
+
+OPTIMIZERS = {
+    "sgd-momentum-wd-groups": lambda m: torch.optim.SGD(
+        [{"params": list(m.parameters())[:2], "lr": 0.05}, {"params": list(m.parameters())[2:]}],
+        lr=0.1,
+        momentum=0.9,
+        weight_decay=1e-3,
+        nesterov=True,
+    ),
+    "adam": lambda m: torch.optim.Adam(m.parameters(), lr=0.01, weight_decay=1e-3),
+    "adamw-amsgrad": lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, amsgrad=True),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_stepping_bucket_by_bucket_equals_one_full_step(name: str) -> None:
+    full, buckets = model(), model()
+    opt_full, opt_buckets = OPTIMIZERS[name](full), OPTIMIZERS[name](buckets)
+    sched_full = torch.optim.lr_scheduler.StepLR(opt_full, 2, 0.5)
+    sched_buckets = torch.optim.lr_scheduler.StepLR(opt_buckets, 2, 0.5)
+    per_bucket = BucketOptimizer(opt_buckets)
+    rng = random.Random(1)
+    for _ in range(5):
+        for a, b in zip(full.parameters(), buckets.parameters(), strict=True):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g.clone(), g.clone()
+        opt_full.step()
+        params = list(buckets.parameters())
+        rng.shuffle(params)
+        cuts = sorted(rng.sample(range(1, len(params)), 2))
+        for bucket in (params[: cuts[0]], params[cuts[0] : cuts[1]], params[cuts[1] :]):
+            per_bucket.step(bucket)
+        sched_full.step()
+        sched_buckets.step()
+    for a, b in zip(full.parameters(), buckets.parameters(), strict=True):
+        assert torch.equal(a, b)
+    state_full, state_buckets = opt_full.state_dict(), opt_buckets.state_dict()
+    assert state_full["param_groups"] == state_buckets["param_groups"]
+    assert state_full["state"].keys() == state_buckets["state"].keys()  # (filled in another order)
+    for key, values in state_full["state"].items():
+        for name, value in values.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(state_buckets["state"][key][name]))
+    restored = [p for g in opt_buckets.param_groups for p in g["params"]]  # the groups are whole again
+    assert [id(p) for p in restored] == [id(p) for p in buckets.parameters()]
+
+
+def test_only_optimizers_that_update_each_parameter_alone_can_overlap() -> None:
+    m = model()
+    assert supports_overlap(torch.optim.SGD(m.parameters(), lr=0.1))
+    assert not supports_overlap(torch.optim.LBFGS(m.parameters()))
+
+    class Custom(torch.optim.SGD):
+        pass
+
+    assert not supports_overlap(Custom(m.parameters(), lr=0.1))
+    with pytest.raises(ValueError):
+        BucketOptimizer(torch.optim.LBFGS(m.parameters()))
+
+
+def test_recommend_overlaps_only_when_there_is_something_to_hide() -> None:
+    sgd = torch.optim.SGD(model().parameters(), lr=0.1)
+    assert recommend_weight_sync([7.81, 30.04, 25.04, 25.25, 9.2], 8, sgd).method == "overlap"
+    assert recommend_weight_sync([0.1], 8, sgd).method == "sequential"
+    assert recommend_weight_sync([10.0, 10.0], 1, sgd).method == "sequential"
+    lbfgs = torch.optim.LBFGS(model().parameters())
+    assert recommend_weight_sync([10.0, 10.0], 8, lbfgs).method == "sequential"
+
+
+def test_bucket_sizes_pack_gradients_back_to_front_up_to_the_cap() -> None:
+    m = nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 1024))  # 1 MiB + 4 MiB of float32 weights
+    sizes = bucket_sizes(m, cap_mb=2)
+    assert sum(sizes) == sum(p.numel() * 4 for p in m.parameters())
+    assert len(sizes) == 2 and sizes[0] == (1024 * 1024 + 1024) * 4
+    assert len(bucket_sizes(m)) == 1
