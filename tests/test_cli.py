@@ -67,3 +67,26 @@ def test_init_writes_a_valid_config_and_never_overwrites(cli: CliRunner, tmp_pat
     result = cli.invoke(app, ["init", "--out", str(out)])
     assert result.exit_code == 2 and "already exists" in result.stderr
     assert out.read_text() == "# mine\n"
+
+
+def _commands(group, path=()):  # type: ignore[no-untyped-def]
+    import click
+
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from _commands(command, (*path, name))
+        else:
+            yield (*path, name), command
+
+
+def test_help_texts_survive_rich_markup(cli: CliRunner) -> None:
+    # Rich reads "[job]" as a markup tag and drops it unless escaped as "\[job]".
+    import re
+
+    import typer.main
+
+    for path, command in _commands(typer.main.get_command(app)):
+        output = " ".join(cli.invoke(app, [*path, "--help"], env={"COLUMNS": "250"}).output.split())
+        for param in command.params:
+            for tag in re.findall(r"\[[a-z_.]+\]", (getattr(param, "help", None) or "").replace("\\[", "[")):
+                assert tag in output, f"jabas {' '.join(path)} {param.name}: help lost {tag}"

@@ -12,8 +12,8 @@ from jabascli.cli.common import ConfigOption, cli_command, not_implemented
 @cli_command
 def schedule(
     config: ConfigOption,
-    address: Annotated[str | None, typer.Option(help="Address to bind (default: [scheduler] address).")] = None,
-    port: Annotated[int | None, typer.Option(help="Port to bind (default: [scheduler] port).")] = None,
+    address: Annotated[str | None, typer.Option(help="Address to bind (default: \\[scheduler] address).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to bind (default: \\[scheduler] port).")] = None,
 ) -> None:
     """Run the elastic scheduler on the main node.
 

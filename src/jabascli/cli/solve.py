@@ -25,7 +25,7 @@ def solve(
         str | None, typer.Option(help="'auto' to choose servers, or a comma list (default: all available).")
     ] = None,
     weight_sync: Annotated[
-        str | None, typer.Option(help="recommend, sequential or overlap (default: [job] weight_sync).")
+        str | None, typer.Option(help="recommend, sequential or overlap (default: \\[job] weight_sync).")
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Write the plan for `jabas train` to this file.")] = None,
     json_out: JsonOption = False,

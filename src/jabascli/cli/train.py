@@ -15,7 +15,7 @@ from jabascli.config import load_config
 from jabascli.engine.options import DEFAULT_BUCKET_CAP_MB, TrainOptions
 
 PlanOption = Annotated[
-    Path | None, typer.Option("--plan", help="A plan from `jabas solve --out` (default: [job] plan).")
+    Path | None, typer.Option("--plan", help="A plan from `jabas solve --out` (default: \\[job] plan).")
 ]
 ResumeOption = Annotated[Path | None, typer.Option("--resume", help="Checkpoint to resume from.")]
 CheckpointEveryOption = Annotated[
