@@ -61,7 +61,7 @@ def test_unknown_keys_are_ignored() -> None:
     [
         ({"gbs": 500}, "gbs", "is 500 but lbs * sum(gpus * vsw * (ga + 1)) = 32 * 14 = 448"),
         ({"lbs": 0}, "lbs", "expected an integer >= 1, got 0"),
-        ({"weight_sync": "fast"}, "weight_sync", "expected one of sequential, overlap"),
+        ({"weight_sync": "fast"}, "weight_sync", "expected sequential, overlap or recommend"),
         ({"throughput": "a lot"}, "throughput", "expected a positive number"),
         ({"assignments": []}, "assignments", "expected a non-empty list"),
         ({"assignments": [{"server": "node0", "device_type": "x", "gpus": 1, "vsw": 0, "ga": 0}]}, "vsw", ">= 1"),

@@ -21,13 +21,13 @@ and the field.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from jabascli.config import LoadedConfig, ServerConfig
 from jabascli.errors import InputError, Problem
+from jabascli.solver.plan import Assignment, Plan, read_plan
 
 WEIGHT_SYNC_METHODS = ("sequential", "overlap")
 
@@ -94,28 +94,24 @@ class TrainingPlan:
                 f"start one trainer per rank (`jabas run`, or torchrun --nproc-per-node {self.world_size})",
             )
 
-    def describe(self) -> str:
-        """The seed's notation, e.g. ``node0:4GPU,VSW:2,GA:0 node1:2GPU,VSW:1,GA:1``."""
-        groups: list[list[Any]] = []
-        for r in self.ranks:
-            if groups and groups[-1][0] == (r.server, r.vsw, r.ga):
-                groups[-1][1] += 1
-            else:
-                groups.append([(r.server, r.vsw, r.ga), 1])
-        return " ".join(f"{server}:{n}GPU,VSW:{vsw},GA:{ga}" for (server, vsw, ga), n in groups)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The plan file format (with one assignment per run of identical ranks)."""
-        assignments: list[dict[str, Any]] = []
+    def to_solver_plan(self) -> Plan:
+        """The plan in the plan-file form: one assignment per run of identical ranks."""
+        assignments: list[Assignment] = []
         for r in self.ranks:
             last = assignments[-1] if assignments else None
-            if last and (last["server"], last["vsw"], last["ga"]) == (r.server, r.vsw, r.ga):
-                last["gpus"] += 1
+            if last and (last.server, last.vsw, last.ga) == (r.server, r.vsw, r.ga):
+                assignments[-1] = dataclasses.replace(last, gpus=last.gpus + 1)
             else:
-                assignments.append(
-                    {"server": r.server, "device_type": r.device_type, "gpus": 1, "vsw": r.vsw, "ga": r.ga}
-                )
-        return {"gbs": self.gbs, "lbs": self.lbs, "weight_sync": self.weight_sync, "assignments": assignments}
+                assignments.append(Assignment(r.server, r.device_type, 1, r.vsw, r.ga))
+        return Plan(self.gbs, self.lbs, self.weight_sync, None, None, tuple(assignments))
+
+    def describe(self) -> str:
+        """The seed's notation, e.g. ``node0:4GPU,VSW:2,GA:0 node1:2GPU,VSW:1,GA:1``."""
+        return self.to_solver_plan().seed_form()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan file format."""
+        return self.to_solver_plan().to_dict()
 
 
 def _rank(rank: int, server: ServerConfig | None, name: str, device_type: str, vsw: int, ga: int) -> RankPlan:
@@ -161,85 +157,36 @@ def load_plan(loaded: LoadedConfig, plan_path: Path | None = None) -> TrainingPl
 
 
 def read_plan_file(path: Path, loaded: LoadedConfig) -> TrainingPlan:
-    """Read and check a plan file against the config's servers."""
-    if not path.is_file():
-        raise InputError.at(path, None, "plan file not found")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise InputError.at(path, None, f"invalid JSON: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError.at(path, None, f"cannot read: {exc}") from None
-    return parse_plan(raw, path, loaded)
+    """Read a plan file (``jabascli.solver.plan`` checks its form) and check it against the config."""
+    return plan_from_solver(read_plan(path), path, loaded)
 
 
-def parse_plan(raw: Any, path: Path | str, loaded: LoadedConfig) -> TrainingPlan:
-    """Check a plan object field by field; every problem is reported at once."""
+def plan_from_solver(plan: Plan, path: Path | str, loaded: LoadedConfig) -> TrainingPlan:
+    """One rank per GPU of each assignment, in order; every server must exist with enough devices."""
     problems: list[Problem] = []
-
-    def problem(field: str | None, message: str) -> None:
-        problems.append(Problem(path, field, message))
-
-    if not isinstance(raw, dict):
-        raise InputError.at(path, None, "expected a JSON object (a plan from `jabas solve --out`)")
-    lbs = _int_field(raw, "lbs", 1, problem)
-    weight_sync = raw.get("weight_sync", "recommend")
-    if weight_sync not in (*WEIGHT_SYNC_METHODS, "recommend"):
-        problem("weight_sync", f"expected sequential, overlap or recommend (got {weight_sync!r})")
-    assignments = raw.get("assignments")
-    if not isinstance(assignments, list) or not assignments:
-        problem("assignments", "expected a non-empty list of {server, device_type, gpus, vsw, ga}")
-        raise InputError(problems)
-
     servers = {s.name: s for s in loaded.config.cluster.servers}
     used: dict[str, int] = {}
     ranks: list[RankPlan] = []
-    for i, entry in enumerate(assignments):
+    for i, a in enumerate(plan.assignments):
         at = f"assignments[{i}]"
-        if not isinstance(entry, dict):
-            problem(at, "expected an object {server, device_type, gpus, vsw, ga}")
-            continue
-        name = entry.get("server")
-        server = servers.get(name) if isinstance(name, str) else None
+        server = servers.get(a.server)
         if server is None:
             known = ", ".join(servers) or "none"
-            problem(f"{at}.server", f"server {name!r} has no [[cluster.servers]] entry in the config (known: {known})")
-        gpus = _int_field(entry, "gpus", 1, problem, at)
-        vsw = _int_field(entry, "vsw", 1, problem, at)
-        ga = _int_field(entry, "ga", 0, problem, at)
-        if server is None or gpus is None or vsw is None or ga is None:
-            continue
-        used[server.name] = used.get(server.name, 0) + gpus
-        if used[server.name] > server.devices:
-            problem(
-                f"{at}.gpus",
-                f"the plan names {used[server.name]} devices of server {server.name!r}, which has {server.devices}",
+            problems.append(
+                Problem(path, f"{at}.server", f"server {a.server!r} has no [[cluster.servers]] entry (known: {known})")
             )
-        device_type = entry.get("device_type", server.device_type)
-        for _ in range(gpus):
-            ranks.append(_rank(len(ranks), server, server.name, str(device_type), vsw, ga))
-
-    if lbs is not None and not problems:
-        workers = sum(r.micro_steps for r in ranks)
-        gbs = raw.get("gbs")
-        if gbs is not None and (isinstance(gbs, bool) or gbs != lbs * workers):
-            problem("gbs", f"{gbs!r} does not equal LBS * sum VSW*(GA+1) = {lbs} * {workers} = {lbs * workers}")
+            continue
+        used[a.server] = used.get(a.server, 0) + a.gpus
+        if used[a.server] > server.devices:
+            problems.append(
+                Problem(
+                    path,
+                    f"{at}.gpus",
+                    f"the plan names {used[a.server]} devices of server {a.server!r}, which has {server.devices}",
+                )
+            )
+        for _ in range(a.gpus):
+            ranks.append(_rank(len(ranks), server, a.server, a.device_type or server.device_type, a.vsw, a.ga))
     if problems:
         raise InputError(problems)
-    assert lbs is not None
-    return TrainingPlan(lbs, tuple(ranks), str(weight_sync), str(path), from_plan_file=True)
-
-
-def _int_field(obj: dict[str, Any], key: str, minimum: int, problem: Any, prefix: str = "") -> int | None:
-    field = f"{prefix}.{key}" if prefix else key
-    value = obj.get(key)
-    if value is None:
-        problem(field, "required key is missing")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        problem(field, f"expected an integer (got {value!r})")
-        return None
-    if value < minimum:
-        problem(field, f"must be at least {minimum} (got {value})")
-        return None
-    return value
+    return TrainingPlan(plan.lbs, tuple(ranks), plan.weight_sync, str(path), from_plan_file=True)

@@ -14,8 +14,12 @@ numbered by walking ``assignments`` in order, one rank per GPU: the first
 assignment's GPUs are ranks ``0 .. gpus-1``, and so on. The plan holds
 ``gbs == lbs * sum(gpus * vsw * (ga + 1))`` exactly.
 
-Readers ignore keys they do not know, so keys can be added. This module is
-pure Python (no numpy, no torch) so any process can read a plan.
+Readers ignore keys they do not know, so keys can be added. A plan may also be
+written by hand: ``gbs`` (derived), ``device_type`` (the server's), and the
+predicted times may be left out, and ``weight_sync`` may be ``recommend`` (the
+trainer decides). This module is the one reader of plan files: the solver
+writes them, the engine reads them through :func:`read_plan`. It is pure Python
+(no numpy, no torch) so any process can read a plan.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 from jabascli.atomic import atomic_write_json
 from jabascli.errors import InputError, Problem
 
-PLAN_WEIGHT_SYNC = ("sequential", "overlap")
+PLAN_WEIGHT_SYNC = ("sequential", "overlap", "recommend")
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class Assignment:
     """``gpus`` GPUs of ``server``, each running ``vsw`` VSWs and ``ga`` extra GA micro-steps."""
 
     server: str
-    device_type: str
+    device_type: str | None
     gpus: int
     vsw: int
     ga: int
@@ -59,10 +63,9 @@ class Assignment:
             "gpus": self.gpus,
             "vsw": self.vsw,
             "ga": self.ga,
+            "iteration_time_s": self.iteration_time_s,
         }
-        if self.iteration_time_s is not None:
-            out["iteration_time_s"] = self.iteration_time_s
-        return out
+        return {k: v for k, v in out.items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,8 @@ class Plan:
     gbs: int
     lbs: int
     weight_sync: str
-    iteration_time_s: float
-    throughput: float
+    iteration_time_s: float | None
+    throughput: float | None
     assignments: tuple[Assignment, ...]
 
     @property
@@ -97,7 +100,7 @@ class Plan:
         return [a for a in self.assignments for _ in range(a.gpus)]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "gbs": self.gbs,
             "lbs": self.lbs,
             "weight_sync": self.weight_sync,
@@ -105,6 +108,7 @@ class Plan:
             "throughput": self.throughput,
             "assignments": [a.to_dict() for a in self.assignments],
         }
+        return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
     def from_dict(cls, data: Any, source: Path | str | None = None) -> Plan:
@@ -116,13 +120,13 @@ class Plan:
 
         if not isinstance(data, dict):
             raise InputError.at(source, None, "expected a JSON object (a plan written by `jabas solve --out`)")
-        gbs = _int(data, "gbs", 1, bad)
+        gbs = _int(data, "gbs", 1, bad) if "gbs" in data else None
         lbs = _int(data, "lbs", 1, bad)
-        weight_sync = data.get("weight_sync")
+        weight_sync = data.get("weight_sync", "recommend")
         if weight_sync not in PLAN_WEIGHT_SYNC:
-            bad("weight_sync", f"expected one of {', '.join(PLAN_WEIGHT_SYNC)}, got {weight_sync!r}")
-        time_s = _float(data, "iteration_time_s", bad)
-        throughput = _float(data, "throughput", bad)
+            bad("weight_sync", f"expected sequential, overlap or recommend, got {weight_sync!r}")
+        time_s = _float(data, "iteration_time_s", bad) if "iteration_time_s" in data else None
+        throughput = _float(data, "throughput", bad) if "throughput" in data else None
         raw = data.get("assignments")
         assignments: list[Assignment] = []
         if not isinstance(raw, list) or not raw:
@@ -138,18 +142,20 @@ class Plan:
                 bad(f"{where}.{field}", message)
 
             server, device_type = item.get("server"), item.get("device_type")
-            for key, value in (("server", server), ("device_type", device_type)):
-                if not isinstance(value, str) or not value:
-                    bad_item(key, f"expected a non-empty string, got {value!r}")
+            if not isinstance(server, str) or not server:
+                bad_item("server", f"expected a non-empty string, got {server!r}")
+            if device_type is not None and (not isinstance(device_type, str) or not device_type):
+                bad_item("device_type", f"expected a non-empty string, got {device_type!r}")
             gpus = _int(item, "gpus", 1, bad_item)
             vsw = _int(item, "vsw", 1, bad_item)
             ga = _int(item, "ga", 0, bad_item)
             item_time = _float(item, "iteration_time_s", bad_item) if "iteration_time_s" in item else None
-            assignments.append(Assignment(str(server), str(device_type), gpus, vsw, ga, item_time))
-        if not problems:
-            workers = sum(a.workers for a in assignments)
-            if lbs * workers != gbs:
-                bad("gbs", f"is {gbs} but lbs * sum(gpus * vsw * (ga + 1)) = {lbs} * {workers} = {lbs * workers}")
+            assignments.append(Assignment(str(server), device_type, gpus, vsw, ga, item_time))
+        workers = sum(a.workers for a in assignments)
+        if gbs is None:
+            gbs = lbs * workers
+        elif not problems and lbs * workers != gbs:
+            bad("gbs", f"is {gbs} but lbs * sum(gpus * vsw * (ga + 1)) = {lbs} * {workers} = {lbs * workers}")
         if problems:
             raise InputError(problems)
         return cls(gbs, lbs, str(weight_sync), time_s, throughput, tuple(assignments))
