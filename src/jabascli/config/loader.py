@@ -12,7 +12,6 @@ component dropped, i.e. relative to the config's own folder.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from jabascli.config.models import (
 )
 from jabascli.config.seed import TOML_TO_SEED_FIELD, SeedConfig, SeedServer, seed_to_toml_dict
 from jabascli.errors import InputError, Problem
+from jabascli.inputs import read_json, read_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -95,26 +95,13 @@ def load_config(path: Path | str, *, check_profiles: bool = True) -> LoadedConfi
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(read_text(path))
     except tomllib.TOMLDecodeError as exc:
         raise InputError.at(path, None, f"invalid TOML: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError.at(path, None, f"cannot read: {exc}") from None
-
-
-def _read_json(path: Path) -> Any:
-    if not path.is_file():
-        raise InputError.at(path, None, "file not found")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise InputError.at(path, None, f"invalid JSON: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError.at(path, None, f"cannot read: {exc}") from None
 
 
 def _load_seed(path: Path) -> LoadedConfig:
-    raw = _read_json(path)
+    raw = read_json(path)
     if not isinstance(raw, dict):
         raise InputError.at(path, None, "expected a JSON object (the seed job config)")
     try:
@@ -124,7 +111,7 @@ def _load_seed(path: Path) -> LoadedConfig:
 
     folder = path.parent.resolve()
     info_path = resolve_path(Path(seed.gpu_cluster_info), folder, seed=True)
-    info = _read_json(info_path)
+    info = read_json(info_path)
     if not isinstance(info, dict):
         raise InputError.at(info_path, None, "expected a JSON object mapping server names to GPU info")
     cluster: dict[str, SeedServer] = {}

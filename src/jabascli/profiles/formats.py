@@ -18,7 +18,6 @@ the seed's are renamed. Every write is atomic.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
 
 from jabascli.atomic import atomic_write_json, atomic_write_text
 from jabascli.errors import InputError, Problem
+from jabascli.inputs import read_json, read_text
 
 MEMORY_FILENAME = "max_memory_profile_info.json"
 COMP_SUFFIX = "_comp_profile.json"
@@ -139,17 +139,8 @@ def comm_meta_path(folder: Path, kind: CommKind) -> Path:
 # Reading ------------------------------------------------------------------
 
 
-def _load_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise InputError.at(path, None, f"invalid JSON: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError.at(path, None, f"cannot read: {exc}") from None
-
-
 def _parse(model: type[_Format], path: Path) -> Any:
-    data = _load_json(path)
+    data = read_json(path)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -243,10 +234,7 @@ def read_comm_profile(folder: Path, kind: CommKind) -> CommProfile | None:
     if not path.is_file():
         return None
     ideal, measured = [], []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError.at(path, None, f"cannot read: {exc}") from None
+    lines = read_text(path).splitlines()
     for number, line in enumerate(lines, start=1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue

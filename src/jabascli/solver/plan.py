@@ -24,7 +24,6 @@ writes them, the engine reads them through :func:`read_plan`. It is pure Python
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 from jabascli.atomic import atomic_write_json
 from jabascli.errors import InputError, Problem
+from jabascli.inputs import read_json
 
 PLAN_WEIGHT_SYNC = ("sequential", "overlap", "recommend")
 
@@ -184,13 +184,4 @@ def write_plan(path: Path | str, plan: Plan) -> Path:
 
 def read_plan(path: Path | str) -> Plan:
     """Read and validate a plan file; InputError names the file and every bad field."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError.at(path, None, "plan file not found") from None
-    except json.JSONDecodeError as exc:
-        raise InputError.at(path, None, f"invalid JSON: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError.at(path, None, f"cannot read: {exc}") from None
-    return Plan.from_dict(data, path)
+    return Plan.from_dict(read_json(path, what="plan file"), path)
