@@ -10,8 +10,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
-from jabascli.config import load_config
+from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, err_console, print_json
+from jabascli.config import LoadedConfig, load_config
 from jabascli.engine.options import DEFAULT_BUCKET_CAP_MB, TrainOptions
 
 PlanOption = Annotated[
@@ -56,6 +56,7 @@ def train(
     from jabascli.engine.trainer import run_trainer
 
     loaded = load_config(config)
+    _note_unbuilt(loaded)
     options = TrainOptions(
         plan=plan,
         resume=resume,
@@ -109,6 +110,7 @@ def run(
     from jabascli.engine.launch import run_local
 
     loaded = load_config(config)
+    _note_unbuilt(loaded)
     options = TrainOptions(
         plan=plan, resume=resume, checkpoint_every=checkpoint_every, max_steps=max_steps, bucket_cap_mb=bucket_cap_mb
     )
@@ -192,3 +194,15 @@ def _print_results(job: str, start: dict[str, Any], results: list[dict[str, Any]
     console.print(table)
     if results and results[-1]["val_accuracy"] is not None:
         console.print(f"validation accuracy: {results[-1]['val_accuracy']:.4f}")
+
+
+def _note_unbuilt(loaded: LoadedConfig) -> None:
+    # Adaptive batching is configured but not built yet: say so rather than appear to adapt.
+    metric = loaded.config.batching.metric
+    if metric != "fixed":
+        err_console.print(
+            f"note: [batching] metric = {metric!r} does not adapt the global batch size yet; "
+            "training runs at the GBS of its plan or config",
+            markup=False,
+            highlight=False,
+        )
