@@ -501,16 +501,11 @@ class Connection:
         """Copy a remote file to ``local`` atomically, checking its size and SHA-256."""
 
         def write(dst: IO[bytes]) -> None:
-            digest, size = hashlib.sha256(), 0
             with self._open(remote, "rb") as src:
                 if info.size:
                     src.prefetch(info.size)
-                while chunk := src.read(CHUNK):
-                    dst.write(chunk)
-                    digest.update(chunk)
-                    size += len(chunk)
-                    progress(len(chunk))
-            if FileInfo(size, digest.hexdigest()) != info:
+                copied = _copy(src, dst, progress)
+            if copied != info:
                 raise SyncError(f"{remote} changed while it was being copied; run jabas sync again")
 
         with self._failing(f"fetching {remote}"):
@@ -523,19 +518,14 @@ class Connection:
         with self._failing(f"sending {remote}"):
             self._makedirs(folder)
             try:
-                digest, size = hashlib.sha256(), 0
                 with open(local, "rb") as src, self._open(temp, "wb") as dst:
                     dst.set_pipelined(True)
-                    while chunk := src.read(CHUNK):
-                        dst.write(chunk)
-                        digest.update(chunk)
-                        size += len(chunk)
-                        progress(len(chunk))
-                if FileInfo(size, digest.hexdigest()) != info:
+                    copied = _copy(src, dst, progress)
+                if copied != info:
                     raise SyncError(f"{local} changed while it was being sent; run jabas sync again")
                 written = self._sftp.stat(temp).st_size
-                if written != size:
-                    raise SyncError(f"the server holds {written} of the {size} bytes sent")
+                if written != copied.size:
+                    raise SyncError(f"the server holds {written} of the {copied.size} bytes sent")
                 self._sftp.posix_rename(temp, remote)
             except BaseException as exc:
                 if not isinstance(exc, TimeoutError):
@@ -546,3 +536,14 @@ class Connection:
         if self.alive():
             with contextlib.suppress(Exception):
                 self._sftp.remove(path)
+
+
+def _copy(src: Any, dst: Any, progress: Progress) -> FileInfo:
+    """Copy ``src`` to ``dst`` in chunks, reporting progress; the size and SHA-256 of what was copied."""
+    digest, size = hashlib.sha256(), 0
+    while chunk := src.read(CHUNK):
+        dst.write(chunk)
+        digest.update(chunk)
+        size += len(chunk)
+        progress(len(chunk))
+    return FileInfo(size, digest.hexdigest())
