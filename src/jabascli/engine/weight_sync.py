@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from jabascli.engine.options import DEFAULT_BUCKET_CAP_MB
+from jabascli.engine.options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB
 
 # Optimizers whose step updates every parameter from its own gradient and state
 # alone, so stepping a subset of parameters equals their part of a full step.
@@ -164,17 +164,20 @@ class WeightSyncChoice:
     reason: str
 
 
-def bucket_sizes(model: nn.Module, cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> list[int]:
+def bucket_sizes(model: nn.Module, cap_mb: float | None = None) -> list[int]:
     """DDP's gradient buckets of a model in bytes, as it builds them once gradient order is known.
 
     Parameters in reverse order (gradients are ready roughly back to front),
-    a new bucket whenever one reaches ``cap_mb`` MiB.
+    a new bucket whenever one reaches ``cap_mb`` MiB. ``cap_mb`` None is DDP's
+    default: 25 MiB, with a first bucket of 1 MiB.
     """
     sizes: list[int] = []
-    current, cap = 0, cap_mb * 2**20
+    first = DEFAULT_FIRST_BUCKET_MB if cap_mb is None else cap_mb
+    rest = DEFAULT_BUCKET_CAP_MB if cap_mb is None else cap_mb
+    current = 0
     for p in reversed([p for p in model.parameters() if p.requires_grad]):
         current += p.numel() * p.element_size()
-        if current >= cap:
+        if current >= (rest if sizes else first) * 2**20:
             sizes.append(current)
             current = 0
     if current:
