@@ -42,11 +42,17 @@ class Emulation:
     computed (:meth:`backward_done`, called from the communication hook), so the
     sleep delays that rank's last all-reduce and never counts time spent
     waiting for other ranks.
+
+    A sleep ends late (timer slack, the scheduler; a tenth of a millisecond or
+    more on a virtual machine), and a rank sleeps twice per micro-step: the time
+    overslept is taken off the next sleep, so that the rank's total delay is the
+    one asked for rather than growing with the number of sleeps.
     """
 
     def __init__(self, slowdown: float) -> None:
         self.extra = max(slowdown - 1.0, 0.0)
         self._backward_start: float | None = None
+        self._overslept = 0.0
 
     @property
     def active(self) -> bool:
@@ -54,7 +60,16 @@ class Emulation:
 
     def pause_since(self, start: float) -> None:
         if self.extra > 0:
-            time.sleep(self.extra * (time.perf_counter() - start))
+            self._sleep(self.extra * (time.perf_counter() - start))
+
+    def _sleep(self, seconds: float) -> None:
+        wanted = seconds - self._overslept
+        if wanted <= 0:
+            self._overslept = -wanted
+            return
+        start = time.perf_counter()
+        time.sleep(wanted)
+        self._overslept = time.perf_counter() - start - wanted
 
     def backward_started(self) -> None:
         self._backward_start = time.perf_counter()
