@@ -165,7 +165,9 @@ class Trainer:
             replicas=self.vsw.replica_params(),
             optimizer=BucketOptimizer(self.optimizer) if self.weight_sync == "overlap" else None,
             before_last_bucket=self.emulation.backward_done if self.emulation.active else None,
+            riders=self.buffers.take_riders,
         ).register(self.ddp)
+        self.buffers.carried = True  # the statistics and loss ride on the last bucket's all-reduce
         load = BatchLoader(self.train_set, device, self.workload.collate)
         self.worker_step = WorkerStep(self.workload.loss, load, plan.workers, self.buffers, self.emulation)
 
