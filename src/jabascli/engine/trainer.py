@@ -20,6 +20,7 @@ import contextlib
 import gc
 import os
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -370,21 +371,29 @@ class Trainer:
 
 
 class _StepLog:
-    """Rank 0's step reports: averaged over the steps since the last one, at most every LOG_INTERVAL_S."""
+    """Rank 0's step reports: averaged over the steps since the last one, at most every LOG_INTERVAL_S.
+
+    Also the median duration of those steps, each timed from the end of the one before
+    (the first of an epoch from the epoch's start).
+    """
 
     def __init__(self, trainer: Trainer, metrics: MetricsWriter | None, epoch_steps: int) -> None:
         self.trainer, self.metrics, self.epoch_steps = trainer, metrics, epoch_steps
         self.active = trainer.rank == 0 and (metrics is not None or trainer.emit is not None)
         self.loss = torch.zeros((), dtype=torch.float64, device=trainer.device)
         self.steps = 0
-        self.since = self.last = time.perf_counter()
+        self.durations: list[float] = []
+        self.since = self.last = self.step_end = time.perf_counter()
 
     def step(self, loss: torch.Tensor) -> None:
         if not self.active:
             return
+        now = time.perf_counter()
+        self.durations.append(now - self.step_end)
+        self.step_end = now
         self.loss += loss
         self.steps += 1
-        if time.perf_counter() - self.last >= LOG_INTERVAL_S:
+        if now - self.last >= LOG_INTERVAL_S:
             self.flush()
 
     def flush(self) -> None:
@@ -396,13 +405,23 @@ class _StepLog:
         p = t.progress
         epoch_step, lr = p.position // t.plan.gbs, t.current_lr()
         if self.metrics is not None:
-            self.metrics.step(epoch=p.epoch, step=p.step, gbs=t.plan.gbs, loss=loss, samples_per_s=rate, lr=lr)
+            iteration_s = statistics.median(self.durations)
+            self.metrics.step(
+                epoch=p.epoch,
+                step=p.step,
+                gbs=t.plan.gbs,
+                loss=loss,
+                samples_per_s=rate,
+                lr=lr,
+                iteration_s=iteration_s,
+            )
         if t.emit:
             event = {"event": "step", "epoch": p.epoch, "step": p.step, "epoch_step": epoch_step}
             event.update(epoch_steps=self.epoch_steps, gbs=t.plan.gbs, loss=loss, samples_per_s=rate, lr=lr)
             t.emit(event)
         self.loss.zero_()
         self.steps = 0
+        self.durations = []
         self.since = self.last = now
 
 
