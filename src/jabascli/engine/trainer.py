@@ -40,6 +40,7 @@ from jabascli.engine.metrics import MetricsWriter
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import TrainingPlan, load_plan
 from jabascli.engine.sampler import IIDPSampler, Iteration
+from jabascli.engine.timing import PhaseTimer
 from jabascli.engine.vsw import Emulation, WorkerStep, build_vsw_strategy, choose_vsw_strategy, make_replicas
 from jabascli.engine.weight_sync import (
     BucketOptimizer,
@@ -144,12 +145,7 @@ class Trainer:
         # The data: one seeded permutation per epoch, dealt to the workers in LBS chunks.
         self.train_set = self.workload.train_dataset()
         self.val_set = self.workload.val_dataset()
-        self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)
-        if self.sampler.iterations_per_epoch(plan.gbs) == 0:
-            field = "gbs" if plan.from_plan_file else "job.lbs"
-            raise InputError.at(
-                plan.file, field, f"GBS {plan.gbs} is more than the {len(self.train_set)} training samples"
-            )
+        self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)  # fit() checks that GBS samples exist
 
         # How this rank runs its workers (VSW strategy) and combines gradients (weight sync).
         self.weight_sync, self.weight_sync_reason = self._choose_weight_sync(plan.weight_sync)
@@ -171,10 +167,23 @@ class Trainer:
         self.buffers.carried = True  # the statistics and loss ride on the last bucket's all-reduce
         load = BatchLoader(self.train_set, device, self.workload.collate)
         self.worker_step = WorkerStep(self.workload.loss, load, plan.workers, self.buffers, self.emulation)
+        self.timer = PhaseTimer()
+
+    def set_timer(self, timer: PhaseTimer) -> None:
+        """Report phase boundaries to ``timer`` (the computation profiler's; training keeps the no-op default)."""
+        self.timer = self.worker_step.timer = timer
+
+    def _check_gbs(self) -> None:
+        if self.sampler.iterations_per_epoch(self.plan.gbs) == 0:
+            field = "gbs" if self.plan.from_plan_file else "job.lbs"
+            raise InputError.at(
+                self.plan.file, field, f"GBS {self.plan.gbs} is more than the {len(self.train_set)} training samples"
+            )
 
     # -- the loop ------------------------------------------------------------------------------
 
     def fit(self) -> list[EpochResult]:
+        self._check_gbs()
         self._report_start()
         metrics = self._open_metrics()
         results: list[EpochResult] = []
@@ -238,16 +247,23 @@ class Trainer:
 
     def train_step(self, iteration: Iteration) -> torch.Tensor:
         """One iteration of this rank; returns the mean loss over all workers of the job."""
+        timer = self.timer
+        timer.mark("overhead")  # the training loop since the last iteration
         self.vsw.zero_grad()
         self.buffers.begin()
         self.worker_step.begin()
+        timer.mark("overhead")
         self.vsw.run(iteration.micro_batches, self.worker_step)  # all-reduces every gradient bucket
         if self.weight_sync == "sequential":
             self.optimizer.step()  # with overlap, each bucket was already updated as its all-reduce completed
+            timer.mark("update")
         if self.scheduler is not None:
             self.scheduler.step()
+        timer.mark("overhead")
         self.vsw.after_step()
+        timer.mark("copy")
         self.buffers.end_iteration()  # exact running statistics, and the loss summed over ranks
+        timer.mark("overhead")
         loss_sum = self.worker_step.loss_sum
         assert loss_sum is not None
         return loss_sum.to(torch.float64) / self.plan.workers

@@ -21,7 +21,7 @@ import contextlib
 import copy
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from jabascli.engine.buffers import BufferSync
 from jabascli.engine.data import BatchLoader, seed_worker
 from jabascli.engine.sampler import MicroBatch
+from jabascli.engine.timing import PhaseTimer
 
 VSW_STRATEGIES = ("sequential", "streams")
 
@@ -92,13 +93,17 @@ class WorkerStep:
     emulation: Emulation
     loss_sum: torch.Tensor | None = None
     """The sum of the (unscaled) losses of the rank's micro-steps so far in this iteration."""
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    """Phase boundaries (see :mod:`jabascli.engine.timing`); only the computation profiler records them."""
 
     def begin(self) -> None:
         self.loss_sum = None
 
     def __call__(self, module: nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> None:
+        timer = self.timer
         seed_worker(mb.seed, self.load.device)  # a worker's randomness follows its samples, not the plan
         inputs, target = self.load(mb.indices)
+        timer.mark("data")
         self.buffers.before_micro_step(replica, mb.worker)
         start = time.perf_counter()
         output = module(*inputs) if isinstance(inputs, tuple) else module(inputs)
@@ -106,16 +111,19 @@ class WorkerStep:
         self.emulation.pause_since(start)
         self.buffers.after_micro_step(replica, mb.worker)
         self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+        timer.mark("fwd")
         if sync:
             # All of the rank's forwards are done: start the statistics-and-loss all-reduce, so that
             # it overlaps this backward.
             self.buffers.launch(self.loss_sum)
+            timer.mark("overhead")
             self.emulation.backward_started()  # the slowdown sleep happens before the last all-reduce
             (loss / self.workers).backward()
         else:
             start = time.perf_counter()
             (loss / self.workers).backward()
             self.emulation.pause_since(start)
+        timer.mark("bwd")
 
 
 class VswStrategy:
