@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,15 @@ VSW_STRATEGIES = ("sequential", "streams")
 class Emulation:
     """An emulated slower device: after each compute step, sleep ``(slowdown - 1) x`` its measured time.
 
+    A step is timed by the CPU time of the thread that runs it (:meth:`clock`),
+    not by the wall clock: the device emulated is ``slowdown`` times slower than
+    the work this CPU did for it, however long the process waited for a core
+    meanwhile. With wall-clock time, every millisecond the trainer spent
+    preempted (by the other trainers on this machine, their communication
+    threads, other jobs) was slept again ``slowdown - 1`` times, so an emulated
+    device got slower the busier the machine was. (Unhindered, the two clocks
+    agree: the profiler's wall-clock times stay valid.)
+
     A synchronising backward is timed up to the moment its last gradient is
     computed (:meth:`backward_done`, called from the communication hook), so the
     sleep delays that rank's last all-reduce and never counts time spent
@@ -52,16 +62,22 @@ class Emulation:
 
     def __init__(self, slowdown: float) -> None:
         self.extra = max(slowdown - 1.0, 0.0)
-        self._backward_start: float | None = None
+        self._backward_start: tuple[int, float] | None = None
         self._overslept = 0.0
 
     @property
     def active(self) -> bool:
         return self.extra > 0
 
+    @staticmethod
+    def clock() -> float:
+        """The calling thread's CPU time, in seconds: what a step is timed with."""
+        return time.thread_time()
+
     def pause_since(self, start: float) -> None:
+        """Sleep ``(slowdown - 1)`` times the CPU time this thread spent since ``start`` (from :meth:`clock`)."""
         if self.extra > 0:
-            self._sleep(self.extra * (time.perf_counter() - start))
+            self._sleep(self.extra * (self.clock() - start))
 
     def _sleep(self, seconds: float) -> None:
         wanted = seconds - self._overslept
@@ -73,11 +89,15 @@ class Emulation:
         self._overslept = time.perf_counter() - start - wanted
 
     def backward_started(self) -> None:
-        self._backward_start = time.perf_counter()
+        self._backward_start = (threading.get_ident(), self.clock())
 
     def backward_done(self) -> None:
+        # On the CPU the autograd engine runs the backward, and so the communication hook, on the
+        # thread that started it; a thread's CPU time means nothing on another one.
         if self._backward_start is not None:
-            self.pause_since(self._backward_start)
+            thread, start = self._backward_start
+            if thread == threading.get_ident():
+                self.pause_since(start)
             self._backward_start = None
 
 
@@ -105,7 +125,7 @@ class WorkerStep:
         inputs, target = self.load(mb.indices)
         timer.mark("data")
         self.buffers.before_micro_step(replica, mb.worker)
-        start = time.perf_counter()
+        start = self.emulation.clock()
         output = module(*inputs) if isinstance(inputs, tuple) else module(inputs)
         loss = self.loss_fn(output, target)
         self.emulation.pause_since(start)
@@ -120,7 +140,7 @@ class WorkerStep:
             self.emulation.backward_started()  # the slowdown sleep happens before the last all-reduce
             (loss / self.workers).backward()
         else:
-            start = time.perf_counter()
+            start = self.emulation.clock()
             (loss / self.workers).backward()
             self.emulation.pause_since(start)
         timer.mark("bwd")
