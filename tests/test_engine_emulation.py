@@ -19,6 +19,9 @@ class FakeClock:
     def perf_counter(self) -> float:
         return self.now
 
+    def as_time_module(self) -> SimpleNamespace:
+        return SimpleNamespace(perf_counter=self.perf_counter, thread_time=self.perf_counter, sleep=self.sleep)
+
     def sleep(self, seconds: float) -> None:
         self.now += seconds + self.late
         self.slept += seconds + self.late
@@ -26,7 +29,7 @@ class FakeClock:
 
 def test_the_time_overslept_is_taken_off_the_next_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock(late=0.0004)
-    monkeypatch.setattr(vsw, "time", SimpleNamespace(perf_counter=clock.perf_counter, thread_time=clock.perf_counter, sleep=clock.sleep))
+    monkeypatch.setattr(vsw, "time", clock.as_time_module())
     emulation = Emulation(slowdown=3.0)
     asked = 0.0
     for step in range(100):
@@ -40,7 +43,7 @@ def test_the_time_overslept_is_taken_off_the_next_sleep(monkeypatch: pytest.Monk
 
 def test_a_plain_rank_never_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock(late=0.0)
-    monkeypatch.setattr(vsw, "time", SimpleNamespace(perf_counter=clock.perf_counter, thread_time=clock.perf_counter, sleep=clock.sleep))
+    monkeypatch.setattr(vsw, "time", clock.as_time_module())
     emulation = Emulation(slowdown=1.0)
     assert not emulation.active
     emulation.pause_since(0.0)

@@ -40,14 +40,16 @@ VSW_STRATEGIES = ("sequential", "streams")
 class Emulation:
     """An emulated slower device: after each compute step, sleep ``(slowdown - 1) x`` its measured time.
 
-    A step is timed by the CPU time of the thread that runs it (:meth:`clock`),
-    not by the wall clock: the device emulated is ``slowdown`` times slower than
-    the work this CPU did for it, however long the process waited for a core
-    meanwhile. With wall-clock time, every millisecond the trainer spent
-    preempted (by the other trainers on this machine, their communication
-    threads, other jobs) was slept again ``slowdown - 1`` times, so an emulated
-    device got slower the busier the machine was. (Unhindered, the two clocks
-    agree: the profiler's wall-clock times stay valid.)
+    When torch computes on one thread, a step is timed by that thread's CPU
+    time (:meth:`clock`), not by the wall clock: the device emulated is
+    ``slowdown`` times slower than the work this CPU did for it, however long
+    the process waited for a core meanwhile. With wall-clock time, every
+    millisecond the trainer spent preempted (by the other trainers on this
+    machine, their communication threads, other jobs) was slept again
+    ``slowdown - 1`` times, so an emulated device got slower the busier the
+    machine was. (Unhindered, the two clocks agree: the profiler's wall-clock
+    times stay valid.) With several intra-op threads the calling thread does
+    only part of the work, so the wall clock is used.
 
     A synchronising backward is timed up to the moment its last gradient is
     computed (:meth:`backward_done`, called from the communication hook), so the
@@ -71,8 +73,8 @@ class Emulation:
 
     @staticmethod
     def clock() -> float:
-        """The calling thread's CPU time, in seconds: what a step is timed with."""
-        return time.thread_time()
+        """What a step is timed with, in seconds: the thread's CPU time when it does all of torch's work."""
+        return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
 
     def pause_since(self, start: float) -> None:
         """Sleep ``(slowdown - 1)`` times the CPU time this thread spent since ``start`` (from :meth:`clock`)."""
@@ -89,16 +91,18 @@ class Emulation:
         self._overslept = time.perf_counter() - start - wanted
 
     def backward_started(self) -> None:
-        self._backward_start = (threading.get_ident(), self.clock())
+        self._backward_start = (threading.get_ident(), self.clock(), time.perf_counter())
 
     def backward_done(self) -> None:
         # On the CPU the autograd engine runs the backward, and so the communication hook, on the
-        # thread that started it; a thread's CPU time means nothing on another one.
+        # thread that started it; elsewhere a thread's CPU time means nothing, and the wall clock serves.
         if self._backward_start is not None:
-            thread, start = self._backward_start
+            thread, start, wall_start = self._backward_start
+            self._backward_start = None
             if thread == threading.get_ident():
                 self.pause_since(start)
-            self._backward_start = None
+            elif self.extra > 0:
+                self._sleep(self.extra * (time.perf_counter() - wall_start))
 
 
 @dataclass
