@@ -11,10 +11,9 @@ with CUDA events on a GPU and ``time.perf_counter`` on the CPU.
 Each phase's value is its median over the measured iterations, and
 ``total_time`` their sum, as in the seed. New fields: the quartiles of every
 phase and of the per-iteration total (``spread``), the iteration counts, the
-timer, and the ``slowdown`` applied: on an emulated server the compute phases
-(fwd, bwd, copy, update; not data loading) are multiplied by
-``emulate.slowdown``, which is what the engine's slowed-down trainers take in
-expectation.
+timer, and the ``slowdown`` of an emulated server, whose trainer is measured
+as the engine runs it: sleeping ``slowdown - 1`` times each forward and
+backward.
 
 Writes ``<out>/<LBS>/<server>/<server>_<model>_<LBS>_<VSW>_comp_profile.json``.
 """

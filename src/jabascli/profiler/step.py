@@ -55,8 +55,6 @@ from jabascli.engine.timing import PhaseTimer
 from jabascli.workload import Workload
 
 PHASES = ENGINE_PHASES  # data, fwd, bwd, copy, update, overhead
-COMPUTE_PHASES = ("fwd", "bwd")
-"""What an emulated device's slowdown applies to: the steps the engine's emulation slows (``engine.vsw.Emulation``)."""
 
 Batch = tuple[Any, Any]
 
@@ -340,7 +338,9 @@ class EngineStep:
     samples drawn at random (with replacement, so any LBS gets full batches)
     from the training set, or of the workload's synthetic batches. The
     all-reduce of a one-process group is a copy at most: the performance model
-    adds the real one from the communication profile.
+    adds the real one from the communication profile. ``slowdown`` above 1 runs
+    the rank as the engine runs an emulated device (:class:`~jabascli.engine.vsw.Emulation`),
+    sleeps included, so the times are what such a trainer takes.
     """
 
     def __init__(
@@ -354,6 +354,7 @@ class EngineStep:
         weight_sync: str = "sequential",
         synthetic: bool = False,
         seed: int = 0,
+        slowdown: float = 1.0,
     ) -> None:
         from jabascli.config.loader import LoadedConfig
         from jabascli.config.models import JabasConfig, JobConfig
@@ -376,7 +377,8 @@ class EngineStep:
             vsw_strategy=vsw_strategy,  # type: ignore[arg-type]
         )
         loaded = LoadedConfig(JabasConfig(job=job), Path("jabas profile comp"), "toml")
-        plan = TrainingPlan(lbs, (RankPlan(0, "profile", "profile", num_models, 0),), weight_sync)
+        rank = RankPlan(0, "profile", "profile", num_models, 0, slowdown, emulated=slowdown > 1)
+        plan = TrainingPlan(lbs, (rank,), weight_sync)
         self.trainer = Trainer(loaded, plan, 0, self.device, TrainOptions(metrics=False))
         if synthetic:
             self.trainer.worker_step.load = _SyntheticLoader(workload, lbs, self.device)  # type: ignore[assignment]

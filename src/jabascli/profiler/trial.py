@@ -135,7 +135,7 @@ def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
 
     from jabascli.engine.distributed import DistEnv, init_process_group
     from jabascli.engine.weight_sync import supports_overlap
-    from jabascli.profiler.step import COMPUTE_PHASES, PHASES, EngineStep
+    from jabascli.profiler.step import PHASES, EngineStep
 
     workload = _setup(spec)
     lbs, n = int(spec["lbs"]), int(spec["num_models"])
@@ -157,6 +157,7 @@ def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
             vsw_strategy=spec.get("vsw_strategy", "auto"),
             weight_sync=weight_sync,
             synthetic=bool(spec.get("synthetic_data")),
+            slowdown=slowdown,
         )
 
     try:
@@ -167,16 +168,13 @@ def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
             emit_progress(done=i + 1, total=planned)
         samples: dict[str, list[float]] = {phase: [] for phase in PHASES}
         totals: list[float] = []
-        raw: list[float] = []  # unscaled totals less the update, for the overlap comparison
+        without_update: list[float] = []  # for the overlap comparison
         while True:
             times = step.run()
-            total = 0.0
             for phase in PHASES:
-                value = getattr(times, phase) * (slowdown if phase in COMPUTE_PHASES else 1.0)
-                samples[phase].append(value)
-                total += value
-            totals.append(total)
-            raw.append(times.total - times.update)
+                samples[phase].append(getattr(times, phase))
+            totals.append(times.total)
+            without_update.append(times.total - times.update)
             count = len(totals)
             emit_progress(done=warmup + count, total=max(planned, warmup + count + 1))
             if count >= max_iters or (count >= min_iters and median_is_stable(totals, tolerance)):
@@ -188,7 +186,7 @@ def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
             for _ in range(warmup):
                 step.run()
             overlapped = [step.run().total for _ in range(count)]
-            overlap_update = max(0.0, median(overlapped) - median(raw))
+            overlap_update = max(0.0, median(overlapped) - median(without_update))
     except Exception as exc:
         if spec["device"] == "cuda" and _is_cuda_oom(exc):
             return {"status": "oom", "error": _first_line(exc)}
