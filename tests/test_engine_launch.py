@@ -42,8 +42,10 @@ def test_run_trains_every_rank_and_reports_epochs_and_metrics(tmp_path: Path) ->
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [6, 12] and float(rows[1]["val_accuracy"]) == epochs[1]["val_accuracy"]
     with (run / "steps.csv").open() as f:
-        steps = [int(r["step"]) for r in csv.DictReader(f)]
+        rows = list(csv.DictReader(f))
+    steps = [int(r["step"]) for r in rows]
     assert steps and steps == sorted(steps) and steps[-1] == 12
+    assert all(float(r["iteration_s"]) > 0 for r in rows)  # the median duration of the row's iterations
     kinds = {json.loads(line)["kind"] for line in (run / "metrics.jsonl").read_text().splitlines()}
     assert kinds == {"step", "epoch"}
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from jabascli.engine.weight_sync import BucketOptimizer, bucket_sizes, recommend_weight_sync, supports_overlap
+from jabascli.profiler.bucket import ddp_bucket_sizes
+from jabascli.workload import load_workload
 
 
 def model() -> nn.Module:
@@ -88,4 +90,14 @@ def test_bucket_sizes_pack_gradients_back_to_front_up_to_the_cap() -> None:
     sizes = bucket_sizes(m, cap_mb=2)
     assert sum(sizes) == sum(p.numel() * 4 for p in m.parameters())
     assert len(sizes) == 2 and sizes[0] == (1024 * 1024 + 1024) * 4
-    assert len(bucket_sizes(m)) == 1
+    assert len(bucket_sizes(m, cap_mb=25)) == 1
+
+
+def test_default_buckets_are_the_ones_ddp_and_the_bucket_profiler_form() -> None:
+    # No cap given: DDP's default, a first bucket of 1 MiB, then 25 MiB; the trainer builds DDP the same way.
+    m = nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 1024))
+    sizes = bucket_sizes(m)
+    assert sizes == [(1024 * 1024 + 1024) * 4, (256 * 1024 + 1024) * 4]
+    workload = load_workload("resnet", {"variant": "tiny"})
+    profiled, _ = ddp_bucket_sizes(workload, None)
+    assert [s / 2**20 for s in bucket_sizes(workload.build_model())] == pytest.approx(profiled)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,8 @@ from jabascli.profiles import (
     BucketProfile,
     CommMeta,
     CommProfile,
+    CompProfile,
+    MemoryProfile,
     ProfileSet,
     load_profile_set,
     ring_allreduce_ideal_ms,
@@ -233,6 +236,50 @@ def test_iteration_formula(overlapped: float) -> None:
             assert parts.compute_s == pytest.approx((g + 1) * (d + f + b))
     with pytest.raises(ValueError):
         iteration_times(device, 1, 0, "sideways", buckets)  # type: ignore[arg-type]
+
+
+def test_engine_overhead_is_paid_once_per_iteration() -> None:
+    plain, engine = toy_device(), replace(toy_device(), overhead_s=0.003)
+    buckets = BucketTimes((0.01, 0.004), last_share=0.25)
+    for ws in ("sequential", "overlap"):
+        v, g = np.meshgrid(np.arange(1, 4), np.arange(0, 3))
+        added = iteration_times(engine, v, g, ws, buckets) - iteration_times(plain, v, g, ws, buckets)
+        assert added == pytest.approx(np.full(v.shape, 0.003), abs=1e-15)
+        parts = breakdown(engine, 2, 1, ws, buckets)
+        assert parts.overhead_s == 0.003
+        assert parts.total_s == float(iteration_times(engine, np.array([2]), np.array([1]), ws, buckets)[0])
+
+
+def test_a_measured_overlap_update_replaces_the_last_bucket_share() -> None:
+    buckets = BucketTimes((0.01, 0.004), last_share=0.25)
+    seed = toy_device()  # no measurement: the seed's (U + C (v - 1)) * share_last
+    assert breakdown(seed, 3, 0, "overlap", buckets).update_s == pytest.approx((0.005 + 0.002 * 2) * 0.25)
+    # Measured: the per-bucket steps cost more than a plain step (one CPU core, no concurrency to hide them in),
+    # so overlap is slower than sequential here; the replicas' copy follows the last bucket in both.
+    measured = replace(toy_device(), overlap_update_s=0.007)
+    for v in (1, 3):
+        overlap = breakdown(measured, v, 0, "overlap", buckets)
+        sequential = breakdown(measured, v, 0, "sequential", buckets)
+        assert overlap.update_s == pytest.approx(0.007 + 0.002 * (v - 1))
+        assert sequential.update_s == pytest.approx(0.005 + 0.002 * (v - 1))
+        assert overlap.total_s > sequential.total_s
+
+
+def _comp(n: int, update: float, overhead: float, overlap: float | None) -> CompProfile:
+    return CompProfile(
+        model="m", gpu_type="t", lbs=8, num_models=n, total_time=10.0 * n, data_time=1.0 * n, fwd_time=3.0 * n,
+        bwd_time=6.0 * n, update_time=update, copy_time=0.0, overhead_time=overhead, overlap_update_time=overlap,
+    )  # fmt: skip
+
+
+def test_overhead_and_overlap_update_are_averaged_over_the_device() -> None:
+    memory = {("s", 8): MemoryProfile(gpu_type="t", total_memory=10**9, lbs=8, max_num_models=2)}
+    comp = {("s", 8, 1): _comp(1, 0.5, 0.2, 0.6), ("s", 8, 2): _comp(2, 0.7, 0.4, 1.0)}
+    device = build_device_model(ProfileSet(memory, comp, None), "s", 8)
+    assert device.overhead_s == pytest.approx(0.3e-3) and device.overlap_update_s == pytest.approx(0.8e-3)
+    comp = {k: p.model_copy(update={"overlap_update_time": None, "overhead_time": 0.0}) for k, p in comp.items()}
+    seed_like = build_device_model(ProfileSet(memory, comp, None), "s", 8)
+    assert seed_like.overhead_s == 0.0 and seed_like.overlap_update_s is None
 
 
 def test_backward_hides_all_but_the_last_bucket() -> None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from jabascli.config import load_config
 from jabascli.devices import NodeDevices
+from jabascli.engine.distributed import DistEnv, init_process_group
 from jabascli.errors import InputError
 from jabascli.profiler.bucket import ddp_bucket_sizes
 from jabascli.profiler.comm import parse_sizes
@@ -20,7 +21,7 @@ from jabascli.profiler.common import ensure_writable, resolve_target
 from jabascli.profiler.comp import vsw_points
 from jabascli.profiler.memory import search_max_vsw, trial_bound
 from jabascli.profiler.memtrack import BudgetExceeded, TensorMemoryTracker
-from jabascli.profiler.step import VswStep
+from jabascli.profiler.step import EngineStep, VswStep
 from jabascli.profiler.summary import summarize_profiles
 from jabascli.profiler.trial import median_is_stable, percentile
 from jabascli.profiles import load_profile_set, read_bucket_profile, read_comm_profile
@@ -228,6 +229,36 @@ def test_one_vsw_has_no_copy_time_and_memory_grows_with_vsws() -> None:
     assert peaks[0] < peaks[1] < peaks[2]
     params = sum(p.numel() * p.element_size() for p in digits.build_model().parameters())
     assert peaks[1] - peaks[0] > 2 * params  # each replica brings its weights, gradients and activations
+
+
+@pytest.fixture
+def one_process_group():  # type: ignore[no-untyped-def]
+    import gc
+
+    import torch.distributed as dist
+
+    init_process_group(DistEnv(0, 1, 0, None, None), torch.device("cpu"))
+    yield
+    gc.collect()  # free DDP before its group
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_thread", "one_process_group")
+@pytest.mark.parametrize("weight_sync", ["sequential", "overlap"])
+def test_the_engine_step_trains_and_reports_the_engines_phases(weight_sync: str) -> None:
+    digits = load_workload("digits")
+    # 3 VSWs of LBS 512 need more samples than the 1,437 digits: drawn with replacement.
+    step = EngineStep(digits, 512, 3, "cpu", weight_sync=weight_sync)
+    assert step.vsw_strategy == "sequential"  # on the CPU, one replica runs the VSWs in turn
+    before = [p.detach().clone() for p in step.trainer.model.parameters()]
+    times = [step.run() for _ in range(3)]
+    assert any(not torch.equal(p, q) for p, q in zip(step.trainer.model.parameters(), before, strict=True))
+    for t in times:
+        assert min(t.data, t.fwd, t.bwd, t.update, t.overhead) >= 0 and t.fwd > 0 and t.bwd > 0 and t.overhead > 0
+        assert t.copy < 0.05  # one replica: nothing to copy
+        assert (t.update > 0) == (weight_sync == "sequential")  # with overlap the hook steps each bucket
+        assert t.total == pytest.approx(t.data + t.fwd + t.bwd + t.copy + t.update + t.overhead)
+    assert math.isfinite(step.last_loss)
 
 
 # Targets and folders ----------------------------------------------------------

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, err_console, print_json
 from jabascli.config import LoadedConfig, load_config
-from jabascli.engine.options import DEFAULT_BUCKET_CAP_MB, TrainOptions
+from jabascli.engine.options import TrainOptions
 
 PlanOption = Annotated[
     Path | None, typer.Option("--plan", help="A plan from `jabas solve --out` (default: \\[job] plan).")
@@ -25,7 +25,12 @@ CheckpointEveryOption = Annotated[
     ),
 ]
 BucketCapOption = Annotated[
-    float, typer.Option("--bucket-cap-mb", min=0.0001, help="DDP gradient bucket size in MiB (DDP's default: 25).")
+    float | None,
+    typer.Option(
+        "--bucket-cap-mb",
+        min=0.0001,
+        help="DDP gradient bucket size in MiB (default: DDP's own, 25 MiB after a first bucket of 1 MiB).",
+    ),
 ]
 MaxStepsOption = Annotated[
     int | None, typer.Option("--max-steps", min=1, help="Stop after N iterations in total (a checkpoint is written).")
@@ -39,7 +44,7 @@ def train(
     resume: ResumeOption = None,
     checkpoint_every: CheckpointEveryOption = None,
     max_steps: MaxStepsOption = None,
-    bucket_cap_mb: BucketCapOption = DEFAULT_BUCKET_CAP_MB,
+    bucket_cap_mb: BucketCapOption = None,
     metrics: Annotated[bool, typer.Option(help="Write metrics to the run folder (rank 0).")] = True,
 ) -> None:
     """Run one trainer process; rank and world come from the torch.distributed environment.
@@ -95,7 +100,7 @@ def run(
     resume: ResumeOption = None,
     checkpoint_every: CheckpointEveryOption = None,
     max_steps: MaxStepsOption = None,
-    bucket_cap_mb: BucketCapOption = DEFAULT_BUCKET_CAP_MB,
+    bucket_cap_mb: BucketCapOption = None,
     json_out: JsonOption = False,
 ) -> None:
     """Train the whole job on this machine: one trainer process per device (or emulated device).

@@ -15,10 +15,12 @@ The rule (see docs/engine.md, "BatchNorm and buffers"):
       r = r0 * prod_k (1 - f_k) + sum_k f_k s_k * prod_{j > k} (1 - f_j)
 
   Each worker's term ``f_k s_k`` is what the layer writes into a zeroed buffer;
-  a rank weights its workers' terms by their global index, one all-reduce
-  (started before the rank's last backward, so it overlaps it) sums them, and
-  every rank adds ``r0 * prod (1 - f_k)``. The statistics, and
+  a rank weights its workers' terms by their global index, one all-reduce sums
+  them, and every rank adds ``r0 * prod (1 - f_k)``. The statistics, and
   therefore evaluation, do not depend on how the GBS was split across devices.
+  In training, the terms (and the loss) ride along with the last gradient
+  bucket's all-reduce (:meth:`BufferSync.take_riders`, called by the
+  communication hook), so an iteration has no collective of its own for them.
 * Every other buffer takes the value of rank 0's replica 0 at the end of each
   iteration (one broadcast per dtype), as DDP broadcasts rank 0's buffers at
   the start of each forward.
@@ -74,7 +76,10 @@ class BufferSync:
         other = [name for name, b in self.replicas[0].named_buffers() if id(b) not in in_norms]
         self._other = [[dict(r.named_buffers())[name] for name in other] for r in self.replicas]
         self._groups: list[_Group] = []
-        self._pending: AsyncSum | None = None
+        self._pending: _PendingSum | None = None
+        self.carried = False
+        """Set when a communication hook takes the sum along with the last gradient bucket
+        (:meth:`take_riders`); otherwise :meth:`launch` starts an all-reduce of its own."""
 
     # -- per iteration -------------------------------------------------------------------------
 
@@ -102,16 +107,32 @@ class BufferSync:
             torch._foreach_add_(g.acc[replica], g.stats[replica], alpha=g.weights[worker])
 
     def launch(self, extra: torch.Tensor | None = None) -> None:
-        """Start summing the terms over replicas and ranks (with ``extra``, e.g. the loss) without waiting.
+        """Make the terms ready to be summed over ranks (with ``extra``, e.g. the loss), without waiting.
 
         Called once all of the rank's forwards are done, just before its last
-        backward, so that the all-reduce overlaps that backward.
+        backward. With :attr:`carried`, the communication hook takes them into
+        the last gradient bucket's all-reduce; otherwise their own all-reduce
+        starts now, overlapping the backward.
         """
         for g in self._groups:
             for acc in g.acc[1:]:
                 torch._foreach_add_(g.acc[0], acc)
         tensors = [t for g in self._groups for t in g.acc[0]]
-        self._pending = AsyncSum([*tensors, extra] if extra is not None else tensors, self.group)
+        self._pending = _PendingSum([*tensors, extra] if extra is not None else tensors, self.group)
+        if not self.carried:
+            self._pending.start()
+
+    def take_riders(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The launched tensors of ``dtype``, for the caller to SUM-all-reduce in place (the others start now).
+
+        The communication hook calls this for the last gradient bucket of the
+        rank's synchronising backward and all-reduces them with it; DDP waits for
+        that before the backward returns. Nothing when nothing was launched, or on
+        one rank.
+        """
+        if self._pending is None:
+            return []
+        return self._pending.take(dtype)
 
     def end_iteration(self, extra: torch.Tensor | None = None) -> None:
         """Finish the sum (launching it first if :meth:`launch` was not called) and write the buffers.
@@ -172,6 +193,35 @@ class _Group:
         self.start_stats = [t.clone() for t in self.stats[0]]
         self.start_counts = [m.num_batches_tracked.clone() for m in self.layers[0]]
         self.acc = [[torch.zeros_like(t) for t in stats] for stats in self.stats]
+
+
+class _PendingSum:
+    """Tensors to SUM-all-reduce in place: started on their own (:meth:`start`), or taken, by dtype, by a
+    caller that all-reduces them with something else (:meth:`take`)."""
+
+    def __init__(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+        self.tensors, self.group = tensors, group
+        self._started: AsyncSum | None = None
+        self._taken = False
+
+    def start(self) -> None:
+        if self._started is None and not self._taken:
+            self._started = AsyncSum(self.tensors, self.group)
+
+    def take(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        if self._started is not None or self._taken:
+            return []
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return []
+        self._taken = True
+        riders = [t for t in self.tensors if t.dtype == dtype]
+        self._started = AsyncSum([t for t in self.tensors if t.dtype != dtype], self.group)
+        return riders
+
+    def wait(self) -> None:
+        self.start()
+        if self._started is not None:
+            self._started.wait()
 
 
 class AsyncSum:

@@ -90,13 +90,17 @@ def init_process_group(env: DistEnv, device: torch.device) -> bool:
     return True
 
 
-def wrap_ddp(module: nn.Module, device: torch.device, bucket_cap_mb: float) -> DistributedDataParallel:
+def wrap_ddp(module: nn.Module, device: torch.device, bucket_cap_mb: float | None = None) -> DistributedDataParallel:
     """DDP over replica 0 with gradients as bucket views and no per-forward buffer broadcast.
 
     Buffers are kept in step by :class:`~jabascli.engine.buffers.BufferSync` at
     the end of every iteration instead (ranks run different numbers of forwards).
+    ``bucket_cap_mb`` None leaves DDP's default buckets (25 MiB after a small first
+    one), the buckets the bucket profiler measures and the performance model assumes.
     """
-    kwargs: dict[str, object] = {"gradient_as_bucket_view": True, "bucket_cap_mb": bucket_cap_mb}
+    kwargs: dict[str, object] = {"gradient_as_bucket_view": True}
+    if bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = bucket_cap_mb
     if device.type == "cuda":
         kwargs["device_ids"] = [device.index]
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:

@@ -2,12 +2,15 @@
 
 In the run folder (``[storage] run_dir / <job name>``):
 
-* ``steps.csv``: ``time, epoch, step, gbs, loss, samples_per_s, lr``, one row per
-  logged step (a few per second at most);
+* ``steps.csv``: ``time, epoch, step, gbs, loss, samples_per_s, lr, iteration_s``,
+  one row per logged step (a few per second at most): ``loss`` and
+  ``samples_per_s`` are averaged over the steps since the previous row,
+  ``iteration_s`` is their median duration (what a performance model's
+  prediction is compared with: a median, as the profiles' times are);
 * ``epochs.csv``: ``epoch, step, train_loss, val_loss, val_accuracy, samples_per_s, time_s``;
 * ``metrics.jsonl``: every row of both, as ``{"kind": "step" | "epoch", ...}``;
 * ``tensorboard/``: ``train/loss``, ``train/samples_per_s``, ``train/gbs``,
-  ``train/lr``, ``val/loss``, ``val/accuracy``, against the step.
+  ``train/lr``, ``train/iteration_s``, ``val/loss``, ``val/accuracy``, against the step.
 
 A fresh run starts new files; a resumed run appends, and TensorBoard is told to
 drop events past the resumed step (``purge_step``). Rows are written whole and
@@ -22,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-STEP_FIELDS = ("time", "epoch", "step", "gbs", "loss", "samples_per_s", "lr")
+STEP_FIELDS = ("time", "epoch", "step", "gbs", "loss", "samples_per_s", "lr", "iteration_s")
 EPOCH_FIELDS = ("epoch", "step", "train_loss", "val_loss", "val_accuracy", "samples_per_s", "time_s")
 
 
@@ -50,9 +53,19 @@ class MetricsWriter:
             f.flush()
         return f, writer
 
-    def step(self, *, epoch: int, step: int, gbs: int, loss: float, samples_per_s: float, lr: float | None) -> None:
+    def step(
+        self,
+        *,
+        epoch: int,
+        step: int,
+        gbs: int,
+        loss: float,
+        samples_per_s: float,
+        lr: float | None,
+        iteration_s: float | None = None,
+    ) -> None:
         row = {"time": round(time.time(), 3), "epoch": epoch, "step": step, "gbs": gbs, "loss": loss}
-        row.update(samples_per_s=samples_per_s, lr=lr)
+        row.update(samples_per_s=samples_per_s, lr=lr, iteration_s=iteration_s)
         self._write(self._steps, "step", row)
         if self._tb is not None:
             self._tb.add_scalar("train/loss", loss, step)
@@ -60,6 +73,8 @@ class MetricsWriter:
             self._tb.add_scalar("train/gbs", gbs, step)
             if lr is not None:
                 self._tb.add_scalar("train/lr", lr, step)
+            if iteration_s is not None:
+                self._tb.add_scalar("train/iteration_s", iteration_s, step)
 
     def epoch(self, row: dict[str, Any]) -> None:
         self._write(self._epochs, "epoch", row)

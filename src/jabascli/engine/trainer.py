@@ -20,6 +20,7 @@ import contextlib
 import gc
 import os
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ from jabascli.engine.metrics import MetricsWriter
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import TrainingPlan, load_plan
 from jabascli.engine.sampler import IIDPSampler, Iteration
+from jabascli.engine.timing import PhaseTimer
 from jabascli.engine.vsw import Emulation, WorkerStep, build_vsw_strategy, choose_vsw_strategy, make_replicas
 from jabascli.engine.weight_sync import (
     BucketOptimizer,
@@ -143,12 +145,7 @@ class Trainer:
         # The data: one seeded permutation per epoch, dealt to the workers in LBS chunks.
         self.train_set = self.workload.train_dataset()
         self.val_set = self.workload.val_dataset()
-        self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)
-        if self.sampler.iterations_per_epoch(plan.gbs) == 0:
-            field = "gbs" if plan.from_plan_file else "job.lbs"
-            raise InputError.at(
-                plan.file, field, f"GBS {plan.gbs} is more than the {len(self.train_set)} training samples"
-            )
+        self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)  # fit() checks that GBS samples exist
 
         # How this rank runs its workers (VSW strategy) and combines gradients (weight sync).
         self.weight_sync, self.weight_sync_reason = self._choose_weight_sync(plan.weight_sync)
@@ -165,13 +162,28 @@ class Trainer:
             replicas=self.vsw.replica_params(),
             optimizer=BucketOptimizer(self.optimizer) if self.weight_sync == "overlap" else None,
             before_last_bucket=self.emulation.backward_done if self.emulation.active else None,
+            riders=self.buffers.take_riders,
         ).register(self.ddp)
+        self.buffers.carried = True  # the statistics and loss ride on the last bucket's all-reduce
         load = BatchLoader(self.train_set, device, self.workload.collate)
         self.worker_step = WorkerStep(self.workload.loss, load, plan.workers, self.buffers, self.emulation)
+        self.timer = PhaseTimer()
+
+    def set_timer(self, timer: PhaseTimer) -> None:
+        """Report phase boundaries to ``timer`` (the computation profiler's; training keeps the no-op default)."""
+        self.timer = self.worker_step.timer = timer
+
+    def _check_gbs(self) -> None:
+        if self.sampler.iterations_per_epoch(self.plan.gbs) == 0:
+            field = "gbs" if self.plan.from_plan_file else "job.lbs"
+            raise InputError.at(
+                self.plan.file, field, f"GBS {self.plan.gbs} is more than the {len(self.train_set)} training samples"
+            )
 
     # -- the loop ------------------------------------------------------------------------------
 
     def fit(self) -> list[EpochResult]:
+        self._check_gbs()
         self._report_start()
         metrics = self._open_metrics()
         results: list[EpochResult] = []
@@ -235,16 +247,23 @@ class Trainer:
 
     def train_step(self, iteration: Iteration) -> torch.Tensor:
         """One iteration of this rank; returns the mean loss over all workers of the job."""
+        timer = self.timer
+        timer.mark("overhead")  # the training loop since the last iteration
         self.vsw.zero_grad()
         self.buffers.begin()
         self.worker_step.begin()
+        timer.mark("overhead")
         self.vsw.run(iteration.micro_batches, self.worker_step)  # all-reduces every gradient bucket
         if self.weight_sync == "sequential":
             self.optimizer.step()  # with overlap, each bucket was already updated as its all-reduce completed
+            timer.mark("update")
         if self.scheduler is not None:
             self.scheduler.step()
+        timer.mark("overhead")
         self.vsw.after_step()
+        timer.mark("copy")
         self.buffers.end_iteration()  # exact running statistics, and the loss summed over ranks
+        timer.mark("overhead")
         loss_sum = self.worker_step.loss_sum
         assert loss_sum is not None
         return loss_sum.to(torch.float64) / self.plan.workers
@@ -368,21 +387,29 @@ class Trainer:
 
 
 class _StepLog:
-    """Rank 0's step reports: averaged over the steps since the last one, at most every LOG_INTERVAL_S."""
+    """Rank 0's step reports: averaged over the steps since the last one, at most every LOG_INTERVAL_S.
+
+    Also the median duration of those steps, each timed from the end of the one before
+    (the first of an epoch from the epoch's start).
+    """
 
     def __init__(self, trainer: Trainer, metrics: MetricsWriter | None, epoch_steps: int) -> None:
         self.trainer, self.metrics, self.epoch_steps = trainer, metrics, epoch_steps
         self.active = trainer.rank == 0 and (metrics is not None or trainer.emit is not None)
         self.loss = torch.zeros((), dtype=torch.float64, device=trainer.device)
         self.steps = 0
-        self.since = self.last = time.perf_counter()
+        self.durations: list[float] = []
+        self.since = self.last = self.step_end = time.perf_counter()
 
     def step(self, loss: torch.Tensor) -> None:
         if not self.active:
             return
+        now = time.perf_counter()
+        self.durations.append(now - self.step_end)
+        self.step_end = now
         self.loss += loss
         self.steps += 1
-        if time.perf_counter() - self.last >= LOG_INTERVAL_S:
+        if now - self.last >= LOG_INTERVAL_S:
             self.flush()
 
     def flush(self) -> None:
@@ -394,13 +421,23 @@ class _StepLog:
         p = t.progress
         epoch_step, lr = p.position // t.plan.gbs, t.current_lr()
         if self.metrics is not None:
-            self.metrics.step(epoch=p.epoch, step=p.step, gbs=t.plan.gbs, loss=loss, samples_per_s=rate, lr=lr)
+            iteration_s = statistics.median(self.durations)
+            self.metrics.step(
+                epoch=p.epoch,
+                step=p.step,
+                gbs=t.plan.gbs,
+                loss=loss,
+                samples_per_s=rate,
+                lr=lr,
+                iteration_s=iteration_s,
+            )
         if t.emit:
             event = {"event": "step", "epoch": p.epoch, "step": p.step, "epoch_step": epoch_step}
             event.update(epoch_steps=self.epoch_steps, gbs=t.plan.gbs, loss=loss, samples_per_s=rate, lr=lr)
             t.emit(event)
         self.loss.zero_()
         self.steps = 0
+        self.durations = []
         self.since = self.last = now
 
 

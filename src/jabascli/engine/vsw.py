@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from jabascli.engine.buffers import BufferSync
 from jabascli.engine.data import BatchLoader, seed_worker
 from jabascli.engine.sampler import MicroBatch
+from jabascli.engine.timing import PhaseTimer
 
 VSW_STRATEGIES = ("sequential", "streams")
 
@@ -38,31 +40,69 @@ VSW_STRATEGIES = ("sequential", "streams")
 class Emulation:
     """An emulated slower device: after each compute step, sleep ``(slowdown - 1) x`` its measured time.
 
+    When torch computes on one thread, a step is timed by that thread's CPU
+    time (:meth:`clock`), not by the wall clock: the device emulated is
+    ``slowdown`` times slower than the work this CPU did for it, however long
+    the process waited for a core meanwhile. With wall-clock time, every
+    millisecond the trainer spent preempted (by the other trainers on this
+    machine, their communication threads, other jobs) was slept again
+    ``slowdown - 1`` times, so an emulated device got slower the busier the
+    machine was. (Unhindered, the two clocks agree: the profiler's wall-clock
+    times stay valid.) With several intra-op threads the calling thread does
+    only part of the work, so the wall clock is used.
+
     A synchronising backward is timed up to the moment its last gradient is
     computed (:meth:`backward_done`, called from the communication hook), so the
     sleep delays that rank's last all-reduce and never counts time spent
     waiting for other ranks.
+
+    A sleep ends late (timer slack, the scheduler; a tenth of a millisecond or
+    more on a virtual machine), and a rank sleeps twice per micro-step: the time
+    overslept is taken off the next sleep, so that the rank's total delay is the
+    one asked for rather than growing with the number of sleeps.
     """
 
     def __init__(self, slowdown: float) -> None:
         self.extra = max(slowdown - 1.0, 0.0)
-        self._backward_start: float | None = None
+        self._backward_start: tuple[int, float] | None = None
+        self._overslept = 0.0
 
     @property
     def active(self) -> bool:
         return self.extra > 0
 
+    @staticmethod
+    def clock() -> float:
+        """What a step is timed with, in seconds: the thread's CPU time when it does all of torch's work."""
+        return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
     def pause_since(self, start: float) -> None:
+        """Sleep ``(slowdown - 1)`` times the CPU time this thread spent since ``start`` (from :meth:`clock`)."""
         if self.extra > 0:
-            time.sleep(self.extra * (time.perf_counter() - start))
+            self._sleep(self.extra * (self.clock() - start))
+
+    def _sleep(self, seconds: float) -> None:
+        wanted = seconds - self._overslept
+        if wanted <= 0:
+            self._overslept = -wanted
+            return
+        start = time.perf_counter()
+        time.sleep(wanted)
+        self._overslept = time.perf_counter() - start - wanted
 
     def backward_started(self) -> None:
-        self._backward_start = time.perf_counter()
+        self._backward_start = (threading.get_ident(), self.clock(), time.perf_counter())
 
     def backward_done(self) -> None:
+        # On the CPU the autograd engine runs the backward, and so the communication hook, on the
+        # thread that started it; elsewhere a thread's CPU time means nothing, and the wall clock serves.
         if self._backward_start is not None:
-            self.pause_since(self._backward_start)
+            thread, start, wall_start = self._backward_start
             self._backward_start = None
+            if thread == threading.get_ident():
+                self.pause_since(start)
+            elif self.extra > 0:
+                self._sleep(self.extra * (time.perf_counter() - wall_start))
 
 
 @dataclass
@@ -77,30 +117,37 @@ class WorkerStep:
     emulation: Emulation
     loss_sum: torch.Tensor | None = None
     """The sum of the (unscaled) losses of the rank's micro-steps so far in this iteration."""
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    """Phase boundaries (see :mod:`jabascli.engine.timing`); only the computation profiler records them."""
 
     def begin(self) -> None:
         self.loss_sum = None
 
     def __call__(self, module: nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> None:
+        timer = self.timer
         seed_worker(mb.seed, self.load.device)  # a worker's randomness follows its samples, not the plan
         inputs, target = self.load(mb.indices)
+        timer.mark("data")
         self.buffers.before_micro_step(replica, mb.worker)
-        start = time.perf_counter()
+        start = self.emulation.clock()
         output = module(*inputs) if isinstance(inputs, tuple) else module(inputs)
         loss = self.loss_fn(output, target)
         self.emulation.pause_since(start)
         self.buffers.after_micro_step(replica, mb.worker)
         self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+        timer.mark("fwd")
         if sync:
             # All of the rank's forwards are done: start the statistics-and-loss all-reduce, so that
             # it overlaps this backward.
             self.buffers.launch(self.loss_sum)
+            timer.mark("overhead")
             self.emulation.backward_started()  # the slowdown sleep happens before the last all-reduce
             (loss / self.workers).backward()
         else:
-            start = time.perf_counter()
+            start = self.emulation.clock()
             (loss / self.workers).backward()
             self.emulation.pause_since(start)
+        timer.mark("bwd")
 
 
 class VswStrategy:

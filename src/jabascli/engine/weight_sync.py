@@ -13,6 +13,12 @@ Gradients are reduced by a DDP communication hook on replica 0 of every rank:
    and the other buckets' all-reduces go on. ``sequential`` steps the optimizer
    once, after backward.
 
+The last bucket's all-reduce also carries the rank's BatchNorm statistics terms
+and loss (``riders``, from :meth:`~jabascli.engine.buffers.BufferSync.take_riders`):
+one collective per bucket and none besides, which is what the performance model
+counts. (As a collective of its own, started before the last backward, that sum
+measurably delayed the bucket all-reduces queued behind it on gloo.)
+
 Methods: ``sequential``, ``overlap``, and ``recommend`` (:func:`recommend_weight_sync`).
 """
 
@@ -28,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from jabascli.engine.options import DEFAULT_BUCKET_CAP_MB
+from jabascli.engine.options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB
 
 # Optimizers whose step updates every parameter from its own gradient and state
 # alone, so stepping a subset of parameters equals their part of a full step.
@@ -100,7 +106,9 @@ class GradientSync:
     ``replicas``: the parameters of the other VSW replicas (``streams``), in the
     order of replica 0's ``parameters()``. ``before_last_bucket`` runs once all
     gradients of the iteration are computed, just before the last bucket's
-    all-reduce (emulated slowdown uses it).
+    all-reduce (emulated slowdown uses it). ``riders(dtype)`` gives tensors to
+    SUM-all-reduce in place together with the last bucket (only those of the
+    bucket's dtype are asked for).
     """
 
     def __init__(
@@ -110,12 +118,14 @@ class GradientSync:
         replicas: Sequence[Sequence[nn.Parameter]] = (),
         optimizer: BucketOptimizer | None = None,
         before_last_bucket: Callable[[], None] | None = None,
+        riders: Callable[[torch.dtype], list[torch.Tensor]] | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self._index = {p: i for i, p in enumerate(params)}
         self.replicas = [list(r) for r in replicas]
         self.optimizer = optimizer
         self.before_last_bucket = before_last_bucket
+        self.riders = riders
         self.group = group
 
     def register(self, ddp: nn.parallel.DistributedDataParallel) -> None:
@@ -133,18 +143,36 @@ class GradientSync:
                 pairs = [(g, t) for g, t in zip(grads, theirs, strict=True) if t is not None]
                 if pairs:
                     torch._foreach_add_([g for g, _ in pairs], [t for _, t in pairs])
-        if bucket.is_last() and self.before_last_bucket is not None:
-            self.before_last_bucket()
-        future = dist.all_reduce(bucket.buffer(), group=self.group, async_op=True).get_future()
+        buffer = bucket.buffer()
+        riders: list[torch.Tensor] = []
+        if bucket.is_last():
+            if self.before_last_bucket is not None:
+                self.before_last_bucket()
+            if self.riders is not None:
+                riders = self.riders(buffer.dtype)
+        if riders:
+            flat = torch.cat([buffer.reshape(-1), *(t.reshape(-1) for t in riders)])
+            future = dist.all_reduce(flat, group=self.group, async_op=True).get_future()
+        else:
+            future = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
         optimizer = self.optimizer
-        if optimizer is None:
-            return future.then(lambda f: f.value()[0])
 
-        def apply(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            optimizer.step(params)
-            return f.value()[0]
+        def done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            if riders:
+                _unflatten(f.value()[0], [buffer, *riders])
+            if optimizer is not None:
+                optimizer.step(params)
+            return buffer
 
-        return future.then(apply)
+        return future.then(done)
+
+
+def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def _check_views(params: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
@@ -164,17 +192,20 @@ class WeightSyncChoice:
     reason: str
 
 
-def bucket_sizes(model: nn.Module, cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> list[int]:
+def bucket_sizes(model: nn.Module, cap_mb: float | None = None) -> list[int]:
     """DDP's gradient buckets of a model in bytes, as it builds them once gradient order is known.
 
     Parameters in reverse order (gradients are ready roughly back to front),
-    a new bucket whenever one reaches ``cap_mb`` MiB.
+    a new bucket whenever one reaches ``cap_mb`` MiB. ``cap_mb`` None is DDP's
+    default: 25 MiB, with a first bucket of 1 MiB.
     """
     sizes: list[int] = []
-    current, cap = 0, cap_mb * 2**20
+    first = DEFAULT_FIRST_BUCKET_MB if cap_mb is None else cap_mb
+    rest = DEFAULT_BUCKET_CAP_MB if cap_mb is None else cap_mb
+    current = 0
     for p in reversed([p for p in model.parameters() if p.requires_grad]):
         current += p.numel() * p.element_size()
-        if current >= cap:
+        if current >= (rest if sizes else first) * 2**20:
             sizes.append(current)
             current = 0
     if current:

@@ -10,7 +10,13 @@ one profiled server; every time here is in seconds.
 * copy time: copying the updated weights to each extra VSW replica,
   ``copy_per_replica * (v - 1)``, the slope fitted by least squares through
   the origin over every measured point with ``v > 1`` (0 when there is none);
-* BatchNorm sync: ``bn_sync * v``, once per iteration, as in the seed.
+* BatchNorm sync: ``bn_sync * v``, once per iteration, as in the seed;
+* overhead: the engine's own work once per iteration (zeroing gradients,
+  BatchNorm statistics, LR scheduler, the loop), the mean ``overhead_time``
+  over every measured point (0 for seed profiles, which do not measure it);
+* overlap update: what ``overlap`` weight sync's per-bucket optimizer steps
+  add to an iteration, the mean ``overlap_update_time`` over the points that
+  measured it (None for seed profiles).
 """
 
 from __future__ import annotations
@@ -43,6 +49,11 @@ class DeviceModel:
     update_s: float
     copy_per_replica_s: float
     bn_sync_s: float
+    overhead_s: float = 0.0
+    """Once per iteration, whatever the VSW and GA counts (see :mod:`jabascli.engine.timing`)."""
+    overlap_update_s: float | None = None
+    """What ``overlap`` weight sync's per-bucket optimizer steps add to an iteration, as measured (None:
+    not measured, as in seed profiles; the model then assumes all but the last bucket's share is hidden)."""
 
     def phases(self, vsw: ArrayLike) -> tuple[FloatArray, FloatArray, FloatArray]:
         """Data, forward and backward time of one micro-step of ``vsw`` VSWs."""
@@ -78,6 +89,9 @@ def build_device_model(
         raise InputError.at(where, f"{lbs}/{server}", f"no computation profile of {server} at LBS {lbs}")
     every_point = [p for (s, _, _), p in profiles.comp.items() if s == server]
     update, copy, bn_sync = device_constants(every_point)
+    overhead = float(np.mean([p.overhead_time for p in every_point])) * MS
+    measured = [p.overlap_update_time for p in every_point if p.overlap_update_time is not None]
+    overlap_update = float(np.mean(measured)) * MS if measured else None
     first = next(iter(points.values()))
 
     def curve(field: str) -> VswCurve:
@@ -94,4 +108,6 @@ def build_device_model(
         update_s=update,
         copy_per_replica_s=copy,
         bn_sync_s=bn_sync,
+        overhead_s=overhead,
+        overlap_update_s=overlap_update,
     )

@@ -7,9 +7,11 @@ For a GPU running ``v`` VSWs with ``g`` extra GA micro-steps (seconds; see
     backward = (g + 1) * B(v)
     comm    = max(B(v), A_overlapped) - B(v) + A_last       # exposed all-reduce
     update  = U + C * (v - 1)            (sequential)
-            = (U + C * (v - 1)) * share_last                (overlap)
+            = X + C * (v - 1)            (overlap, X measured by the profiler)
+            = (U + C * (v - 1)) * share_last                (overlap, seed profiles)
     bn_sync = bn * v
-    T(v, g) = data + forward + backward + comm + update + bn_sync
+    overhead = O                         # the engine's own work, once per iteration
+    T(v, g) = data + forward + backward + comm + update + bn_sync + overhead
 
 ``A_overlapped`` is the all-reduce time of every bucket but the last (it runs
 during the last micro-step's backward), ``A_last`` that of the last bucket,
@@ -83,6 +85,7 @@ class Breakdown:
     exposed_comm_s: float
     update_s: float
     bn_sync_s: float
+    overhead_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -90,13 +93,21 @@ class Breakdown:
 
     @property
     def total_s(self) -> float:
-        return _total(self.data_s, self.forward_s, self.backward_s, self.exposed_comm_s, self.update_s, self.bn_sync_s)
+        return _total(
+            self.data_s,
+            self.forward_s,
+            self.backward_s,
+            self.exposed_comm_s,
+            self.update_s,
+            self.bn_sync_s,
+            self.overhead_s,
+        )
 
 
-def _total(data, forward, backward, comm, update, bn_sync):  # type: ignore[no-untyped-def]
+def _total(data, forward, backward, comm, update, bn_sync, overhead):  # type: ignore[no-untyped-def]
     # One summation order for scalars and arrays, so that the solver's tables and
     # a single prediction give bit-identical times.
-    return data + forward + backward + comm + update + bn_sync
+    return data + forward + backward + comm + update + bn_sync + overhead
 
 
 def _components(
@@ -108,10 +119,14 @@ def _components(
     comm = np.maximum(b, buckets.overlapped_s) - b + buckets.last_s
     update = device.update_s + device.copy_s(v)
     if weight_sync == "overlap":
-        update = update * buckets.last_share
+        if device.overlap_update_s is None:
+            update = update * buckets.last_share  # the seed's assumption: only the last bucket's share is exposed
+        else:
+            update = device.overlap_update_s + device.copy_s(v)  # measured; the copy follows the last bucket
     elif weight_sync != "sequential":
         raise ValueError(f"weight sync must be 'sequential' or 'overlap', got {weight_sync!r}")
-    return steps * d, steps * f, steps * b, comm, update, device.bn_sync_s * v
+    overhead = np.full(np.broadcast(v, steps).shape, device.overhead_s)
+    return steps * d, steps * f, steps * b, comm, update, device.bn_sync_s * v, overhead
 
 
 def iteration_times(

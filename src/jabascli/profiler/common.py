@@ -46,7 +46,7 @@ class Target:
     memory_bytes: int
     """Memory budget of one device: the GPU's memory, or the emulated or configured budget."""
     slowdown: float
-    """Emulated servers: measured compute times are multiplied by this (1 elsewhere)."""
+    """Emulated servers: the profiled trainer is slowed by this, as the engine slows it (1 elsewhere)."""
     threads: int | None
     """torch threads in each measuring process (None: torch's default)."""
 

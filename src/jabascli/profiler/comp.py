@@ -11,10 +11,9 @@ with CUDA events on a GPU and ``time.perf_counter`` on the CPU.
 Each phase's value is its median over the measured iterations, and
 ``total_time`` their sum, as in the seed. New fields: the quartiles of every
 phase and of the per-iteration total (``spread``), the iteration counts, the
-timer, and the ``slowdown`` applied: on an emulated server the compute phases
-(fwd, bwd, copy, update; not data loading) are multiplied by
-``emulate.slowdown``, which is what the engine's slowed-down trainers take in
-expectation.
+timer, and the ``slowdown`` of an emulated server, whose trainer is measured
+as the engine runs it: sleeping ``slowdown - 1`` times each forward and
+backward.
 
 Writes ``<out>/<LBS>/<server>/<server>_<model>_<LBS>_<VSW>_comp_profile.json``.
 """
@@ -39,7 +38,14 @@ from jabascli.profiles.formats import (
 )
 
 TRIAL_MODULE = "jabascli.profiler.trial"
-PHASE_KEYS = {"data": "data_time", "fwd": "fwd_time", "bwd": "bwd_time", "update": "update_time", "copy": "copy_time"}
+PHASE_KEYS = {
+    "data": "data_time",
+    "fwd": "fwd_time",
+    "bwd": "bwd_time",
+    "update": "update_time",
+    "copy": "copy_time",
+    "overhead": "overhead_time",
+}
 GPU_COOLDOWN = 10.0  # seconds between runs on a GPU, so each starts at a similar temperature and clock
 
 
@@ -133,6 +139,8 @@ def profile_comp(
             "max_iters": 4 * iters,
             "slowdown": target.slowdown,
             "synthetic_data": synthetic_data,
+            "vsw_strategy": loaded.config.job.vsw_strategy,
+            "overlap": True,  # also measure overlap weight sync, if the workload's optimizer allows it
         }
         result = _run(spec, on_progress, run_timeout, what)
         profile = _profile(result, model, target, lbs, n)
@@ -204,4 +212,6 @@ def _profile(result: dict[str, Any], model: str, target: Target, lbs: int, n: in
         warmup=result["warmup"],
         timer=result["timer"],
         slowdown=target.slowdown,
+        vsw_strategy=result.get("vsw_strategy"),
+        overlap_update_time=result.get("overlap_update"),
     )

@@ -1,8 +1,18 @@
-"""The measured training step: ``n`` VSWs of a workload on one device, phase by phase.
+"""The measured training steps: ``n`` VSWs of a workload on one device, phase by phase.
 
-This is the one place where the profilers run a training iteration; when the
-engine's VSW executor lands, it can take this module's place as long as it
-reports the same phases. One iteration of :class:`VswStep` is:
+Two steps live here:
+
+* :class:`EngineStep`, what ``jabas profile comp`` times: one rank of the
+  engine itself (:class:`~jabascli.engine.trainer.Trainer`) in a one-process
+  group, reporting the phases of :mod:`jabascli.engine.timing`. Whatever the
+  engine does in an iteration (DDP and its hook, the VSW strategy, exact
+  BatchNorm statistics, seeding and loading every micro-batch) is measured,
+  so the performance model is fitted to the iteration that will run;
+* :class:`VswStep`, what memory trials run: the seed's step, one model replica
+  per VSW with every VSW's activations alive at once (as when VSWs overlap on
+  CUDA streams), the conservative bound on how many VSWs fit.
+
+One iteration of :class:`VswStep` is:
 
 ``data``
     take ``n`` batches of LBS samples and move them to the device;
@@ -35,14 +45,16 @@ import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from jabascli.engine.timing import PHASES as ENGINE_PHASES
+from jabascli.engine.timing import PhaseTimer
 from jabascli.workload import Workload
 
-PHASES = ("data", "fwd", "bwd", "copy", "update")
-COMPUTE_PHASES = ("fwd", "bwd", "copy", "update")  # what an emulated device's slowdown applies to
+PHASES = ENGINE_PHASES  # data, fwd, bwd, copy, update, overhead
 
 Batch = tuple[Any, Any]
 
@@ -56,10 +68,11 @@ class StepTimes:
     bwd: float
     copy: float
     update: float
+    overhead: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.data + self.fwd + self.bwd + self.copy + self.update
+        return self.data + self.fwd + self.bwd + self.copy + self.update + self.overhead
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
@@ -264,3 +277,149 @@ def time_iterations(
         if on_iteration is not None:
             on_iteration(i, times[-1])
     return times
+
+
+class _WallPhases(PhaseTimer):
+    """Phase times on the host clock (the CPU runs every phase synchronously)."""
+
+    timer = "perf_counter"
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self._ms = dict.fromkeys(ENGINE_PHASES, 0.0)
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._ms[phase] += (now - self._last) * 1e3
+        self._last = now
+
+    def take(self) -> StepTimes:
+        """The phase times since the last ``take``."""
+        times, self._ms = self._ms, dict.fromkeys(ENGINE_PHASES, 0.0)
+        return StepTimes(**times)
+
+
+class _CudaPhases(PhaseTimer):
+    """Phase times from CUDA events on the current stream, read once per iteration."""
+
+    timer = "cuda-events"
+
+    def __init__(self) -> None:
+        self._last = self._event()
+        self._marks: list[tuple[str, Any]] = []
+
+    @staticmethod
+    def _event() -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self, phase: str) -> None:
+        self._marks.append((phase, self._event()))
+
+    def take(self) -> StepTimes:
+        torch.cuda.synchronize()
+        ms = dict.fromkeys(ENGINE_PHASES, 0.0)
+        for phase, event in self._marks:
+            ms[phase] += float(self._last.elapsed_time(event))
+            self._last = event
+        self._marks = []
+        return StepTimes(**ms)
+
+
+class EngineStep:
+    """One rank of the engine on its own: ``num_models`` VSWs at one LBS, timed phase by phase.
+
+    A :class:`~jabascli.engine.trainer.Trainer` for a one-rank plan (``num_models``
+    VSWs, no GA, ``sequential`` weight sync, the VSW strategy ``vsw_strategy``
+    resolves to on this device, DDP's default buckets) in a one-process group,
+    which the caller must have initialised (``init_process_group``). Each
+    :meth:`run` is one ``train_step`` on ``num_models`` micro-batches of ``lbs``
+    samples drawn at random (with replacement, so any LBS gets full batches)
+    from the training set, or of the workload's synthetic batches. The
+    all-reduce of a one-process group is a copy at most: the performance model
+    adds the real one from the communication profile. ``slowdown`` above 1 runs
+    the rank as the engine runs an emulated device (:class:`~jabascli.engine.vsw.Emulation`),
+    sleeps included, so the times are what such a trainer takes.
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        lbs: int,
+        num_models: int,
+        device: str | torch.device = "cpu",
+        *,
+        vsw_strategy: str = "auto",
+        weight_sync: str = "sequential",
+        synthetic: bool = False,
+        seed: int = 0,
+        slowdown: float = 1.0,
+    ) -> None:
+        from jabascli.config.loader import LoadedConfig
+        from jabascli.config.models import JabasConfig, JobConfig
+        from jabascli.engine.options import TrainOptions
+        from jabascli.engine.plan import RankPlan, TrainingPlan
+        from jabascli.engine.trainer import Trainer
+
+        if num_models < 1:
+            raise ValueError(f"num_models must be at least 1, got {num_models}")
+        self.workload, self.lbs, self.num_models = workload, lbs, num_models
+        self.device = torch.device(device)
+        options = {k: v for k, v in workload.options.items() if k != "data"}  # load_workload adds "data"
+        job = JobConfig(
+            name="profile",
+            workload=str(workload.path),
+            data=workload.options.get("data"),
+            options=options,
+            seed=seed,
+            weight_sync=weight_sync,  # type: ignore[arg-type]
+            vsw_strategy=vsw_strategy,  # type: ignore[arg-type]
+        )
+        loaded = LoadedConfig(JabasConfig(job=job), Path("jabas profile comp"), "toml")
+        rank = RankPlan(0, "profile", "profile", num_models, 0, slowdown, emulated=slowdown > 1)
+        plan = TrainingPlan(lbs, (rank,), weight_sync)
+        self.trainer = Trainer(loaded, plan, 0, self.device, TrainOptions(metrics=False))
+        if synthetic:
+            self.trainer.worker_step.load = _SyntheticLoader(workload, lbs, self.device)  # type: ignore[assignment]
+        self.size = len(self.trainer.train_set)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.phases: _WallPhases | _CudaPhases = _CudaPhases() if self.device.type == "cuda" else _WallPhases()
+        self.trainer.set_timer(self.phases)
+        self.last_loss = float("nan")
+
+    @property
+    def vsw_strategy(self) -> str:
+        """The VSW strategy the trainer chose (``sequential`` or ``streams``)."""
+        return self.trainer.vsw_name
+
+    def _iteration(self) -> Any:
+        from jabascli.engine.sampler import Iteration, MicroBatch
+
+        batches = []
+        for v in range(self.num_models):
+            indices = torch.randint(self.size, (self.lbs,), generator=self.generator).tolist()
+            seed = int(torch.randint(2**62, (), generator=self.generator))
+            batches.append(MicroBatch(v, v, 0, 0, indices, seed))
+        return Iteration(0, 0, batches)
+
+    def run(self) -> StepTimes:
+        """One training iteration of the engine; the time of each phase."""
+        iteration = self._iteration()
+        self.phases.take()  # drawing the samples is the profiler's, not the engine's
+        self.phases.mark("overhead")
+        loss = self.trainer.train_step(iteration)
+        times = self.phases.take()
+        self.last_loss = float(loss)
+        return times
+
+
+class _SyntheticLoader:
+    """The workload's synthetic batches instead of the training set (``--synthetic-data``)."""
+
+    def __init__(self, workload: Workload, lbs: int, device: torch.device) -> None:
+        self.workload, self.lbs, self.device = workload, lbs, device
+
+    def __call__(self, indices: Any) -> tuple[Any, Any]:
+        inputs, target = self.workload.synthetic_batch(len(indices))
+        return to_device(inputs, self.device), to_device(target, self.device)

@@ -123,8 +123,19 @@ def run_memory_trial(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
-    """Warm-up, then measured iterations until the median is stable; per-phase statistics."""
-    from jabascli.profiler.step import COMPUTE_PHASES, PHASES, VswStep, dataset_batches, synthetic_batches
+    """Warm-up, then measured iterations until the median is stable; per-phase statistics.
+
+    The iteration is the engine's own (:class:`~jabascli.profiler.step.EngineStep`),
+    one rank in a one-process group, with ``sequential`` weight sync. With
+    ``spec["overlap"]``, as many iterations again with ``overlap``: their median
+    total, less the sequential one without its optimizer step, is what the
+    per-bucket optimizer steps add to an iteration (``overlap_update``).
+    """
+    import torch
+
+    from jabascli.engine.distributed import DistEnv, init_process_group
+    from jabascli.engine.weight_sync import supports_overlap
+    from jabascli.profiler.step import PHASES, EngineStep
 
     workload = _setup(spec)
     lbs, n = int(spec["lbs"]), int(spec["num_models"])
@@ -132,43 +143,81 @@ def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
     max_iters = max(min_iters, int(spec.get("max_iters", min_iters)))
     tolerance = float(spec.get("tolerance", 0.05))
     slowdown = float(spec.get("slowdown", 1.0))
-    batches = synthetic_batches(workload, lbs) if spec.get("synthetic_data") else dataset_batches(workload, lbs)
+    device = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
+    init_process_group(DistEnv(0, 1, 0, None, None), device)  # DDP needs a group: this process alone
+    step: EngineStep | None = None
+    overlap_update: float | None = None
+
+    def engine_step(weight_sync: str) -> EngineStep:
+        return EngineStep(
+            workload,
+            lbs,
+            n,
+            device,
+            vsw_strategy=spec.get("vsw_strategy", "auto"),
+            weight_sync=weight_sync,
+            synthetic=bool(spec.get("synthetic_data")),
+            slowdown=slowdown,
+        )
+
     try:
-        step = VswStep(workload, lbs, n, spec["device"], batches)
+        step = engine_step("sequential")
         planned = warmup + min_iters
         for i in range(warmup):
             step.run()
             emit_progress(done=i + 1, total=planned)
         samples: dict[str, list[float]] = {phase: [] for phase in PHASES}
         totals: list[float] = []
+        without_update: list[float] = []  # for the overlap comparison
         while True:
             times = step.run()
-            total = 0.0
             for phase in PHASES:
-                value = getattr(times, phase) * (slowdown if phase in COMPUTE_PHASES else 1.0)
-                samples[phase].append(value)
-                total += value
-            totals.append(total)
+                samples[phase].append(getattr(times, phase))
+            totals.append(times.total)
+            without_update.append(times.total - times.update)
             count = len(totals)
             emit_progress(done=warmup + count, total=max(planned, warmup + count + 1))
             if count >= max_iters or (count >= min_iters and median_is_stable(totals, tolerance)):
                 break
+        last_loss, strategy = step.last_loss, step.vsw_strategy
+        if spec.get("overlap") and supports_overlap(step.trainer.optimizer):
+            step = None  # one trainer at a time: the memory profile vouches for one
+            step = engine_step("overlap")
+            for _ in range(warmup):
+                step.run()
+            overlapped = [step.run().total for _ in range(count)]
+            overlap_update = max(0.0, median(overlapped) - median(without_update))
     except Exception as exc:
         if spec["device"] == "cuda" and _is_cuda_oom(exc):
             return {"status": "oom", "error": _first_line(exc)}
         raise
-    losses = step.last_losses
-    if not all(math.isfinite(loss) for loss in losses):
-        return {"status": "error", "error": f"the loss is not finite ({losses}): check the workload's loss"}
+    finally:
+        step = None  # free DDP before its process group goes
+        _leave_group()
+    if not math.isfinite(last_loss):
+        return {"status": "error", "error": f"the loss is not finite ({last_loss}): check the workload's loss"}
     return {
         "status": "ok",
+        "vsw_strategy": strategy,
         "phases": {phase: summarize(values) for phase, values in samples.items()},
         "total": summarize(totals),
+        "overlap_update": overlap_update,
         "iterations": len(totals),
         "warmup": warmup,
         "stable": median_is_stable(totals, tolerance),
         "timer": "cuda-events" if spec["device"] == "cuda" else "perf_counter",
     }
+
+
+def _leave_group() -> None:
+    """Leave the process group, once DDP is freed (left to the interpreter's exit, gloo may abort)."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def main(argv: list[str]) -> int:

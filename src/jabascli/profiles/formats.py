@@ -74,6 +74,10 @@ class CompProfile(_Format):
     copy_time: NonNegativeFloat
     bn_sync_time: NonNegativeFloat = 0.0
     # Written by jabas' profiler (absent from seed files):
+    overhead_time: NonNegativeFloat = 0.0
+    """The engine's work once per iteration beyond micro-steps, update and copy (ms; 0 in seed files)."""
+    overlap_update_time: NonNegativeFloat | None = None
+    """With ``overlap`` weight sync, what the per-bucket optimizer steps add to an iteration (ms)."""
     spread: dict[str, list[float]] | None = None
     """Quartiles ``[p25, p75]`` (ms) of each ``*_time`` over the measured iterations."""
     iterations: PositiveInt | None = None
@@ -83,6 +87,8 @@ class CompProfile(_Format):
     """``cuda-events`` or ``perf_counter``."""
     slowdown: float | None = Field(None, ge=1.0)
     """Emulated devices: the factor the compute phases were multiplied by."""
+    vsw_strategy: str | None = None
+    """How the engine ran the VSWs: ``sequential`` (one replica) or ``streams`` (one per VSW)."""
 
 
 class BucketProfile(_Format):
