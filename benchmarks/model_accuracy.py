@@ -384,10 +384,10 @@ def main() -> None:
                 "--json", log=folder / f"run{index}.log", env=env,
             )  # fmt: skip
             measured, counted = measured_time(folder / "runs" / "accuracy" / "steps.csv", args.warmup)
-            predicted = plan.iteration_time_s
             if not args.profile_once:
                 profile_times(config, folder, args, env, force=True)
-                predicted = (predicted + predict(config, plan).time_s) / 2
+            latest = predict(config, plan)  # from the profiles measured after the run (bracketing)
+            predicted = plan.iteration_time_s if args.profile_once else (plan.iteration_time_s + latest.time_s) / 2
             by_server = {a.server: (a.vsw, a.ga) for a in plan.assignments}
             name = describe(plan.lbs, by_server["fast"], by_server["slow"], weight_sync)
             result = Result(name, predicted, measured, counted)
@@ -397,7 +397,7 @@ def main() -> None:
                 f"{abs(result.error):>6.1f}%  {result.steps}"
             )
             if args.breakdown:
-                print(f"    model: {breakdown(predict(config, plan))}")
+                print(f"    model: {breakdown(latest)}")
             sys.stdout.flush()
 
         if not args.no_host_check:

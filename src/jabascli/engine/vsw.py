@@ -71,9 +71,13 @@ class Emulation:
     def active(self) -> bool:
         return self.extra > 0
 
-    @staticmethod
-    def clock() -> float:
-        """What a step is timed with, in seconds: the thread's CPU time when it does all of torch's work."""
+    def clock(self) -> float:
+        """What a step is timed with, in seconds: the thread's CPU time when it does all of torch's work.
+
+        0 when not emulating: nothing is timed, so a plain rank's micro-steps pay nothing for it.
+        """
+        if not self.extra:
+            return 0.0
         return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
 
     def pause_since(self, start: float) -> None:
@@ -91,7 +95,8 @@ class Emulation:
         self._overslept = time.perf_counter() - start - wanted
 
     def backward_started(self) -> None:
-        self._backward_start = (threading.get_ident(), self.clock(), time.perf_counter())
+        if self.extra:
+            self._backward_start = (threading.get_ident(), self.clock(), time.perf_counter())
 
     def backward_done(self) -> None:
         # On the CPU the autograd engine runs the backward, and so the communication hook, on the
