@@ -23,13 +23,13 @@ training and test sets. Nothing is downloaded: the package's ``get_dataset``
 Generation takes about 6 s for 44,000 samples on one core, and every trainer
 process needs the data, so the arrays are kept in memory per process and
 cached on disk as ``mnist1d-<samples>-seed<seed>-<package version>.npz``
-(float32 signals, int64 labels, read with ``allow_pickle=False``) in
-``[job] data`` when it is set, else in ``$XDG_CACHE_HOME/jabas`` (default
-``~/.cache/jabas``). The file is written atomically; one that does not read
-back as the expected arrays is regenerated and replaced, and a folder that
-cannot be written only costs the regeneration. The generator seeds NumPy's and
-Python's global random state (the legacy ``RandomState``, whose streams NumPy
-keeps stable across versions); both are restored afterwards.
+(float32 signals, int64 labels, read with ``allow_pickle=False``) in the
+folder ``[job] data`` when it is set, else in ``$XDG_CACHE_HOME/jabas``
+(default ``~/.cache/jabas``). The file is written atomically; one that does
+not read back as the expected arrays is regenerated and replaced, and a folder
+that cannot be written only costs the regeneration. The generator seeds
+NumPy's and Python's global random state (the legacy ``RandomState``, whose
+streams NumPy keeps stable across versions); both are restored afterwards.
 
 Model: the paper's ``ConvBase``: three 1-D convolutions with ReLU (kernel 5,
 then 3 and 3, each stride 2 with padding 1: 40 -> 19 -> 10 -> 5 positions) of
@@ -67,6 +67,7 @@ from torch.utils.data import TensorDataset
 
 from jabascli.atomic import atomic_write
 from jabascli.builtin_models._options import Spec, resolve
+from jabascli.errors import InputError
 
 NAME = "mnist1d"
 NUM_CLASSES = 10
@@ -98,6 +99,8 @@ def settings(options: dict[str, Any]) -> Any:
 def cache_folder(data: Path | None) -> Path:
     """Where the generated arrays are cached: ``[job] data``, else the user's cache folder."""
     if data is not None:
+        if not Path(data).is_dir():
+            raise InputError.at(None, "job.data", f"{data} is not a folder (mnist1d caches its generated data there)")
         return Path(data)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jabas"
 
