@@ -9,6 +9,8 @@ from __future__ import annotations
 import pickle
 import random
 import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +204,26 @@ def test_the_papers_recipe_learns_in_one_process(tmp_path: Path) -> None:
     with torch.no_grad():
         accuracy = w.count_correct(model(x_val), y_val) / len(y_val)
     assert accuracy > 0.3, accuracy  # 0.48 here; labels that do not belong to their signals give 0.1
+
+
+def test_trainers_starting_together_generate_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folder lock: three trainers at once (threads here; flock works per open file) make the data once."""
+    module = load_workload("mnist1d").module
+    real_generate, calls = module.generate, []
+
+    def slow_generate(*args: Any) -> Any:
+        calls.append(args)
+        time.sleep(0.3)  # all three are waiting by now
+        return real_generate(*args)
+
+    monkeypatch.setattr(module, "generate", slow_generate)
+    results: list[tuple[torch.Tensor, torch.Tensor]] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(module.arrays.__wrapped__(1000, 42, tmp_path))) for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and len(results) == 3
+    assert all(torch.equal(x, results[0][0]) and torch.equal(y, results[0][1]) for x, y in results)
