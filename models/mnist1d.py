@@ -20,7 +20,7 @@ variant (4,000 + 1,000, seed 42) these are exactly the package's default
 training and test sets. Nothing is downloaded: the package's ``get_dataset``
 (which fetches a pickle over the network and unpickles it) is never called.
 
-Generation takes 6 to 20 s for 44,000 samples here (one core, shared), and
+Generation takes 6 to 27 s for 44,000 samples here (one core, shared), and
 every trainer process needs the data, so the arrays are kept in memory per
 process and cached on disk as
 ``mnist1d-<samples>-seed<seed>-<package version>.npz`` (float32 signals, int64
