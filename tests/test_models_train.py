@@ -6,10 +6,10 @@ starts them (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 workers, rank 1 one worker with one accumulation step. ``[job] data`` points
 at files in the format a user would have: an ImageFolder tree of JPEGs
 (resnet, vit), a WMT16-layout parallel corpus with its vocabulary (gnmt), a
-COCO annotation file and JPEGs (faster_rcnn); mnist1d generates its data
-(the tiny variant's 800 training signals) and caches it in ``[job] data``. The cases share out the VSW
-strategies and weight-sync methods, with small gradient buckets so that
-``overlap`` steps the optimizer bucket by bucket.
+COCO annotation file and JPEGs (faster_rcnn); mnist1d generates its data (the
+tiny variant's 800 training signals) and caches it in ``[job] data``. The
+cases share out the VSW strategies and weight-sync methods, with small
+gradient buckets so that ``overlap`` steps the optimizer bucket by bucket.
 
 Learning is read from what rank 0 writes to the run folder: ``epochs.csv``'s
 ``train_loss`` is the exact mean loss of an epoch's iterations over every
