@@ -97,7 +97,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def settings(options: dict[str, Any]) -> Any:
-    return resolve(options, SPECS, VARIANTS, "mnist1d")
+    s = resolve(options, SPECS, VARIANTS, "mnist1d")
+    if s.data_seed >= 2**32:  # the generator seeds NumPy's legacy RandomState
+        raise InputError.at(None, "job.options.data_seed", f"must be below 2**32, got {s.data_seed}")
+    return s
 
 
 def cache_folder(data: Path | None) -> Path:
