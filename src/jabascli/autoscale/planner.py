@@ -26,8 +26,8 @@ Search. When the allocations number at most ``exhaustive_limit`` all are
 candidates; beyond, the candidates are the current allocation, every unit,
 each type alone, the prefixes of two orders of the types (fastest first, and
 cheapest per sample first) at sizes 1, 2, 4 ... units, and then, from the best
-so far, steps of one unit and one server on each type, alone or traded
-against another type, while they improve (a local search: a heuristic, with
+so far, steps of one server (then of one unit) on each type, alone or traded
+against as many units of another type, while they improve (a local search: a heuristic, with
 no guarantee of the optimum; tests compare it with the exhaustive search on
 small clusters). Either way the
 candidates are ranked by the cost model's ``lower_bound`` when it has one,
@@ -279,21 +279,23 @@ class Planner:
                 seeds.add(tuple(counts))
                 size *= 2
         best = best_of(sorted(seeds), best)
-        while best is not None:
-            around = set()
-            for t, kind in enumerate(types):
-                for step in {1, kind.units_per_server}:
+        # Coarse to fine: whole servers first, then single units.
+        for step_of in (lambda kind: kind.units_per_server, lambda kind: 1):
+            while best is not None:
+                around = set()
+                for t, kind in enumerate(types):
+                    step = step_of(kind)
                     for sign in (-1, 1):
                         c = list(best.choice)
                         c[t] = min(max(c[t] + sign * step, 0), kind.units)
                         around.add(tuple(c))
-                        for u in range(len(types)):  # and the same units taken from another type
+                        for u in range(len(types)):  # and as many units given back by another type
                             if u != t:
                                 d = list(c)
                                 d[u] = min(max(d[u] - sign * step, 0), types[u].units)
                                 around.add(tuple(d))
-            improved = best_of(sorted(c for c in around if any(c)), best)
-            if improved is None or improved.choice == best.choice:
-                break
-            best = improved
+                improved = best_of(sorted(c for c in around if any(c)), best)
+                if improved is None or improved.choice == best.choice:
+                    break
+                best = improved
         return best
