@@ -36,10 +36,20 @@ class IterationCostModel(Protocol):
 class SolverCostModel:
     """Iteration times from the profiles: the solver's optimum on the allocation, cached."""
 
-    def __init__(self, model: PerformanceModel, space: AllocationSpace, weight_sync: str = "recommend") -> None:
+    def __init__(
+        self,
+        model: PerformanceModel,
+        space: AllocationSpace,
+        weight_sync: str = "recommend",
+        *,
+        warm_gbs: int | None = None,
+    ) -> None:
+        """``warm_gbs``: size each allocation's solver tables for GBS up to it at once (a simulation
+        of a growing GBS would otherwise rebuild them a little larger at every new GBS)."""
         self.model = model
         self.space = space
         self.weight_sync = weight_sync
+        self.warm_gbs = warm_gbs
         self._solvers: dict[Choice, Solver] = {}
         self._times: dict[tuple[Choice, int], float] = {}
         self._bounds: dict[tuple[Choice, int], float] = {}
@@ -49,6 +59,15 @@ class SolverCostModel:
         if solver is None:
             solver = Solver(self.model, self.space.specs(choice), self.space.unit, self.weight_sync)
             self._solvers[choice] = solver
+            if self.warm_gbs is not None:
+                step_of = {
+                    lbs * self.space.unit for s in solver.servers for lbs in self.model.lbs_values(s.profile_server)
+                }
+                for step in step_of:
+                    top = self.warm_gbs // step * step
+                    if top and solver.reachable(top):
+                        solver.lower_bound(top)
+                        self._exact(choice, top)
         return solver
 
     def iteration_time(self, choice: Choice, gbs: int) -> float:

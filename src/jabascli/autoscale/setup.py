@@ -23,7 +23,7 @@ class ScalingSetup:
         return Planner(self.space, self.cost_model, objective or self.objective)
 
 
-def scaling_from_config(loaded: LoadedConfig) -> ScalingSetup:
+def scaling_from_config(loaded: LoadedConfig, *, warm_gbs: int | None = None) -> ScalingSetup:
     """The available servers with their profiles and prices, and the profile-based cost model."""
     dirs = loaded.profile_dirs()
     profiles = load_profile_set(dirs.memory, dirs.computation, dirs.communication, dirs.bucket)
@@ -37,5 +37,5 @@ def scaling_from_config(loaded: LoadedConfig) -> ScalingSetup:
     config = loaded.config
     specs = server_specs(config, profiles)
     space = AllocationSpace.from_config(specs, config.cluster.servers, config.scaling.allocation_unit)
-    cost_model = SolverCostModel(model, space, config.job.weight_sync)
+    cost_model = SolverCostModel(model, space, config.job.weight_sync, warm_gbs=warm_gbs)
     return ScalingSetup(space, cost_model, Objective.from_config(config.scaling))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from jabascli import __version__
-from jabascli.cli import cluster, elastic, init, profile, solve, sync, train, validate
+from jabascli.cli import cluster, elastic, init, profile, simulate, solve, sync, train, validate
 
 app = typer.Typer(
     name="jabas",
@@ -43,6 +43,7 @@ app.command("schedule")(elastic.schedule)
 app.command("worker")(elastic.worker)
 app.command("train")(train.train)
 app.command("run")(train.run)
+app.command("simulate")(simulate.simulate)
 
 
 def main() -> None:
