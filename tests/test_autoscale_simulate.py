@@ -156,3 +156,30 @@ def test_servers_without_profiles_and_no_dataset_size(cli: CliRunner, reference_
         from jabascli.autoscale.simulate import simulation_from_config
 
         simulation_from_config(load_config(config), "flat:2048", epochs=0, dataset_size=10)
+
+
+def test_autoscale_and_report_do_not_import_torch() -> None:
+    """`jabas simulate` and `jabas report` start fast and run where torch is not installed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pkgutil, importlib, jabascli.autoscale, jabascli.report\n"
+        "for pkg in (jabascli.autoscale, jabascli.report):\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        importlib.import_module(m.name)\n"
+        "import jabascli.cli.simulate, jabascli.cli.report\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_dataset_size_defaults_to_the_workloads_training_set(tmp_path: Path) -> None:
+    from jabascli.autoscale.simulate import dataset_size_of
+    from jabascli.workload import load_workload
+
+    config = tmp_path / "jabas.toml"
+    config.write_text('[job]\nworkload = "digits"\n')
+    expected = len(load_workload("digits").train_dataset())
+    assert 1000 < expected < 1797  # scikit-learn's digits, less the validation split
+    assert dataset_size_of(load_config(config)) == expected
