@@ -245,7 +245,7 @@ class Simulation:
                 return PolicyResult(policy, None, None, None, 0)
             return self._fixed(policy, choice)
         if policy in ("jabas", "oracle"):
-            return self._planned(policy, self._forecast if policy == "jabas" else self._truth)
+            return self.planned(policy, self._forecast if policy == "jabas" else self._truth)
         raise InputError.at(None, "--policy", f"expected one of {', '.join(POLICIES)}, got {policy!r}")
 
     def _forecast(self, epoch: int) -> list[Segment]:
@@ -260,17 +260,20 @@ class Simulation:
         return self.epoch_plans[epoch][1]
 
     def _fixed(self, policy: str, choice: Choice) -> PolicyResult:
-        return self._account(policy, [choice] * self.epochs)
+        return self.account(policy, [choice] * self.epochs)
 
-    def _planned(self, policy: str, segments_for: Callable[[int], Sequence[Segment]]) -> PolicyResult:
+    def planned(self, policy: str, segments_for: Callable[[int], Sequence[Segment]]) -> PolicyResult:
+        """The planner epoch by epoch, fed ``segments_for(epoch)`` (a forecast, the truth, or another
+        simulator's view), moving under the margin rule; accounted on the true epochs."""
         choices: list[Choice] = []
         current: Choice | None = None
         for epoch in range(self.epochs):
             current = self.planner.plan(segments_for(epoch), current).choice
             choices.append(current)
-        return self._account(policy, choices)
+        return self.account(policy, choices)
 
-    def _account(self, policy: str, choices: list[Choice]) -> PolicyResult:
+    def account(self, policy: str, choices: list[Choice]) -> PolicyResult:
+        """Time, cost, GPU-hours and moves of running epoch ``e`` on ``choices[e]``."""
         result = PolicyResult(policy, 0.0, 0.0, 0.0, 0)
         previous: Choice | None = None
         for epoch, ((_, segments), choice) in enumerate(zip(self.epoch_plans, choices, strict=True)):
