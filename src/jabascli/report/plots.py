@@ -61,7 +61,8 @@ def lines(
         if step:
             ax.step(x, y, where="post", label=label)
         else:
-            ax.plot(x, y, marker="o" if markers else None, markersize=3, label=label)
+            few = len(x) < 3  # a line through one or two points is hard to see
+            ax.plot(x, y, marker="o" if markers or few else None, markersize=4 if few else 3, label=label)
     if not drawn:
         ax.text(0.5, 0.5, "nothing logged yet", ha="center", va="center", transform=ax.transAxes)
     elif len(series) > 1:
