@@ -146,6 +146,14 @@ def test_bad_input_exits_2_with_one_line(
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
 
 
+def test_cost_objective_without_any_price_or_tflops(cli: CliRunner, reference_dir: Path, tmp_path: Path) -> None:
+    servers = server("node0", V100) + server("node1", P100)  # neither price_per_hour nor tflops
+    config = config_with(tmp_path, reference_dir, '[scaling]\nobjective = "cost"\n', servers=servers)
+    result = simulate(cli, config, "--trajectory", "flat:2048", "--dataset-size", "1000")
+    assert result.exit_code == 2, result.output
+    assert "scaling.objective: 'cost' needs prices: set price_per_hour" in result.stderr
+
+
 def test_servers_without_profiles_and_no_dataset_size(cli: CliRunner, reference_dir: Path, tmp_path: Path) -> None:
     config = config_with(tmp_path, reference_dir, servers=REFERENCE_SERVERS + server("gpu9", "A100"))
     result = simulate(cli, config, "--trajectory", "flat:2048", "--dataset-size", "1000")

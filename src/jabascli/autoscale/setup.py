@@ -8,6 +8,7 @@ from jabascli.autoscale.allocation import AllocationSpace
 from jabascli.autoscale.costmodel import SolverCostModel
 from jabascli.autoscale.planner import Objective, Planner
 from jabascli.config import LoadedConfig
+from jabascli.errors import InputError
 from jabascli.perfmodel import PerformanceModel
 from jabascli.profiles import load_profile_set
 from jabascli.solver.cluster import server_specs
@@ -37,5 +38,11 @@ def scaling_from_config(loaded: LoadedConfig, *, warm_gbs: int | None = None) ->
     config = loaded.config
     specs = server_specs(config, profiles)
     space = AllocationSpace.from_config(specs, config.cluster.servers, config.scaling.allocation_unit)
+    if config.scaling.objective == "cost" and not any(t.gpu_hour_price > 0 for t in space.types):
+        raise InputError.at(
+            None,
+            "scaling.objective",
+            "'cost' needs prices: set price_per_hour (or tflops, for the seed's rule) on the servers",
+        )
     cost_model = SolverCostModel(model, space, config.job.weight_sync, warm_gbs=warm_gbs)
     return ScalingSetup(space, cost_model, Objective.from_config(config.scaling))
