@@ -17,7 +17,6 @@ VswStrategy = Literal["auto", "sequential", "streams"]
 BatchMetric = Literal["similarity", "noise_scale", "fixed"]
 LrScaling = Literal["linear", "sqrt", "none"]
 ScalingObjective = Literal["time", "cost"]
-ForecastModel = Literal["holt", "seed", "naive"]
 
 # Seed folder names, used when a config gives only [profiles] dir.
 MEMORY_DIRNAME = "cluster_mem_profile_data"
@@ -118,6 +117,9 @@ class BatchingConfig(Section):
     adjust_interval: PositiveInt = 100
     """Iterations between GBS adjustments."""
     lr_scaling: LrScaling = "linear"
+
+
+ForecastModel = Literal["holt", "seed", "naive"]
 
 
 class ScalingConfig(Section):
