@@ -146,6 +146,23 @@ def test_bad_input_exits_2_with_one_line(
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
 
 
+def test_error_lines_keep_their_brackets(cli: CliRunner) -> None:
+    """A message naming a config section in brackets is printed as written, not read as Rich markup."""
+    import typer
+
+    from jabascli.cli.common import cli_command
+
+    @cli_command
+    def fails() -> None:
+        raise InputError.at(None, "[scaling] budget_per_epoch", "no allocation meets it")
+
+    one = typer.Typer()
+    one.command()(fails)
+    result = cli.invoke(one, [])
+    assert result.exit_code == 2
+    assert "error: [scaling] budget_per_epoch: no allocation meets it" in result.stderr
+
+
 def test_cost_objective_without_any_price_or_tflops(cli: CliRunner, reference_dir: Path, tmp_path: Path) -> None:
     servers = server("node0", V100) + server("node1", P100)  # neither price_per_hour nor tflops
     config = config_with(tmp_path, reference_dir, '[scaling]\nobjective = "cost"\n', servers=servers)
