@@ -119,6 +119,9 @@ class BatchingConfig(Section):
     lr_scaling: LrScaling = "linear"
 
 
+ForecastModel = Literal["holt", "seed", "naive"]
+
+
 class ScalingConfig(Section):
     """Automatic scaling across server allocations at epoch ends."""
 
@@ -126,6 +129,17 @@ class ScalingConfig(Section):
     allocation_unit: PositiveInt = 1
     """GPUs per allocation unit (the seed's ``resource_alloc_unit``)."""
     objective: ScalingObjective = "time"
+    """``time``: the allocation that finishes the next epoch soonest; ``cost``: the cheapest one."""
+    margin: float = Field(0.05, ge=0.0, lt=1.0)
+    """Move only when the best allocation's predicted time (or cost) is this fraction below the current's."""
+    budget_per_epoch: NonNegativeFloat | None = None
+    """Largest predicted cost of one epoch (price units, as ``price_per_hour``); None: no budget."""
+    deadline_per_epoch_s: NonNegativeFloat | None = None
+    """Longest predicted time of one epoch in seconds; None: no deadline."""
+    move_downtime_s: NonNegativeFloat = 60.0
+    """What one move (checkpoint, stop, restart on the new servers) is charged, until measured."""
+    forecast: ForecastModel = "holt"
+    """GBS forecast model: ``holt`` (damped trend), ``seed`` (the seed's ensemble) or ``naive``."""
 
 
 class SchedulerConfig(Section):
