@@ -36,6 +36,8 @@ import numpy as np
 
 from jabascli.simulate.steptime import Placement, StepTimes, packed_placement
 
+LBS_STEPS_PER_OCTAVE = 4
+
 Allocation = tuple[tuple[str, int], ...]  # (GPU type, GPUs), types in cluster order, GPUs > 0
 
 
@@ -142,6 +144,13 @@ class Timing:
         iter_s = steps * max(compute.values()) + max(sync.values())
         return Config(gbs=gbs, lbs=lbs, iter_s=iter_s, micro_steps={t: steps for t, _ in allocation})
 
+    def lbs_candidates(self, types: tuple[str, ...]) -> np.ndarray:
+        """The LBS tried: every traced one, and whole numbers a quarter-octave apart between them."""
+        traced = np.concatenate([self.step_times[t].traced_lbs for t in types])
+        lo, hi = float(traced.min()), float(traced.max())
+        grid = np.round(lo * 2.0 ** (np.arange(0, math.log2(hi / lo) * LBS_STEPS_PER_OCTAVE + 1) / LBS_STEPS_PER_OCTAVE))
+        return np.unique(np.concatenate([traced, grid[grid <= hi]]))
+
     def frontier(self, allocation: Allocation, min_gbs: float, max_gbs: float) -> Frontier | None:
         """IIDP's (GBS, iteration time) frontier of ``allocation`` within ``[min_gbs, max_gbs]``."""
         key = (allocation, min_gbs, max_gbs)
@@ -152,7 +161,7 @@ class Timing:
     def _frontier(self, allocation: Allocation, min_gbs: float, max_gbs: float) -> Frontier | None:
         types = tuple(t for t, _ in allocation)
         gpus = np.array([g for _, g in allocation], dtype=float)
-        candidates = np.unique(np.concatenate([self.step_times[t].traced_lbs for t in types]))
+        candidates = self.lbs_candidates(types)
         rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for b in candidates:
             parts = self.compute_and_sync(allocation, float(b))

@@ -11,8 +11,10 @@
 - ``jabas``: IIDP over every type (same LBS everywhere, faster types run more
   micro-steps), the goodput-optimal GBS of each candidate allocation, and an
   allocation chosen per epoch by ``planner.choose_allocation``.
-- ``oracle``: the same choice made with the true statistics of the coming epoch
-  (perfect foresight) instead of the last measured ones.
+- ``oracle``: perfect hindsight: with the true statistics of every epoch, each
+  allocation's goodput-optimal IIDP configuration per epoch, and the sequence of
+  allocations of least total time, moves included (dynamic programming over
+  epochs). A lower bound on ``jabas``'s time in this model; cost is not its goal.
 
 What the adaptive policies know: at the start of epoch ``k`` they have measured
 the statistics of epoch ``k - 1`` at the GBS they ran (epoch 0: the first epoch's,
@@ -156,9 +158,12 @@ class Simulation:
                 best = result
         return best
 
-    def jabas(self, oracle: bool = False) -> PolicyResult | None:
+    def _node_frontiers(self) -> dict[Allocation, Frontier]:
         frontiers = {a: self.timing.frontier(a, self.stats.m0, self.stats.max_gbs) for a in self.node_allocations()}
-        frontiers = {a: f for a, f in frontiers.items() if f is not None}
+        return {a: f for a, f in frontiers.items() if f is not None}
+
+    def jabas(self) -> PolicyResult | None:
+        frontiers = self._node_frontiers()
         if not frontiers:
             return None
 
@@ -167,7 +172,7 @@ class Simulation:
             points: dict[Allocation, int] = {}
             candidates = []
             for allocation, frontier in frontiers.items():
-                i, rate = self._rate(frontier, epoch, gbs, oracle)
+                i, rate = self._rate(frontier, epoch, gbs, oracle=False)
                 points[allocation] = i
                 time_s = work / rate
                 price_s = self._price_s(allocation)
@@ -175,7 +180,41 @@ class Simulation:
             chosen = choose_allocation(candidates, current, self.trace.restart_s, self.slack)
             return chosen.allocation, frontiers[chosen.allocation].config(points[chosen.allocation])
 
-        return self.run("oracle" if oracle else "jabas", decide)
+        return self.run("jabas", decide)
+
+    def oracle(self) -> PolicyResult | None:
+        frontiers = self._node_frontiers()
+        if not frontiers:
+            return None
+        allocations = list(frontiers)
+        epochs = self.stats.epochs
+        times = np.empty((epochs, len(allocations)))
+        points = np.empty((epochs, len(allocations)), dtype=int)
+        for k in range(epochs):
+            for j, allocation in enumerate(allocations):
+                i, rate = self._rate(frontiers[allocation], k, None, oracle=True)
+                points[k, j] = i
+                times[k, j] = self.stats.epoch_progress(k) / rate
+        # total[j]: least time to the end of epoch k, ending on allocation j
+        total = times[0].copy()
+        came_from = np.zeros((epochs, len(allocations)), dtype=int)
+        came_from[0] = np.arange(len(allocations))
+        for k in range(1, epochs):
+            best = int(np.argmin(total))
+            move = total[best] + self.trace.restart_s
+            stay = total <= move
+            came_from[k] = np.where(stay, np.arange(len(allocations)), best)
+            total = np.where(stay, total, move) + times[k]
+        path = [int(np.argmin(total))]
+        for k in range(epochs - 1, 0, -1):
+            path.append(int(came_from[k, path[-1]]))
+        path.reverse()
+
+        def decide(epoch: int, current: Allocation | None, gbs: float | None) -> tuple[Allocation, Config]:
+            allocation = allocations[path[epoch]]
+            return allocation, frontiers[allocation].config(int(points[epoch, path[epoch]]))
+
+        return self.run("oracle", decide)
 
 
 def run_policies(sim: Simulation, policies: list[str]) -> list[PolicyResult]:
@@ -195,8 +234,10 @@ def run_policies(sim: Simulation, policies: list[str]) -> list[PolicyResult]:
             found = [sim.ddp_all()]
         elif name == "pollux":
             found = [sim.pollux()]
-        elif name in ("jabas", "oracle"):
-            found = [sim.jabas(oracle=name == "oracle")]
+        elif name == "jabas":
+            found = [sim.jabas()]
+        elif name == "oracle":
+            found = [sim.oracle()]
         else:
             raise InputError.at(None, "policies", f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
         results.extend(r for r in found if r is not None)
