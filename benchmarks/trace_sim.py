@@ -50,9 +50,7 @@ def main() -> None:
                     setting = f"GBS {p.details['batch_size']}"
                 elif p.policy in ("jabas", "oracle"):
                     setting = " -> ".join(dict.fromkeys(e["allocation"] for e in p.timeline))
-                print(
-                    f"{p.policy:<12} {p.time_s / 3600:8.3f} {p.cost:9.2f} {p.gpu_hours:8.2f} {p.moves:5d}  {setting}"
-                )
+                print(f"{p.policy:<12} {p.time_s / 3600:8.3f} {p.cost:9.2f} {p.gpu_hours:8.2f} {p.moves:5d}  {setting}")
             cmp = result.comparison()
             assert cmp is not None
             jabas = result.get("jabas")

@@ -23,6 +23,7 @@ from jabascli.simulate.configs import Timing
 from jabascli.simulate.planner import Candidate, choose_allocation
 from jabascli.simulate.policies import Simulation
 from jabascli.simulate.progress import Statistics
+from jabascli.simulate.similarity import expected_similarity, fixed_point, next_gbs
 from jabascli.simulate.steptime import StepTimes, placement_id
 from jabascli.simulate.trace import GPUS_PER_NODE, load_trace
 from tests.conftest import REFERENCE
@@ -292,7 +293,7 @@ def test_policies_json_shape_and_sanity(sia: Path) -> None:
     data = result.to_json()
     names = [p["policy"] for p in data["policies"]]
     assert names[:6] == [f"fixed-{b}" for b in (128, 256, 512, 1024, 2048, 4096)]
-    assert names[6:] == ["ddp-all", "pollux", "jabas", "oracle"]
+    assert names[6:] == ["ddp-all", "pollux", "jabas", "jabas-similarity", "oracle"]
     for p in data["policies"]:
         assert {"policy", "time_s", "cost", "gpu_hours", "moves"} <= set(p)
         assert p["time_s"] > 0 and p["cost"] > 0 and p["gpu_hours"] > 0
@@ -304,10 +305,24 @@ def test_policies_json_shape_and_sanity(sia: Path) -> None:
     assert ddp["allocation"] == "aws:2n,rtx:1n,azure:1n" and ddp["moves"] == 0
     jabas = result.get("jabas")
     assert jabas is not None and all(e["gbs"] >= 128 for e in jabas.timeline)
-    assert math.isclose(
-        data["comparison"]["time_ratio"],
-        jabas.time_s / min(p.time_s for p in result.policies if p.policy not in ("jabas", "oracle")),
-    )
+    baselines = [p for p in result.policies if p.policy.startswith(("fixed-", "ddp-all", "pollux"))]
+    assert len(baselines) == 8
+    assert math.isclose(data["comparison"]["time_ratio"], jabas.time_s / min(p.time_s for p in baselines))
+    oracle = result.get("oracle")
+    assert oracle is not None and oracle.time_s <= jabas.time_s * (1 + 1e-9)  # hindsight is a bound
+
+
+def test_similarity_rule_from_the_statistics() -> None:
+    noise = 5000.0
+    star = fixed_point(noise, 0.1)
+    assert star == pytest.approx(2 * noise * 0.1 / 0.9)
+    assert expected_similarity(star, noise) == pytest.approx(0.1)
+    assert expected_similarity(star * 2, noise) > 0.1 > expected_similarity(star / 2, noise)
+    # 250 iterations = 2 adjustments of at most 10% each, toward the fixed point, then clamped
+    assert next_gbs(100.0, noise, 250, low=50, high=10_000) == pytest.approx(121.0)
+    assert next_gbs(1000.0, noise, 10_000, low=50, high=10_000) == pytest.approx(star)
+    assert next_gbs(5000.0, noise, 250, low=50, high=10_000) == pytest.approx(5000 * 0.81)
+    assert next_gbs(100.0, noise, 10_000, low=50, high=800) == 800
 
 
 def test_prices_override(synthetic: Path) -> None:

@@ -90,8 +90,9 @@ class Frontier:
 class Timing:
     """Iteration-time model of a cluster's GPU types (the formulas above)."""
 
-    def __init__(self, step_times: dict[str, StepTimes]) -> None:
+    def __init__(self, step_times: dict[str, StepTimes], batch_sizes: tuple[float, ...] = ()) -> None:
         self.step_times = step_times
+        self.batch_sizes = batch_sizes
         self.per_node = {t: s.gpus_per_node for t, s in step_times.items()}
         self._frontiers: dict[tuple[Allocation, float, float], Frontier | None] = {}
 
@@ -144,12 +145,21 @@ class Timing:
         iter_s = steps * max(compute.values()) + max(sync.values())
         return Config(gbs=gbs, lbs=lbs, iter_s=iter_s, micro_steps={t: steps for t, _ in allocation})
 
-    def lbs_candidates(self, types: tuple[str, ...]) -> np.ndarray:
-        """The LBS tried: every traced one, and whole numbers a quarter-octave apart between them."""
-        traced = np.concatenate([self.step_times[t].traced_lbs for t in types])
+    def lbs_candidates(self, allocation: Allocation) -> np.ndarray:
+        """The LBS tried on ``allocation``.
+
+        Every traced LBS, whole numbers a quarter-octave apart between them, and
+        each whole LBS that puts a traced batch size exactly on the allocation's
+        GPUs (or on one type's), so IIDP can run whatever a fixed-batch run can.
+        """
+        traced = np.concatenate([self.step_times[t].traced_lbs for t, _ in allocation])
         lo, hi = float(traced.min()), float(traced.max())
-        grid = np.round(lo * 2.0 ** (np.arange(0, math.log2(hi / lo) * LBS_STEPS_PER_OCTAVE + 1) / LBS_STEPS_PER_OCTAVE))
-        return np.unique(np.concatenate([traced, grid[grid <= hi]]))
+        grid = np.round(
+            lo * 2.0 ** (np.arange(0, math.log2(hi / lo) * LBS_STEPS_PER_OCTAVE + 1) / LBS_STEPS_PER_OCTAVE)
+        )
+        counts = {sum(g for _, g in allocation)} | {g for _, g in allocation}
+        exact = [b / n for b in self.batch_sizes for n in counts if b % n == 0 and lo <= b / n <= hi]
+        return np.unique(np.concatenate([traced, grid[grid <= hi], np.array(exact, dtype=float)]))
 
     def frontier(self, allocation: Allocation, min_gbs: float, max_gbs: float) -> Frontier | None:
         """IIDP's (GBS, iteration time) frontier of ``allocation`` within ``[min_gbs, max_gbs]``."""
@@ -161,7 +171,7 @@ class Timing:
     def _frontier(self, allocation: Allocation, min_gbs: float, max_gbs: float) -> Frontier | None:
         types = tuple(t for t, _ in allocation)
         gpus = np.array([g for _, g in allocation], dtype=float)
-        candidates = self.lbs_candidates(types)
+        candidates = self.lbs_candidates(allocation)
         rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for b in candidates:
             parts = self.compute_and_sync(allocation, float(b))

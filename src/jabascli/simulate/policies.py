@@ -11,6 +11,10 @@
 - ``jabas``: IIDP over every type (same LBS everywhere, faster types run more
   micro-steps), the goodput-optimal GBS of each candidate allocation, and an
   allocation chosen per epoch by ``planner.choose_allocation``.
+- ``jabas-similarity``: the same with jabas's ``similarity`` GBS policy instead of
+  goodput (its expectation derived from the statistics, ``similarity.py``): the
+  GBS follows the rule, and each allocation runs its fastest configuration
+  within 5% of that GBS.
 - ``oracle``: perfect hindsight: with the true statistics of every epoch, each
   allocation's goodput-optimal IIDP configuration per epoch, and the sequence of
   allocations of least total time, moves included (dynamic programming over
@@ -29,6 +33,7 @@ import itertools
 import numpy as np
 
 from jabascli.errors import InputError
+from jabascli.simulate import similarity
 from jabascli.simulate.configs import Allocation, Config, Frontier, Timing, describe
 from jabascli.simulate.loop import Decide, PolicyResult, run_policy
 from jabascli.simulate.planner import DEFAULT_SLACK, Candidate, choose_allocation
@@ -37,7 +42,7 @@ from jabascli.simulate.steptime import StepTimes
 from jabascli.simulate.trace import Trace
 
 BASELINES = ("fixed", "ddp-all", "pollux")
-POLICIES = ("fixed", "ddp-all", "pollux", "jabas", "oracle")
+POLICIES = ("fixed", "ddp-all", "pollux", "jabas", "jabas-similarity", "oracle")
 
 
 class Simulation:
@@ -55,7 +60,8 @@ class Simulation:
         self.cluster = cluster
         self.prices = prices
         self.stats = Statistics(trace.validation)
-        self.timing = Timing({t: StepTimes(trace.timings[t]) for t in cluster})
+        steps = {t: StepTimes(trace.timings[t]) for t in cluster}
+        self.timing = Timing(steps, tuple(float(b) for b in trace.batch_sizes))
         self.per_node = self.timing.per_node
         self.target_metric = target_metric
         self.slack = slack
@@ -162,7 +168,16 @@ class Simulation:
         frontiers = {a: self.timing.frontier(a, self.stats.m0, self.stats.max_gbs) for a in self.node_allocations()}
         return {a: f for a, f in frontiers.items() if f is not None}
 
-    def jabas(self) -> PolicyResult | None:
+    def _near(self, frontier: Frontier, epoch: int, gbs: float | None, target: float) -> tuple[int, float]:
+        """The fastest point of ``frontier`` within 5% of GBS ``target`` (else the nearest), and its rate."""
+        eff = np.asarray(self.stats.efficiency(frontier.gbs, self._seen_row(epoch, False), gbs or self.stats.m0))
+        off = np.abs(frontier.gbs - target) / target
+        close = off <= max(0.05, float(off.min()))
+        i = int(np.flatnonzero(close)[np.argmin(frontier.iter_s[close])])
+        return i, float(eff[i] * frontier.gbs[i] / self.stats.m0 / frontier.iter_s[i])
+
+    def jabas(self, batching: str = "goodput") -> PolicyResult | None:
+        """jabas with its ``goodput`` or ``similarity`` GBS policy (``similarity.py``)."""
         frontiers = self._node_frontiers()
         if not frontiers:
             return None
@@ -171,8 +186,17 @@ class Simulation:
             work = self.remaining_progress(epoch)
             points: dict[Allocation, int] = {}
             candidates = []
+            target = 0.0
+            if batching == "similarity":
+                now = gbs or self.stats.m0
+                noise = self.stats.noise_scale(now, self._seen_row(epoch, False))
+                iterations = self.stats.epoch_progress(epoch) * self.stats.m0 / now
+                target = similarity.next_gbs(now, noise, iterations, low=self.stats.m0, high=self.stats.max_gbs)
             for allocation, frontier in frontiers.items():
-                i, rate = self._rate(frontier, epoch, gbs, oracle=False)
+                if batching == "similarity":
+                    i, rate = self._near(frontier, epoch, gbs, target)
+                else:
+                    i, rate = self._rate(frontier, epoch, gbs, oracle=False)
                 points[allocation] = i
                 time_s = work / rate
                 price_s = self._price_s(allocation)
@@ -180,7 +204,7 @@ class Simulation:
             chosen = choose_allocation(candidates, current, self.trace.restart_s, self.slack)
             return chosen.allocation, frontiers[chosen.allocation].config(points[chosen.allocation])
 
-        return self.run("jabas", decide)
+        return self.run("jabas" if batching == "goodput" else f"jabas-{batching}", decide)
 
     def oracle(self) -> PolicyResult | None:
         frontiers = self._node_frontiers()
@@ -236,6 +260,8 @@ def run_policies(sim: Simulation, policies: list[str]) -> list[PolicyResult]:
             found = [sim.pollux()]
         elif name == "jabas":
             found = [sim.jabas()]
+        elif name == "jabas-similarity":
+            found = [sim.jabas("similarity")]
         elif name == "oracle":
             found = [sim.oracle()]
         else:
