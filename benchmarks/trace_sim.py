@@ -43,14 +43,19 @@ def main() -> None:
             result = simulate_trace(args.traces / job, cluster)
             wall = time.perf_counter() - start
             print(f"\n## {job} on {cluster}  (simulated in {wall:.1f} s)")
-            print(f"{'policy':<12} {'time_h':>8} {'cost_$':>9} {'gpu_h':>8} {'moves':>5}  setting")
+            print(f"{'policy':<16} {'time_h':>8} {'cost_$':>9} {'gpu_h':>8} {'moves':>5}  setting")
             for p in result.policies:
                 setting = p.details.get("allocation") or p.details.get("gpu_type") or ""
                 if p.policy == "ddp-all":
                     setting = f"GBS {p.details['batch_size']}"
-                elif p.policy in ("jabas", "oracle"):
-                    setting = " -> ".join(dict.fromkeys(e["allocation"] for e in p.timeline))
-                print(f"{p.policy:<12} {p.time_s / 3600:8.3f} {p.cost:9.2f} {p.gpu_hours:8.2f} {p.moves:5d}  {setting}")
+                elif p.policy.startswith(("jabas", "oracle")):
+                    changes = [
+                        e["allocation"]
+                        for i, e in enumerate(p.timeline)
+                        if i == 0 or e["allocation"] != p.timeline[i - 1]["allocation"]
+                    ]
+                    setting = " -> ".join(changes[:4]) + (" -> ..." if len(changes) > 4 else "")
+                print(f"{p.policy:<16} {p.time_s / 3600:8.3f} {p.cost:9.2f} {p.gpu_hours:8.2f} {p.moves:5d}  {setting}")
             cmp = result.comparison()
             assert cmp is not None
             jabas = result.get("jabas")
