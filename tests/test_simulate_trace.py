@@ -18,10 +18,9 @@ import pytest
 
 from jabascli.errors import InputError
 from jabascli.simulate import simulate_trace
-from jabascli.simulate.cluster import parse_cluster, prices_for
+from jabascli.simulate.cluster import parse_cluster, parse_prices, prices_for
 from jabascli.simulate.configs import Timing
 from jabascli.simulate.planner import Candidate, choose_allocation
-from jabascli.simulate.policies import Simulation
 from jabascli.simulate.progress import Statistics
 from jabascli.simulate.similarity import expected_similarity, fixed_point, next_gbs
 from jabascli.simulate.steptime import StepTimes, placement_id
@@ -286,6 +285,10 @@ def test_planner_takes_the_cheapest_fast_enough_and_charges_moves() -> None:
     cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(c, 90.0, 4.0, 0.05)]
     assert choose_allocation(cands, a, move_s=0.0).allocation == c
     assert choose_allocation(cands, a, move_s=20.0).allocation == a  # the move does not pay off
+    # the current allocation stays while fast enough and within the margin of the cheapest
+    cands = [Candidate(a, 100.0, 1.03, 0.01), Candidate(b, 101.0, 1.0, 0.01)]
+    assert choose_allocation(cands, a, move_s=0.0).allocation == a
+    assert choose_allocation(cands, a, move_s=0.0, margin=0.01).allocation == b
 
 
 def test_policies_json_shape_and_sanity(sia: Path) -> None:
@@ -329,7 +332,29 @@ def test_prices_override(synthetic: Path) -> None:
     assert prices_for(["aws"], {"aws": 2.0}) == {"aws": 2.0}
     with pytest.raises(InputError, match="prices: unknown GPU type 'tpu'"):
         prices_for(["aws"], {"tpu": 1.0})
+    assert parse_prices("aws=1.5, rtx=0") == {"aws": 1.5, "rtx": 0.0}
+    with pytest.raises(InputError, match="'rtx' is not TYPE=PRICE"):
+        parse_prices("rtx")
+    with pytest.raises(InputError, match="'aws=-1' is not TYPE=PRICE"):
+        parse_prices("aws=-1")
     cheap = simulate_trace(synthetic, "aws:1", policies=["fixed-100"], prices={"aws": 1.0}).policies[0]
     dear = simulate_trace(synthetic, "aws:1", policies=["fixed-100"], prices={"aws": 3.0}).policies[0]
     assert dear.cost == pytest.approx(3 * cheap.cost)
-    assert Simulation  # imported for the docs' example
+
+
+def test_a_cluster_the_trace_cannot_run_on(synthetic: Path) -> None:
+    """Only two-node placements are traced: one node has no measured configuration."""
+    rows = _rows(synthetic / "placements-aws.csv")
+    _write(
+        synthetic / "placements-aws.csv",
+        list(rows[0]),
+        [list(r.values()) for r in rows if r["placement"] == "44"],
+    )
+    _write(
+        synthetic / "scalability-aws.csv",
+        ["num_nodes", "num_replicas", "local_bsz", "step_time", "sync_time"],
+        [[2, 8, b, *_step(2, 8, b)] for b in LBS],
+    )
+    with pytest.raises(InputError, match="cluster: too small for the trace"):
+        simulate_trace(synthetic, "aws:1")
+    assert simulate_trace(synthetic, "aws:2").get("jabas") is not None

@@ -55,6 +55,21 @@ def parse_cluster(spec: str) -> dict[str, int]:
     return nodes
 
 
+def parse_prices(spec: str) -> dict[str, float]:
+    """``TYPE=PRICE,...`` ($/GPU-hour) -> overrides for :func:`prices_for`."""
+    prices: dict[str, float] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        name, sep, value = part.partition("=")
+        try:
+            price = float(value)
+        except ValueError:
+            price = float("nan")
+        if not sep or not name.strip() or not price >= 0:
+            raise InputError.at(None, "prices", f"{part!r} is not TYPE=PRICE with a price >= 0 (for example rtx=1.2)")
+        prices[name.strip()] = price
+    return prices
+
+
 def prices_for(types: list[str], override: Mapping[str, float] | None = None) -> dict[str, float]:
     """$/GPU-hour of each type: the table above, with ``override`` taking precedence."""
     override = dict(override or {})

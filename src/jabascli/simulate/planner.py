@@ -16,10 +16,13 @@ Rule (objective "time with a cost slack"):
    more seconds, paid at its own price;
 2. the fastest candidate sets ``t_min``; every candidate within
    ``(1 + slack) * t_min`` is *fast enough*;
-3. the cheapest fast-enough candidate wins (ties: the faster).
+3. the cheapest fast-enough candidate wins (ties: the faster), except that
+4. the current allocation is kept while it is fast enough and the winner is not
+   cheaper by more than ``margin`` (5%, as issue #14's ``[scaling] margin``).
 
 So a dearer allocation is taken only when it is more than ``slack`` faster than
-every cheaper one, and a move only when it pays for its own downtime.
+every cheaper one, a move only when it pays for its own downtime, and small
+shifts in the predictions do not make the job flap.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from jabascli.simulate.configs import Allocation
 
 DEFAULT_SLACK = 0.05
+DEFAULT_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,11 @@ class Candidate:
 
 
 def choose_allocation(
-    candidates: list[Candidate], current: Allocation | None, move_s: float, slack: float = DEFAULT_SLACK
+    candidates: list[Candidate],
+    current: Allocation | None,
+    move_s: float,
+    slack: float = DEFAULT_SLACK,
+    margin: float = DEFAULT_MARGIN,
 ) -> Candidate:
     """The candidate to run the coming epoch on (rule in the module docstring)."""
     if not candidates:
@@ -56,4 +64,8 @@ def choose_allocation(
     scored = [(charged(c), c) for c in candidates]
     t_min = min(time for (time, _), _ in scored)
     fast = [(cost, time, c) for (time, cost), c in scored if time <= (1 + slack) * t_min]
-    return min(fast, key=lambda x: (x[0], x[1]))[2]
+    best_cost, _, best = min(fast, key=lambda x: (x[0], x[1]))
+    stay = next((x for x in fast if x[2].allocation == current), None)
+    if stay is not None and stay[0] <= (1 + margin) * best_cost:
+        return stay[2]
+    return best

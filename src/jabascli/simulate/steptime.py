@@ -112,9 +112,24 @@ class StepTimes:
             if not xs[0] <= lbs <= xs[-1]:
                 return None
             return float(np.interp(lbs, xs, step)), float(np.interp(lbs, xs, sync))
+        query = np.array([len(pid), sum(int(c) for c in pid), lbs], dtype=float)
+        # A coordinate every traced point shares (one node only, say) is dropped: the
+        # triangulation needs full dimension, and a query off that value is outside.
+        varying = self._points.max(axis=0) > self._points.min(axis=0)
+        if np.any(query[~varying] != self._points[0, ~varying]):
+            return None
+        if varying.sum() == 1:
+            xs = self._points[:, varying][:, 0]
+            x = float(query[varying][0])
+            if not xs.min() <= x <= xs.max():
+                return None
+            order = np.argsort(xs)
+            return float(np.interp(x, xs[order], self._values[order, 0])), float(
+                np.interp(x, xs[order], self._values[order, 1])
+            )
         if self._nd is None:
-            self._nd = LinearNDInterpolator(self._points, self._values)
-        value = self._nd([[len(pid), sum(int(c) for c in pid), lbs]])[0]
+            self._nd = LinearNDInterpolator(self._points[:, varying], self._values)
+        value = self._nd([query[varying]])[0]
         if not np.all(np.isfinite(value)):
             return None
         return float(value[0]), float(value[1])
