@@ -19,7 +19,7 @@ import pytest
 from jabascli.errors import InputError
 from jabascli.simulate import simulate_trace
 from jabascli.simulate.cluster import parse_cluster, parse_prices, prices_for
-from jabascli.simulate.configs import Timing
+from jabascli.simulate.configs import Timing, TraceCostModel
 from jabascli.simulate.planner import Candidate, choose_allocation
 from jabascli.simulate.progress import Statistics
 from jabascli.simulate.similarity import expected_similarity, fixed_point, next_gbs
@@ -358,3 +358,17 @@ def test_a_cluster_the_trace_cannot_run_on(synthetic: Path) -> None:
     with pytest.raises(InputError, match="cluster: too small for the trace"):
         simulate_trace(synthetic, "aws:1")
     assert simulate_trace(synthetic, "aws:2").get("jabas") is not None
+
+
+def test_trace_cost_model_for_the_autoscale_planner(sia: Path) -> None:
+    trace = load_trace(sia / "imagenet", ["aws", "dgx-ext"])
+    timing = Timing({t: StepTimes(trace.timings[t]) for t in ("aws", "dgx-ext")})
+    model = TraceCostModel(timing, {"aws": 6, "dgx-ext": 2}, 200, 12800)
+    frontier = timing.frontier((("aws", 8), ("dgx-ext", 16)), 200, 12800)
+    assert frontier is not None
+    i = len(frontier.gbs) // 2
+    exact = frontier.iter_s[frontier.gbs == frontier.gbs[i]].min()
+    assert model.iteration_time((2, 2), int(frontier.gbs[i])) == pytest.approx(exact)
+    assert model.iteration_time((0, 0), 400) == math.inf
+    # an unreachable GBS costs the per-sample time of its nearest reachable neighbour
+    assert model.iteration_time((0, 1), 12801) == pytest.approx(model.iteration_time((0, 1), 12800) * 12801 / 12800)
