@@ -7,7 +7,7 @@
   finishes soonest.
 - ``pollux``: goodput-adaptive GBS (and GPU count) on one GPU type, the type that
   finishes soonest; cost-unaware, as Pollux is; it changes GPU count only when the
-  predicted gain over the epoch pays for the restart.
+  predicted gain over the rest of the job pays for the restart.
 - ``jabas``: IIDP over every type (same LBS everywhere, faster types run more
   micro-steps), the goodput-optimal GBS of each candidate allocation, and an
   allocation chosen per epoch by ``planner.choose_allocation``.
