@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import json
 import math
 import os
 from pathlib import Path
@@ -294,6 +295,7 @@ def test_planner_takes_the_cheapest_fast_enough_and_charges_moves() -> None:
 def test_policies_json_shape_and_sanity(sia: Path) -> None:
     result = simulate_trace(sia / "cifar10", "aws:2,rtx:1,azure:1")
     data = result.to_json()
+    assert json.loads(json.dumps(data)) == data  # plain JSON, for jabas report and --json
     names = [p["policy"] for p in data["policies"]]
     assert names[:6] == [f"fixed-{b}" for b in (128, 256, 512, 1024, 2048, 4096)]
     assert names[6:] == ["ddp-all", "pollux", "jabas", "jabas-similarity", "oracle"]
