@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegative
 
 WeightSync = Literal["recommend", "sequential", "overlap"]
 VswStrategy = Literal["auto", "sequential", "streams"]
-BatchMetric = Literal["similarity", "noise_scale", "fixed"]
-LrScaling = Literal["linear", "sqrt", "none"]
+BatchMetric = Literal["similarity", "noise_scale", "goodput", "fixed"]
+LrScaling = Literal["linear", "sqrt", "adascale", "none"]
 ScalingObjective = Literal["time", "cost"]
 
 # Seed folder names, used when a config gives only [profiles] dir.
@@ -105,12 +105,13 @@ class ClusterConfig(Section):
 
 
 class BatchingConfig(Section):
-    """Adaptive global batch size (GBS)."""
+    """Adaptive global batch size (GBS); see docs/adaptive.md."""
 
     gbs_min: PositiveInt | None = None
     gbs_max: PositiveInt | None = None
     initial_gbs: PositiveInt | None = None
-    metric: BatchMetric = "similarity"
+    metric: BatchMetric = "fixed"
+    """``fixed`` unless asked: a job adapts its GBS only when its config says how (and within which bounds)."""
     similarity_target: float = Field(0.1, gt=0.0, le=1.0)
     adjust_rate: float = Field(0.1, gt=0.0, le=1.0)
     """Largest relative GBS change at one adjustment."""

@@ -1,0 +1,60 @@
+"""Bad ``[batching]`` input, found before any trainer starts (``jabas run``) or as a trainer starts.
+
+* ``gbs_min`` above ``gbs_max``; ``initial_gbs`` outside the bounds;
+* ``metric = "goodput"`` without profiles for every device type (its
+  throughput is the solver's prediction);
+* bounds that no plan for the job's servers reaches: the message names the
+  bound and the smallest (or largest) GBS that is reachable.
+
+An unknown ``metric`` or ``lr_scaling`` is refused when the config is loaded.
+"""
+
+from __future__ import annotations
+
+from jabascli.adaptive.replan import solver_candidates
+from jabascli.config import LoadedConfig
+from jabascli.engine.plan import TrainingPlan
+from jabascli.errors import InputError
+
+UNBOUNDED = 1 << 16
+"""The upper end of GBS searched when ``gbs_max`` is not set (the trainer also caps it at the dataset)."""
+
+
+def check_batching(loaded: LoadedConfig, plan: TrainingPlan) -> None:
+    b = loaded.config.batching
+    if b.metric == "fixed":
+        return
+    path = loaded.path
+    low, high = b.gbs_min or 1, b.gbs_max or UNBOUNDED
+    if low > high:
+        raise InputError.at(path, "batching.gbs_min", f"{low} is above gbs_max {high}")
+    if b.initial_gbs is not None and not low <= b.initial_gbs <= high:
+        bounds = f"gbs_min..gbs_max ({low}..{high})"
+        raise InputError.at(path, "batching.initial_gbs", f"{b.initial_gbs} is outside {bounds}")
+    solver = solver_candidates(loaded, plan, 1, max(high, UNBOUNDED))
+    if b.metric == "goodput" and solver is None:
+        raise InputError.at(
+            path,
+            "batching.metric",
+            "goodput needs the solver's predicted throughput: profiles for every device type of the job's servers "
+            "([profiles], written by `jabas profile`); use similarity or noise_scale without them",
+        )
+    if solver is None:  # the fallback: any GBS from one sample per rank up (GA is unbounded)
+        if high < plan.world_size:
+            smallest = f"{plan.world_size}, one sample on each of the {plan.world_size} ranks"
+            raise InputError.at(path, "batching.gbs_max", f"{high} is below the smallest reachable GBS ({smallest})")
+        return
+    reachable = sorted(c.plan.gbs for c in solver)
+    if any(low <= g <= high for g in reachable):
+        return
+    if reachable[0] > high:
+        raise InputError.at(
+            path,
+            "batching.gbs_max",
+            f"{high} is below the smallest GBS the solver reaches on these servers ({reachable[0]})",
+        )
+    raise InputError.at(
+        path,
+        "batching.gbs_min",
+        f"{low} is above the largest GBS the solver reaches on these servers ({reachable[-1]})",
+    )

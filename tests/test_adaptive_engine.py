@@ -1,0 +1,149 @@
+"""Adaptive GBS in real gloo trainers: plans change in place, and every iteration is still exact.
+
+2 and 3 `jabas train` processes with uneven (VSW, GA) and odd worker counts
+(7 and 11) measure the gradient similarity every 2 iterations; a similarity
+target far below what this learnable tiny workload shows makes every
+adjustment shrink the GBS (by up to half), down to ``gbs_min``, which only an
+LBS change reaches. Checked: at least two plan changes in the first epoch,
+one of them of LBS; the trainers' final parameters equal (float64) the
+single-process reference following the recorded GBS/LBS schedule; every rank
+agreed (DDP keeps one set of parameters only if every rank ran the same plan:
+a rank on another plan would feed other samples and the reference would
+differ); and the samples each epoch used, as recorded by the trainers'
+datasets, are distinct and number exactly ``N`` minus the remainder.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from collections import Counter
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jabascli.engine.launch import run_local
+from jabascli.engine.layout import checkpoint_path
+from jabascli.engine.options import TrainOptions
+from jabascli.engine.plan import load_plan
+from jabascli.engine.reference import reference_run
+from jabascli.errors import RuntimeFailure
+from tests.engine_support import TRAINER_ENV, checkpoint_of, load, max_abs_diff, write_job
+
+SAMPLES = 150
+
+CASES = [
+    # ranks (VSW, GA), VSW strategy, weight sync, gbs_min: 28 -> 12 -> 6 (LBS 3); 44 -> 20 -> 9 (LBS 3)
+    pytest.param([(3, 1), (1, 0)], "sequential", "sequential", 6, id="2-ranks-7-workers"),
+    pytest.param([(2, 0), (1, 2), (3, 1)], "streams", "overlap", 9, id="3-ranks-11-workers-streams"),
+]
+
+
+def epochs_used(folder: Path, ranks: int) -> list[list[int]]:
+    """Per epoch, the training samples all ranks loaded (validation lines separate the epochs)."""
+    per_epoch: list[list[int]] = []
+    for rank in range(ranks):
+        epoch, previous = 0, "t"
+        for line in (folder / f"record-{rank}.txt").read_text().splitlines():
+            if line == "v" and previous != "v":
+                epoch += 1
+            elif line != "v":
+                while len(per_epoch) <= epoch:
+                    per_epoch.append([])
+                per_epoch[epoch].append(int(line.split()[1]))
+            previous = line[0]
+    return per_epoch
+
+
+@pytest.mark.parametrize(("ranks", "vsw", "sync", "gbs_min"), CASES)
+def test_plans_change_in_place_and_every_iteration_equals_the_reference(
+    tmp_path: Path, ranks: list[tuple[int, int]], vsw: str, sync: str, gbs_min: int
+) -> None:
+    record = tmp_path / "record"
+    record.mkdir()
+    options = {"samples": SAMPLES, "learnable": True, "dropout": 0.0, "record": str(record)}
+    batching = {"metric": "similarity", "similarity_target": 0.01, "adjust_rate": 0.5, "adjust_interval": 2}
+    config = write_job(
+        tmp_path,
+        ranks,
+        lbs=4,
+        options=options,
+        weight_sync=sync,
+        vsw_strategy=vsw,
+        batching={**batching, "gbs_min": gbs_min},
+    )
+    loaded = load(config)
+    events: list[dict[str, Any]] = []
+    result = run_local(loaded, TrainOptions(bucket_cap_mb=0.0005), events.append, TRAINER_ENV)
+
+    history = checkpoint_of(loaded)["progress"]["gbs_history"]
+    first_epoch = [h for h in history if h["epoch"] == 0]
+    assert len(first_epoch) >= 3, history  # the start and at least two changes within the first epoch
+    assert len({h["lbs"] for h in first_epoch}) >= 2, history  # one of them changes LBS
+    assert first_epoch[2]["gbs"] == gbs_min and first_epoch[2]["lbs"] == 3  # shrunk twice, the second time LBS
+    assert all(h["lr_factor"] == h["gbs"] / history[0]["gbs"] for h in history)  # linear LR scaling
+    changes = [e for e in events if e["event"] == "adjustment" and e["changed"]]
+    assert [(e["old_gbs"], e["new_gbs"]) for e in changes] == [(a["gbs"], b["gbs"]) for a, b in pairwise(history)]
+    assert all(e["similarity"] > 0.01 for e in changes[:2])
+
+    steps = result.done["step"]
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=steps, schedule=history)
+    diffs = max_abs_diff(checkpoint_of(loaded)["model"], reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}  # issue: 1e-5
+
+    used = epochs_used(record, len(ranks))
+    assert len(used) == 2
+    for samples in used:
+        assert max(Counter(samples).values()) == 1  # no sample twice in an epoch
+        assert 0 <= SAMPLES - len(samples) < gbs_min  # all but the remainder at the epoch's final GBS
+
+
+def test_a_job_killed_after_a_gbs_change_resumes_at_that_gbs_and_lr_and_continues_exactly(tmp_path: Path) -> None:
+    servers = [
+        {"name": "fast", "device_type": "cpu", "devices": 1, "vsw": 3, "ga": 1},
+        {"name": "slow", "device_type": "cpu", "devices": 1, "emulate": {"slowdown": 40.0, "memory_bytes": 10**9}},
+    ]
+    batching = {"metric": "similarity", "similarity_target": 0.01, "adjust_rate": 0.5, "adjust_interval": 2}
+    config = write_job(
+        tmp_path,
+        [(3, 1), (1, 0)],
+        options={"samples": SAMPLES, "learnable": True},
+        servers=servers,
+        batching={**batching, "gbs_min": 6, "lr_scaling": "sqrt"},
+        epochs=1,
+    )
+    loaded = load(config)
+    pids: list[int] = []
+
+    def kill_after_the_second_change(event: dict[str, Any]) -> None:
+        if event["event"] == "start":
+            pids.append(event["pid"])
+        elif event["event"] == "checkpoint" and event["step"] >= 5 and len(pids) == 1:
+            os.kill(pids[0], signal.SIGKILL)
+            pids.append(event["step"])
+
+    with pytest.raises(RuntimeFailure, match="killed by signal 9"):
+        run_local(
+            loaded, TrainOptions(checkpoint_every=5, bucket_cap_mb=0.0005), kill_after_the_second_change, TRAINER_ENV
+        )
+    saved = checkpoint_of(loaded)
+    gbs, lbs = saved["adaptive"]["plan"]["gbs"], saved["adaptive"]["plan"]["lbs"]
+    assert saved["progress"]["step"] >= 5 and gbs < 28  # shrunk (28 -> 12 at step 2, maybe more at step 4)
+    factor = saved["adaptive"]["lr"]["factor"]
+    assert factor == pytest.approx(math.sqrt(gbs / 28))
+
+    events: list[dict[str, Any]] = []
+    run_local(loaded, TrainOptions(resume=checkpoint_path(loaded), bucket_cap_mb=0.0005), events.append, TRAINER_ENV)
+    start = next(e for e in events if e["event"] == "start")
+    assert (start["gbs"], start["lbs"], start["step"]) == (gbs, lbs, saved["progress"]["step"])
+
+    final = checkpoint_of(loaded)
+    history = final["progress"]["gbs_history"]
+    assert history[: len(saved["progress"]["gbs_history"])] == saved["progress"]["gbs_history"]
+    assert all(h["lr_factor"] == pytest.approx(math.sqrt(h["gbs"] / 28)) for h in history)  # the factor resumed too
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=final["progress"]["step"], schedule=history)
+    diffs = max_abs_diff(final["model"], reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, diffs
