@@ -1,12 +1,11 @@
 """Bad ``[batching]`` input, found before any trainer starts (``jabas run``) or as a trainer starts.
 
-* ``gbs_min`` above ``gbs_max``; ``initial_gbs`` outside the bounds;
+* (``gbs_min`` above ``gbs_max`` and ``initial_gbs`` outside the bounds are
+  refused when the config is loaded, with an unknown ``metric`` or ``lr_scaling``);
 * ``metric = "goodput"`` without profiles for every device type (its
   throughput is the solver's prediction);
 * bounds that no plan for the job's servers reaches: the message names the
   bound and the smallest (or largest) GBS that is reachable.
-
-An unknown ``metric`` or ``lr_scaling`` is refused when the config is loaded.
 """
 
 from __future__ import annotations
@@ -26,11 +25,6 @@ def check_batching(loaded: LoadedConfig, plan: TrainingPlan) -> None:
         return
     path = loaded.path
     low, high = b.gbs_min or 1, b.gbs_max or UNBOUNDED
-    if low > high:
-        raise InputError.at(path, "batching.gbs_min", f"{low} is above gbs_max {high}")
-    if b.initial_gbs is not None and not low <= b.initial_gbs <= high:
-        bounds = f"gbs_min..gbs_max ({low}..{high})"
-        raise InputError.at(path, "batching.initial_gbs", f"{b.initial_gbs} is outside {bounds}")
     solver = solver_candidates(loaded, plan, 1, max(high, UNBOUNDED))
     if b.metric == "goodput" and solver is None:
         raise InputError.at(
