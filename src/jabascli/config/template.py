@@ -15,7 +15,7 @@ _TEMPLATE = """\
 
 [job]
 name = "{name}"
-workload = {workload}   # a built-in (digits, resnet, vit, gnmt, faster_rcnn) or a path to a workload .py
+workload = {workload}   # a built-in (digits, mnist1d, resnet, vit, gnmt, faster_rcnn) or a path to a workload .py
 epochs = 10
 lbs = 32                # local batch size: the same on every device (IIDP)
 
