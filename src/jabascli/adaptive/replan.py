@@ -160,9 +160,29 @@ def solver_candidates(loaded: object, plan: TrainingPlan, low: int, high: int) -
     out = []
     for p in plans:
         try:
-            candidate = plan_from_solver(p, "solver", loaded)
+            candidate = in_rank_order(plan, plan_from_solver(p, "solver", loaded))
         except JabasError:
             continue
-        if same_ranks(plan, candidate):
+        if candidate is not None:
             out.append(Candidate(candidate, p.throughput))
     return out or None
+
+
+def in_rank_order(current: TrainingPlan, new: TrainingPlan) -> TrainingPlan | None:
+    """``new``'s (VSW, GA) given to ``current``'s ranks server by server (None if the servers differ).
+
+    The solver orders its assignments its own way; a rank must stay on its server.
+    """
+    shapes: dict[str, list[tuple[int, int]]] = {}
+    for r in new.ranks:
+        shapes.setdefault(r.server, []).append((r.vsw, r.ga))
+    ranks = []
+    for r in current.ranks:
+        queue = shapes.get(r.server)
+        if not queue:
+            return None
+        vsw, ga = queue.pop(0)
+        ranks.append(dataclasses.replace(r, vsw=vsw, ga=ga))
+    if any(shapes.values()):
+        return None
+    return dataclasses.replace(current, lbs=new.lbs, ranks=tuple(ranks))

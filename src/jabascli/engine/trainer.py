@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from jabascli.adaptive.batching import build as build_adaptive
+from jabascli.adaptive.checks import check_batching
 from jabascli.config import LoadedConfig
 from jabascli.engine.buffers import BufferSync, allreduce_sum
 from jabascli.engine.checkpoint import Progress, read_checkpoint, restore_checkpoint, save_checkpoint
@@ -89,6 +90,7 @@ def run_trainer(
         with _sigterm_raises():
             plan = load_plan(loaded, options.plan)
             plan.check_world_size(env.world_size)
+            check_batching(loaded, plan)  # `jabas run` did already; not plain torchrun
             device = choose_device(plan, env)
             created = init_process_group(env, device)
             trainer = Trainer(loaded, plan, env.rank, device, options, on_event)
