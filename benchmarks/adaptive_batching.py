@@ -157,7 +157,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="digits,mnist1d")
     parser.add_argument("--ways", default=",".join(WAYS))
-    parser.add_argument("--lr-scaling", default="linear", help="LR rule of the adaptive ways and fixed-large")
+    parser.add_argument("--lr-scaling", default="sqrt", help="LR rule of the adaptive ways and fixed-large")
     parser.add_argument("--similarity-target", type=float, default=0.1)
     parser.add_argument("--interval", type=int, help="adjust_interval (default: 10 for digits, 100 for MNIST-1D)")
     parser.add_argument("--workdir", type=Path, help="keep configs, profiles and runs here")

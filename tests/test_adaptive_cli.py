@@ -50,7 +50,7 @@ def test_one_worker_grows_to_two_and_the_run_reports_every_adjustment(tmp_path: 
     adjustments = [a for e in epochs for a in e["adjustments"]]
     first = adjustments[0]
     assert (first["step"], first["old_gbs"], first["new_gbs"], first["similarity"]) == (2, 4, 8, None)
-    assert first["plan"] == "s0:1GPU,VSW:1,GA:1" and first["lr_factor"] == 2.0  # linear
+    assert first["plan"] == "s0:1GPU,VSW:1,GA:1" and first["lr_factor"] == pytest.approx(2**0.5)  # sqrt, the default
     assert all(a["similarity"] is not None for a in adjustments[1:])  # two workers: measured
     assert all(4 <= a["new_gbs"] <= 12 for a in adjustments)
 

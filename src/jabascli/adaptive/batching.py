@@ -41,6 +41,7 @@ from jabascli.engine.plan import TrainingPlan
 from jabascli.engine.sampler import Iteration
 
 Report = Callable[[dict[str, Any]], None]
+Replicas = Callable[[], Sequence[Sequence[nn.Parameter]]]
 
 
 def bounds(settings: BatchingConfig, dataset_size: int) -> tuple[int, int]:
@@ -132,10 +133,14 @@ class AdaptiveBatching:
         """Whether the iteration after ``step`` completed iterations is a measurement iteration."""
         return (step + 1) % self.settings.adjust_interval == 0
 
-    def begin(self, step: int, iteration: Iteration, plan: TrainingPlan, replicas: Sequence[Sequence[Any]]) -> None:
+    def begin(self, step: int, iteration: Iteration, plan: TrainingPlan, replicas: Replicas) -> None:
+        """Before iteration ``step + 1``: on a measurement iteration, arm the first-half buffer.
+
+        ``replicas()`` gives every VSW replica's parameters (called only then).
+        """
         if self.measuring(step):
             start = time.perf_counter()
-            self.first_half.begin(iteration, plan.workers, replicas)
+            self.first_half.begin(iteration, plan.workers, replicas())
             self.overhead_s += time.perf_counter() - start
 
     def after_step(
@@ -248,13 +253,16 @@ class AdaptiveBatching:
 class FixedBatching:
     """``metric = "fixed"``: the same calls, doing nothing; the GBS of the plan never changes."""
 
+    tap = None
+    observer = None
+
     def __init__(self, scheduler: Any | None) -> None:
         self.scheduler = scheduler
 
     def plan_to_start(self, plan: TrainingPlan, state: dict[str, Any] | None) -> TrainingPlan:
         return plan
 
-    def begin(self, step: int, iteration: Iteration, plan: TrainingPlan, replicas: Sequence[Sequence[Any]]) -> None:
+    def begin(self, step: int, iteration: Iteration, plan: TrainingPlan, replicas: Replicas) -> None:
         pass
 
     def after_step(

@@ -117,7 +117,9 @@ class BatchingConfig(Section):
     """Largest relative GBS change at one adjustment."""
     adjust_interval: PositiveInt = 100
     """Iterations between GBS adjustments."""
-    lr_scaling: LrScaling = "linear"
+    lr_scaling: LrScaling = "sqrt"
+    """``sqrt``: at 4x the GBS it reached the target sooner and ended more accurate than ``linear`` on digits
+    (SGD) and MNIST-1D (Adam); see docs/adaptive.md."""
 
 
 class ScalingConfig(Section):

@@ -176,13 +176,13 @@ class Trainer:
             optimizer=BucketOptimizer(self.optimizer) if self.weight_sync == "overlap" else None,
             before_last_bucket=self.emulation.backward_done if self.emulation.active else None,
             riders=self.buffers.take_riders,
-            tap=getattr(self.adaptive, "tap", None),
+            tap=self.adaptive.tap,
         )
         self.gradient_sync.register(self.ddp)
         self.buffers.carried = True  # the statistics and loss ride on the last bucket's all-reduce
         load = BatchLoader(self.train_set, device, self.workload.collate)
         self.worker_step = WorkerStep(self.workload.loss, load, plan.workers, self.buffers, self.emulation)
-        self.worker_step.observer = getattr(self.adaptive, "observer", None)
+        self.worker_step.observer = self.adaptive.observer
         self.timer = PhaseTimer()
 
     def set_timer(self, timer: PhaseTimer) -> None:
@@ -280,7 +280,7 @@ class Trainer:
         self.vsw.zero_grad()
         self.buffers.begin()
         self.worker_step.begin()
-        self.adaptive.begin(self.progress.step, iteration, self.plan, self._replica_params())
+        self.adaptive.begin(self.progress.step, iteration, self.plan, self._replica_params)
         timer.mark("overhead")
         self.vsw.run(iteration.micro_batches, self.worker_step)  # all-reduces every gradient bucket
         if self.weight_sync == "sequential":
