@@ -93,6 +93,7 @@ def test_plans_change_in_place_and_every_iteration_equals_the_reference(
     record.mkdir()
     options = {"samples": SAMPLES, "learnable": True, "dropout": 0.0, "record": str(record)}
     batching = {"metric": "similarity", "similarity_target": 0.01, "adjust_rate": 0.5, "adjust_interval": 2}
+    batching["lr_scaling"] = "linear"
     config = write_job(
         tmp_path,
         ranks,

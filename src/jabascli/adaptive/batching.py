@@ -53,7 +53,7 @@ def bounds(settings: BatchingConfig, dataset_size: int) -> tuple[int, int]:
 
 def make_replanner(loaded: LoadedConfig, plan: TrainingPlan, dataset_size: int) -> Replanner:
     low, high = bounds(loaded.config.batching, dataset_size)
-    return Replanner(solver_candidates(loaded, plan, low, high), low, high, plan)
+    return Replanner(solver_candidates(loaded, plan, low, high) or None, low, high, plan)
 
 
 class AdaptiveBatching:

@@ -25,7 +25,7 @@ def check_batching(loaded: LoadedConfig, plan: TrainingPlan) -> None:
         return
     path = loaded.path
     low, high = b.gbs_min or 1, b.gbs_max or UNBOUNDED
-    solver = solver_candidates(loaded, plan, 1, max(high, UNBOUNDED))
+    solver = solver_candidates(loaded, plan, 1, high)
     if b.metric == "goodput" and solver is None:
         raise InputError.at(
             path,
@@ -41,14 +41,9 @@ def check_batching(loaded: LoadedConfig, plan: TrainingPlan) -> None:
     reachable = sorted(c.plan.gbs for c in solver)
     if any(low <= g <= high for g in reachable):
         return
-    if reachable[0] > high:
-        raise InputError.at(
-            path,
-            "batching.gbs_max",
-            f"{high} is below the smallest GBS the solver reaches on these servers ({reachable[0]})",
-        )
-    raise InputError.at(
-        path,
-        "batching.gbs_min",
-        f"{low} is above the largest GBS the solver reaches on these servers ({reachable[-1]})",
-    )
+    if reachable:
+        largest = f"the largest GBS the solver reaches up to gbs_max on these servers is {reachable[-1]}"
+        raise InputError.at(path, "batching.gbs_min", f"{low} is above every reachable GBS ({largest})")
+    above = sorted(c.plan.gbs for c in solver_candidates(loaded, plan, high + 1, max(4 * high, UNBOUNDED)) or [])
+    smallest = f"the smallest the solver reaches on these servers is {above[0]}" if above else "the solver finds none"
+    raise InputError.at(path, "batching.gbs_max", f"{high} is below every reachable GBS ({smallest})")

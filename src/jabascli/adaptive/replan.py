@@ -144,7 +144,8 @@ class Replanner:
 def solver_candidates(loaded: object, plan: TrainingPlan, low: int, high: int) -> list[Candidate] | None:
     """The solver's fastest plan for every reachable GBS in ``[low, high]`` on ``plan``'s ranks.
 
-    None when the config has no usable profiles (the fallback applies then).
+    None when the config has no usable profiles (the fallback applies then); empty when
+    profiles exist but no plan of the range fits these ranks.
     """
     from jabascli.config import LoadedConfig
     from jabascli.engine.plan import plan_from_solver
@@ -165,7 +166,7 @@ def solver_candidates(loaded: object, plan: TrainingPlan, low: int, high: int) -
             continue
         if candidate is not None:
             out.append(Candidate(candidate, p.throughput))
-    return out or None
+    return out
 
 
 def in_rank_order(current: TrainingPlan, new: TrainingPlan) -> TrainingPlan | None:
