@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from jabascli.adaptive.estimators import HalfGradients
 from jabascli.engine.distributed import DistEnv, init_process_group
 from jabascli.engine.launch import free_port, run_local
 from jabascli.engine.layout import checkpoint_path
@@ -120,9 +121,20 @@ def test_plans_change_in_place_and_every_iteration_equals_the_reference(
     # Every replica of every rank holds the same parameters and buffers: all ranks applied the same plans.
     for other in states[1:]:
         assert all(torch.equal(value, other[name]) for name, value in states[0].items())
-    reference, _ = reference_run(load(config), load_plan(load(config)), steps=result["steps"], schedule=history)
+    halves: dict[int, HalfGradients] = {}
+    loaded = load(config)
+    reference, _ = reference_run(loaded, load_plan(loaded), result["steps"], history, halves_every=2, halves=halves)
     diffs = max_abs_diff(states[0], reference.state_dict())
     assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}  # issue: 1e-5
+
+    # What the ranks measured from their first-half buffers is what one process measures plainly.
+    measured = [e for e in result["events"] if e["event"] == "adjustment"]
+    assert len(measured) == result["steps"] // 2
+    for e in measured:
+        plain = halves[e["step"]]
+        assert e["similarity"] == pytest.approx(plain.similarity(), rel=1e-9, abs=1e-12), e["step"]
+        grad_sq, trace = plain.noise()
+        assert (e["grad_sq"], e["trace"]) == (pytest.approx(grad_sq, rel=1e-9), pytest.approx(trace, rel=1e-9))
 
     used = epochs_used(record, len(ranks))
     assert len(used) == 2
