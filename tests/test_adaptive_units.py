@@ -12,7 +12,7 @@ from jabascli.adaptive.estimators import HalfGradients, half_split
 from jabascli.adaptive.lr_scaling import ScaledLr, lr_factor
 from jabascli.adaptive.noise import NoiseScale
 from jabascli.adaptive.policy import Reading, Steadiness, efficiency, propose
-from jabascli.adaptive.replan import choose, fallback_candidates, rank_shape, spread
+from jabascli.adaptive.replan import choose, fallback_candidates, in_rank_order, rank_shape, spread
 from jabascli.engine.plan import RankPlan, TrainingPlan
 
 
@@ -204,3 +204,20 @@ def test_the_fallback_keeps_lbs_and_changes_it_only_below_one_worker_per_rank() 
     assert tiny is not None and (tiny.plan.gbs, tiny.plan.lbs) == (6, 3)
     assert [r.micro_steps for r in tiny.plan.ranks] == [1, 1]
     assert choose(fallback_candidates(plan, 28, 28), 28, 40.0, +1) is None  # nothing above within the bounds
+
+
+def test_a_solver_plan_is_given_to_the_ranks_server_by_server() -> None:
+    current = TrainingPlan(
+        4, (RankPlan(0, "fast", "cpu", 2, 0), RankPlan(1, "fast", "cpu", 2, 0), RankPlan(2, "slow", "cpu", 1, 0))
+    )
+    # The solver lists the slow server first; every rank must stay on its server.
+    solver = TrainingPlan(
+        8, (RankPlan(0, "slow", "cpu", 1, 1), RankPlan(1, "fast", "cpu", 3, 0), RankPlan(2, "fast", "cpu", 2, 1))
+    )
+    plan = in_rank_order(current, solver)
+    assert plan is not None and plan.lbs == 8
+    assert [(r.server, r.vsw, r.ga) for r in plan.ranks] == [("fast", 3, 0), ("fast", 2, 1), ("slow", 1, 1)]
+    other = TrainingPlan(
+        8, (RankPlan(0, "fast", "cpu", 1, 0), RankPlan(1, "fast", "cpu", 1, 0), RankPlan(2, "fast", "cpu", 1, 0))
+    )
+    assert in_rank_order(current, other) is None
