@@ -22,7 +22,7 @@ lbs = 32                # local batch size: the same on every device (IIDP)
 [batching]
 gbs_min = 64            # bounds of the adaptive global batch size
 gbs_max = 512
-metric = "fixed"        # "similarity" or "noise_scale" adapt the global batch size while training
+metric = "fixed"        # "similarity", "noise_scale" or "goodput" adapt the global batch size while training
 
 [[cluster.servers]]
 name = "{server}"

@@ -6,15 +6,27 @@ statistics, and every micro-batch is drawn after the same seeding), accumulates
 ``loss / (GBS / LBS)``, and steps the optimizer and the LR scheduler once.
 Tests compare trainers against it; it is also a readable statement of the
 semantics.
+
+With a ``schedule`` (a checkpoint's ``gbs_history``: from iteration ``step`` on,
+GBS ``gbs`` in micro-batches of ``lbs``, LR factor ``lr_factor``) it follows an
+adaptive job: every iteration still takes the next GBS samples of the epoch's
+permutation at the position the previous one left, and an epoch ends when
+fewer than the current GBS samples are left (the remainder rule). With
+``halves_every`` it also measures, as plainly, what an adaptive job's
+measurement iterations measure: the gradient of the first ``floor(W/2)``
+workers and the full gradient (:class:`~jabascli.adaptive.estimators.HalfGradients`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from jabascli.adaptive.estimators import HalfGradients, half_split
+from jabascli.adaptive.lr_scaling import ScaledLr
 from jabascli.config import LoadedConfig
 from jabascli.engine.data import BatchLoader, seed_worker
 from jabascli.engine.plan import TrainingPlan
@@ -22,32 +34,62 @@ from jabascli.engine.sampler import IIDPSampler
 from jabascli.workload import load_workload
 
 
-def reference_run(loaded: LoadedConfig, plan: TrainingPlan, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Train the config's workload for ``steps`` iterations at the plan's LBS and GBS, in one process."""
+def reference_run(
+    loaded: LoadedConfig,
+    plan: TrainingPlan,
+    steps: int,
+    schedule: Sequence[dict[str, Any]] | None = None,
+    halves_every: int | None = None,
+    halves: dict[int, HalfGradients] | None = None,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Train the config's workload for ``steps`` iterations at the plan's LBS and GBS (or ``schedule``'s).
+
+    With ``halves_every``, ``halves[step]`` gets the measurement of every iteration that completes a
+    multiple of it (``step`` iterations done).
+    """
     cfg = loaded.config
     workload = load_workload(cfg.job.workload, cfg.job.options, cfg.job.data)
     torch.manual_seed(cfg.job.seed)
     model = workload.build_model()
     optimizer = workload.optimizer(model.parameters())
-    scheduler = workload.lr_scheduler(optimizer)
+    lr = ScaledLr(optimizer, workload.lr_scheduler(optimizer))
     dataset = workload.train_dataset()
     load = BatchLoader(dataset, torch.device("cpu"), workload.collate)
     sampler = IIDPSampler(len(dataset), cfg.job.seed)
-    done, epoch = 0, 0
+    schedule = schedule or [{"step": 0, "gbs": plan.gbs, "lbs": plan.lbs, "lr_factor": 1.0}]
+    done, epoch, position = 0, 0, 0
+    perm = sampler.permutation(epoch)
     while done < steps:
-        for iteration in sampler.global_iterations(epoch, 0, plan):
-            optimizer.zero_grad(set_to_none=True)
-            for mb in iteration.micro_batches:
-                seed_worker(mb.seed, torch.device("cpu"))
-                inputs, target = load(mb.indices)
-                output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-                loss: Any = workload.loss(output, target)
-                (loss / plan.workers).backward()
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-            done += 1
-            if done == steps:
-                break
-        epoch += 1
+        now = [e for e in schedule if e["step"] <= done][-1]
+        lbs, gbs = now["lbs"], now["gbs"]
+        if sampler.iterations_left(position, gbs) == 0:
+            epoch, position = epoch + 1, 0
+            perm = sampler.permutation(epoch)
+            continue
+        lr.set_factor(now.get("lr_factor", 1.0))
+        optimizer.zero_grad(set_to_none=True)
+        workers = gbs // lbs
+        measuring = halves is not None and halves_every is not None and (done + 1) % halves_every == 0
+        first: torch.Tensor | None = None
+        for w in range(workers):
+            at = position + w * lbs
+            seed_worker(sampler.worker_seed(epoch, at), torch.device("cpu"))
+            inputs, target = load(perm[at : at + lbs])
+            output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            loss: Any = workload.loss(output, target)
+            (loss / workers).backward()
+            if measuring and w == half_split(workers) - 1:
+                first = _flat_grad(model)
+        if halves is not None and first is not None:
+            f, t = first, _flat_grad(model)
+            halves[done + 1] = HalfGradients(float(f @ f), float(f @ t), float(t @ t), workers, lbs)
+        optimizer.step()
+        lr.step()
+        position += gbs
+        done += 1
     return model, optimizer
+
+
+def _flat_grad(model: nn.Module) -> torch.Tensor:
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters() if p.requires_grad]
+    return torch.cat([g.reshape(-1) for g in grads]).to(torch.float64)

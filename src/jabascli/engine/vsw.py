@@ -124,6 +124,8 @@ class WorkerStep:
     """The sum of the (unscaled) losses of the rank's micro-steps so far in this iteration."""
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     """Phase boundaries (see :mod:`jabascli.engine.timing`); only the computation profiler records them."""
+    observer: Callable[[int, MicroBatch], None] | None = None
+    """Called with (replica, micro-batch) after every backward (adaptive batching's measurement)."""
 
     def begin(self) -> None:
         self.loss_sum = None
@@ -152,6 +154,8 @@ class WorkerStep:
             start = self.emulation.clock()
             (loss / self.workers).backward()
             self.emulation.pause_since(start)
+        if self.observer is not None:
+            self.observer(replica, mb)
         timer.mark("bwd")
 
 
