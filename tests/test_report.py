@@ -110,8 +110,9 @@ def test_report_of_a_run_still_being_written(cli: CliRunner, run_folder: Path, t
     live.mkdir()
     steps = (run_folder / "steps.csv").read_text().splitlines()
     assert len(steps) >= 2  # a header and at least one logged step
-    # Every row but the last whole, the last cut in the middle (how many rows a run logs depends on its speed).
-    (live / "steps.csv").write_text("\n".join(steps[:-1]) + "\n" + steps[-1][: len(steps[-1]) // 2])
+    # Every logged row whole, then a row cut in the middle, as a trainer leaves it mid-write (the run may have
+    # logged a single row, so the cut row is an extra copy of the last rather than the last itself).
+    (live / "steps.csv").write_text("\n".join(steps) + "\n" + steps[-1][: len(steps[-1]) // 2])
     (live / "epochs.csv").write_text((run_folder / "epochs.csv").read_text().splitlines()[0] + "\n")
     (live / "scaling.jsonl").write_text('{"epoch": 0, "choice": {"a": 2}}\n{"epoch": 1, "cho')
     result = report(cli, str(live), "--out", str(tmp_path / "out"))
