@@ -69,6 +69,9 @@ def run_local(
     """
     options = options or TrainOptions()
     plan = load_plan(loaded, options.plan)
+    from jabascli.engine.step_policy import check_job_precision
+
+    check_job_precision(loaded.config.job.precision, plan, loaded.path)
     if options.resume is not None:
         from jabascli.engine.checkpoint import check_resumable
         from jabascli.workload import load_workload

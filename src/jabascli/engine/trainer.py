@@ -40,6 +40,7 @@ from jabascli.engine.metrics import MetricsWriter
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import TrainingPlan, load_plan
 from jabascli.engine.sampler import IIDPSampler, Iteration
+from jabascli.engine.step_policy import StepPolicy, check_precision, step_settings
 from jabascli.engine.timing import PhaseTimer
 from jabascli.engine.vsw import Emulation, WorkerStep, build_vsw_strategy, choose_vsw_strategy, make_replicas
 from jabascli.engine.weight_sync import (
@@ -134,6 +135,9 @@ class Trainer:
         self.model = model
         self.optimizer = self.workload.optimizer(model.parameters())
         self.scheduler = self.workload.lr_scheduler(self.optimizer)
+        # Precision and clipping: how the reduced gradient becomes an update (engine/step_policy.py).
+        check_precision(cfg.job.precision, device.type, loaded.path)
+        self.step_policy = StepPolicy(step_settings(cfg.job, self.workload), self.optimizer, model.parameters(), device)
         self.progress = Progress()
         if options.resume is not None:
             payload = read_checkpoint(options.resume)
@@ -166,7 +170,9 @@ class Trainer:
         ).register(self.ddp)
         self.buffers.carried = True  # the statistics and loss ride on the last bucket's all-reduce
         load = BatchLoader(self.train_set, device, self.workload.collate)
-        self.worker_step = WorkerStep(self.workload.loss, load, plan.workers, self.buffers, self.emulation)
+        self.worker_step = WorkerStep(
+            self.workload.loss, load, plan.workers, self.buffers, self.emulation, precision=self.step_policy.precision
+        )
         self.timer = PhaseTimer()
 
     def set_timer(self, timer: PhaseTimer) -> None:
@@ -255,7 +261,7 @@ class Trainer:
         timer.mark("overhead")
         self.vsw.run(iteration.micro_batches, self.worker_step)  # all-reduces every gradient bucket
         if self.weight_sync == "sequential":
-            self.optimizer.step()  # with overlap, each bucket was already updated as its all-reduce completed
+            self.step_policy.step()  # with overlap, each bucket was already updated as its all-reduce completed
             timer.mark("update")
         if self.scheduler is not None:
             self.scheduler.step()
@@ -305,6 +311,9 @@ class Trainer:
     # -- decisions, checkpoints, reports ---------------------------------------------------------
 
     def _choose_weight_sync(self, requested: str) -> tuple[str, str]:
+        forced = self.step_policy.settings.sequential_reason()
+        if forced is not None:
+            return "sequential", forced + (" (overlap was asked)" if requested == "overlap" else "")
         if requested == "overlap" and not supports_overlap(self.optimizer):
             name = type(self.optimizer).__name__
             raise InputError.at(
