@@ -36,6 +36,7 @@ from jabascli.engine.data import BatchLoader, batch_len
 from jabascli.engine.distributed import DistEnv, choose_device, init_process_group, wrap_ddp
 from jabascli.engine.events import EventSink
 from jabascli.engine.layout import checkpoint_path, run_folder
+from jabascli.engine.memory_limit import MemoryLimit
 from jabascli.engine.metrics import MetricsWriter
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import TrainingPlan, load_plan
@@ -174,6 +175,9 @@ class Trainer:
             self.workload.loss, load, plan.workers, self.buffers, self.emulation, precision=self.step_policy.precision
         )
         self.timer = PhaseTimer()
+        # Emulated devices: out of memory as the GPU would be, over the first iterations (engine/memory_limit.py).
+        self.memory_limit = MemoryLimit(self.me.memory_bytes, f"{self.me.server} ({self.me.device_type}), rank {rank}")
+        self.memory_limit.start(replicas, self.optimizer)
 
     def set_timer(self, timer: PhaseTimer) -> None:
         """Report phase boundaries to ``timer`` (the computation profiler's; training keeps the no-op default)."""
@@ -215,7 +219,8 @@ class Trainer:
         steps = 0
         epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for iteration in self.sampler.rank_iterations(epoch, self.progress.position, self.plan, self.rank):
-            loss = self.train_step(iteration)
+            with self.memory_limit.watch():
+                loss = self.train_step(iteration)
             self.progress.position = iteration.position + gbs
             self.progress.step += 1
             steps += 1

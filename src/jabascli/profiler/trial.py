@@ -12,7 +12,7 @@ measure; the result says how it went:
     never counted as out of memory.
 ``peak_bytes``
     memory trials: ``torch.cuda.max_memory_allocated`` on CUDA, the peak of
-    live tensor bytes (:mod:`jabascli.profiler.memtrack`) elsewhere.
+    live tensor bytes (:mod:`jabascli.memtrack`) elsewhere.
 ``phases``, ``total``
     computation runs: per-phase median and quartiles in ms.
 """
@@ -90,7 +90,7 @@ def run_memory_trial(spec: dict[str, Any]) -> dict[str, Any]:
     """A few training iterations of ``num_models`` VSWs; did they fit, and at what peak."""
     import torch
 
-    from jabascli.profiler.memtrack import TensorMemoryTracker
+    from jabascli.memtrack import TensorMemoryTracker
     from jabascli.profiler.step import VswStep, synthetic_batches
 
     workload = _setup(spec)
