@@ -95,10 +95,11 @@ def run_memory_trial(spec: dict[str, Any]) -> dict[str, Any]:
 
     workload = _setup(spec)
     lbs, n, iterations = int(spec["lbs"]), int(spec["num_models"]), int(spec.get("iterations", 3))
+    precision = spec.get("precision", "fp32")
     if spec["device"] == "cuda":
         torch.cuda.reset_peak_memory_stats(0)
         try:
-            step = VswStep(workload, lbs, n, "cuda", synthetic_batches(workload, lbs))
+            step = VswStep(workload, lbs, n, "cuda", synthetic_batches(workload, lbs), precision=precision)
             for _ in range(iterations):
                 step.run()
             torch.cuda.synchronize()
@@ -111,7 +112,7 @@ def run_memory_trial(spec: dict[str, Any]) -> dict[str, Any]:
     tracker = TensorMemoryTracker(budget=spec.get("budget"))
     try:
         with tracker:
-            step = VswStep(workload, lbs, n, "cpu", synthetic_batches(workload, lbs))
+            step = VswStep(workload, lbs, n, "cpu", synthetic_batches(workload, lbs), precision=precision)
             for _ in range(iterations):
                 step.run()
     except Exception:
@@ -158,6 +159,7 @@ def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
             weight_sync=weight_sync,
             synthetic=bool(spec.get("synthetic_data")),
             slowdown=slowdown,
+            precision=spec.get("precision", "fp32"),
         )
 
     try:
