@@ -15,7 +15,9 @@ from jabascli.config import LoadedConfig, load_config
 # test that every worker's random numbers follow its samples, a scheduler to test its step.
 WORKLOAD = """
 import os
+import random
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,11 +69,26 @@ def _data(n, seed, options):
     return TensorDataset(x, y)
 
 
+class Augmented(torch.utils.data.Dataset):
+    # Random augmentation from all three generators a worker seeds: it must follow the samples.
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        shift = random.random() + float(np.random.rand())
+        return x + 0.1 * torch.randn(x.shape, dtype=x.dtype) + 0.01 * shift, y
+
+
 def train_dataset(options):
     data = _data(int(options.get("samples", 250)), 1, options)
     if options.get("inf_sample") is not None:
         data.tensors[1][options["inf_sample"]] = CLASSES  # marks the sample whose loss is made infinite
-    return data
+    return Augmented(data) if options.get("augment") else data
 
 
 def val_dataset(options):

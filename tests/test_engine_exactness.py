@@ -134,3 +134,16 @@ def test_fp16_skips_a_step_with_an_inf_on_one_rank_everywhere(tmp_path: Path) ->
     trained = checkpoint_of(loaded)["model"]
     assert all(bool(t.isfinite().all()) for t in trained.values())
     assert _diff(loaded) <= 1e-4
+
+
+def test_loader_workers_load_ahead_and_randomness_still_follows_the_samples(tmp_path: Path) -> None:
+    gbs = LBS * 7
+    # Random augmentation (torch, Python and NumPy generators) in the DataLoader workers, then dropout
+    # in the trainer; the streams VSWs take their micro-batches out of the sampler's order.
+    options = {"samples": 10 * gbs + 5, "augment": True}
+    job_keys = {"loader_workers": 2}
+    loaded, events = _train(tmp_path, TWO, job_keys, options=options, weight_sync="overlap", vsw_strategy="streams")
+    assert _start(events)["loader_workers"] == 2
+    assert _diff(loaded) <= 1e-9  # float64, as the in-process cases
+    loaded.config.job.options["augment"] = False
+    assert _diff(loaded) > 1e-3, "the augmentation should change the training"

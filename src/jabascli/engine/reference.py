@@ -27,28 +27,31 @@ from jabascli.engine.step_policy import PRECISIONS, step_settings
 from jabascli.workload import load_workload
 
 
-def reference_run(loaded: LoadedConfig, plan: TrainingPlan, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def reference_run(
+    loaded: LoadedConfig, plan: TrainingPlan, steps: int, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Train the config's workload for ``steps`` iterations at the plan's LBS and GBS, in one process."""
+    device = torch.device(device)
     cfg = loaded.config
     workload = load_workload(cfg.job.workload, cfg.job.options, cfg.job.data)
     torch.manual_seed(cfg.job.seed)
-    model = workload.build_model()
+    model = workload.build_model().to(device)
     optimizer = workload.optimizer(model.parameters())
     scheduler = workload.lr_scheduler(optimizer)
     settings = step_settings(cfg.job, workload)
     dtype = PRECISIONS[settings.precision]
-    scaler = torch.amp.GradScaler("cpu", enabled=settings.precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
     dataset = workload.train_dataset()
-    load = BatchLoader(dataset, torch.device("cpu"), workload.collate)
+    load = BatchLoader(dataset, device, workload.collate)
     sampler = IIDPSampler(len(dataset), cfg.job.seed)
     done, epoch = 0, 0
     while done < steps:
         for iteration in sampler.global_iterations(epoch, 0, plan):
             optimizer.zero_grad(set_to_none=True)
             for mb in iteration.micro_batches:
-                seed_worker(mb.seed, torch.device("cpu"))
+                seed_worker(mb.seed, device)
                 inputs, target = load(mb.indices)
-                with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                     output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
                     loss: Any = workload.loss(output, target)
                 scaler.scale(loss / plan.workers).backward()

@@ -36,6 +36,7 @@ from jabascli.engine.data import BatchLoader, batch_len
 from jabascli.engine.distributed import DistEnv, choose_device, init_process_group, wrap_ddp
 from jabascli.engine.events import EventSink
 from jabascli.engine.layout import checkpoint_path, run_folder
+from jabascli.engine.loader import MicroBatchFeed, default_loader_workers
 from jabascli.engine.memory_limit import MemoryLimit
 from jabascli.engine.metrics import MetricsWriter
 from jabascli.engine.options import TrainOptions
@@ -171,8 +172,16 @@ class Trainer:
         ).register(self.ddp)
         self.buffers.carried = True  # the statistics and loss ride on the last bucket's all-reduce
         load = BatchLoader(self.train_set, device, self.workload.collate)
+        workers = default_loader_workers(cfg.job.loader_workers, device)  # 0: load in this process
+        self.feed = MicroBatchFeed(self.train_set, self.workload.collate, device, workers) if workers else None
         self.worker_step = WorkerStep(
-            self.workload.loss, load, plan.workers, self.buffers, self.emulation, precision=self.step_policy.precision
+            self.workload.loss,
+            load,
+            plan.workers,
+            self.buffers,
+            self.emulation,
+            precision=self.step_policy.precision,
+            feed=self.feed,
         )
         self.timer = PhaseTimer()
         # Emulated devices: out of memory as the GPU would be, over the first iterations (engine/memory_limit.py).
@@ -218,7 +227,8 @@ class Trainer:
         start = time.perf_counter()
         steps = 0
         epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for iteration in self.sampler.rank_iterations(epoch, self.progress.position, self.plan, self.rank):
+        iterations = self.sampler.rank_iterations(epoch, self.progress.position, self.plan, self.rank)
+        for iteration in iterations if self.feed is None else self.feed.follow(iterations):  # a new feed per stream
             with self.memory_limit.watch():
                 loss = self.train_step(iteration)
             self.progress.position = iteration.position + gbs
@@ -385,6 +395,8 @@ class Trainer:
                 "weight_sync": self.weight_sync,
                 "weight_sync_reason": self.weight_sync_reason,
                 "vsw_strategy": self.vsw_name,
+                "loader_workers": 0 if self.feed is None else self.feed.workers,
+                "precision": self.step_policy.settings.precision,
                 "device": str(self.device),
                 "epochs": self.epochs,
                 "steps_per_epoch": self.sampler.iterations_per_epoch(plan.gbs),

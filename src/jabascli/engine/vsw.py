@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from jabascli.engine.buffers import BufferSync
 from jabascli.engine.data import BatchLoader, seed_worker
+from jabascli.engine.loader import MicroBatchFeed
 from jabascli.engine.sampler import MicroBatch
 from jabascli.engine.step_policy import Precision
 from jabascli.engine.timing import PhaseTimer
@@ -127,6 +128,8 @@ class WorkerStep:
     """Phase boundaries (see :mod:`jabascli.engine.timing`); only the computation profiler records them."""
     precision: Precision = field(default_factory=Precision)
     """Autocast for the forward, loss scaling for the backward (:mod:`jabascli.engine.step_policy`)."""
+    feed: MicroBatchFeed | None = None
+    """Micro-batches loaded ahead by DataLoader workers (:mod:`jabascli.engine.loader`); None: ``load`` here."""
 
     def begin(self) -> None:
         self.loss_sum = None
@@ -134,7 +137,7 @@ class WorkerStep:
     def __call__(self, module: nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> None:
         timer = self.timer
         seed_worker(mb.seed, self.load.device)  # a worker's randomness follows its samples, not the plan
-        inputs, target = self.load(mb.indices)
+        inputs, target = self.load(mb.indices) if self.feed is None else self.feed.take(mb)
         timer.mark("data")
         self.buffers.before_micro_step(replica, mb.worker)
         start = self.emulation.clock()
