@@ -146,6 +146,7 @@ class Trainer:
             self.progress = restore_checkpoint(
                 payload, options.resume, model=model, optimizer=self.optimizer, scheduler=self.scheduler
             )
+            self.step_policy.load_state_dict(payload.get("grad_scaler") or {})
         self.progress.record_plan(plan.gbs, plan.lbs, plan.describe())
 
         # The data: one seeded permutation per epoch, dealt to the workers in LBS chunks.
@@ -365,6 +366,7 @@ class Trainer:
             workload=self.workload.name,
             config=self.loaded.config.model_dump(mode="json"),
             plan=self.plan.to_dict(),
+            grad_scaler=self.step_policy.state_dict(),
         )
         if self.emit:
             p = self.progress

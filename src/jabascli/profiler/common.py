@@ -164,5 +164,6 @@ def job_workload(loaded: LoadedConfig) -> tuple[Workload, dict[str, Any]]:
         "options": job.options,
         "data": str(job.data) if job.data else None,
         "precision": job.precision,
+        "clip_grad_norm": job.clip_grad_norm,
     }
     return workload, spec

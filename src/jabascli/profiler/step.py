@@ -361,6 +361,7 @@ class EngineStep:
         seed: int = 0,
         slowdown: float = 1.0,
         precision: str = "fp32",
+        clip_grad_norm: float | None = None,
     ) -> None:
         from jabascli.config.loader import LoadedConfig
         from jabascli.config.models import JabasConfig, JobConfig
@@ -382,6 +383,7 @@ class EngineStep:
             weight_sync=weight_sync,  # type: ignore[arg-type]
             vsw_strategy=vsw_strategy,  # type: ignore[arg-type]
             precision=precision,  # type: ignore[arg-type]
+            clip_grad_norm=clip_grad_norm,
         )
         loaded = LoadedConfig(JabasConfig(job=job), Path("jabas profile comp"), "toml")
         rank = RankPlan(0, "profile", "profile", num_models, 0, slowdown, emulated=slowdown > 1)

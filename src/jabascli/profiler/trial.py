@@ -160,6 +160,7 @@ def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
             synthetic=bool(spec.get("synthetic_data")),
             slowdown=slowdown,
             precision=spec.get("precision", "fp32"),
+            clip_grad_norm=spec.get("clip_grad_norm"),
         )
 
     try:
