@@ -19,10 +19,14 @@ machine too): views of it and in-place updates of existing tensors add nothing.
 **Cost**: the tracker sees every operator in Python, so it watches only the
 first :data:`WATCHED_ITERATIONS` iterations of every trainer (the memory
 profiler's trials run 3); every later iteration repeats the same allocations
-at the same LBS and VSW count and costs nothing extra. A plan change or a
-resume builds a new trainer, which is watched again. Ranks that are not
-emulated never pay. What it cannot catch: a workload whose memory grows later
-(variable-length batches larger than those of the first iterations).
+at the same LBS and VSW count and costs nothing extra. A resume builds a new
+trainer, which is watched again; whoever changes the plan in place (new LBS,
+VSW replicas rebuilt) calls :meth:`MemoryLimit.start` again, which counts the
+new replicas and watches the next iterations. Ranks that are not emulated
+never pay. What it cannot catch: a workload whose memory grows later
+(variable-length batches larger than those of the first iterations), and
+batches made by DataLoader worker processes (``loader_workers``, 0 by default
+on emulated devices), which arrive in shared memory.
 """
 
 from __future__ import annotations
@@ -56,9 +60,10 @@ class MemoryLimit:
         return None if self.tracker is None else self.tracker.peak
 
     def start(self, replicas: Iterable[nn.Module], optimizer: torch.optim.Optimizer) -> None:
-        """Count what exists before the first watched iteration; fails when that alone is over the budget."""
+        """Count what exists now and watch the next iterations; fails when that alone is over the budget."""
         if self.budget is None:
             return
+        self.left = WATCHED_ITERATIONS
         storages: dict[int, int] = {}
         gradients = 0
         for i, replica in enumerate(replicas):

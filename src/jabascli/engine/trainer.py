@@ -6,7 +6,8 @@ Every iteration, on every rank ``r``::
         loss_w = mean loss of the micro-batch          # normalised with its own batch statistics
         backward(loss_w / (GBS / LBS))                 # only the rank's last backward communicates
     all-reduce (SUM) every gradient bucket             # = mean over all GBS / LBS workers
-    optimizer step (per bucket with overlap), LR scheduler step
+    fp16 unscale (skip on inf/NaN), clip, optimizer step   # step_policy; per bucket with overlap
+    LR scheduler step
     running statistics and loss: one all-reduce      # exact, identical everywhere
 
 which is synchronous SGD at GBS: every rank ends the iteration with the same
