@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from jabascli.cli.app import app
@@ -68,3 +69,25 @@ def test_an_emulated_device_over_its_memory_budget_fails_as_a_gpu_would(tmp_path
     assert int(match.group(1).replace(",", "")) > 20_000
     assert "Traceback" not in over.stderr
     assert outcomes[1_000_000].exit_code == 0, outcomes[1_000_000].output
+
+
+def test_a_new_iteration_stream_never_gets_batches_prefetched_for_the_old_one() -> None:
+    from torch.utils.data import TensorDataset
+
+    from jabascli.engine.loader import MicroBatchFeed
+    from jabascli.engine.plan import RankPlan, TrainingPlan
+    from jabascli.engine.sampler import IIDPSampler
+
+    feed = MicroBatchFeed(TensorDataset(torch.arange(64.0), torch.arange(64)), None, torch.device("cpu"), 2)
+    sampler = IIDPSampler(64, 0)
+    old = TrainingPlan(4, (RankPlan(0, "s", "cpu", 2, 0),))  # LBS 4: micro-batches at positions 0, 4, 8 ...
+    new = TrainingPlan(8, (RankPlan(0, "s", "cpu", 1, 1),))  # a plan change: LBS 8 at positions 8, 16 ...
+    first = next(feed.follow(sampler.rank_iterations(0, 0, old, 0)))
+    feed.take(first.micro_batches[0])  # meanwhile the workers load the old plan's next micro-batches
+    taken = 0
+    for iteration in feed.follow(sampler.rank_iterations(0, 8, new, 0)):
+        for mb in iteration.micro_batches:
+            _, target = feed.take(mb)
+            assert target.tolist() == mb.indices  # the old plan's batch at position 8 had 4 of them
+            taken += 1
+    assert taken == 6  # 3 iterations of GBS 16 fit in the 56 samples left, 2 micro-batches each
