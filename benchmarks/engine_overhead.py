@@ -80,6 +80,7 @@ name = "overhead"
 workload = "{workload}"
 lbs = {lbs}
 options = {{ width = {width}, samples = {samples} }}
+loader_workers = 0  # both sides load in the training process, and train_step is called directly
 
 [[cluster.servers]]
 name = "local"

@@ -129,7 +129,10 @@ class MicroBatchFeed:
         batch = self._stash.pop(mb.position, None)
         while batch is None:
             if self._batches is None:
-                raise RuntimeError("MicroBatchFeed.take before follow")
+                raise RuntimeError(
+                    "loader workers feed only the iterations handed to MicroBatchFeed.follow: train through "
+                    "Trainer.fit, or set [job] loader_workers = 0 to call train_step directly"
+                )
             key, loaded, states = next(self._batches)
             if key == mb.position:
                 batch = (loaded, states)

@@ -384,6 +384,7 @@ class EngineStep:
             vsw_strategy=vsw_strategy,  # type: ignore[arg-type]
             precision=precision,  # type: ignore[arg-type]
             clip_grad_norm=clip_grad_norm,
+            loader_workers=0,  # it feeds the trainer's iterations itself; its data phase is in-process loading
         )
         loaded = LoadedConfig(JabasConfig(job=job), Path("jabas profile comp"), "toml")
         rank = RankPlan(0, "profile", "profile", num_models, 0, slowdown, emulated=slowdown > 1)
