@@ -330,7 +330,7 @@ class Trainer:
     def _choose_weight_sync(self, requested: str) -> tuple[str, str]:
         forced = self.step_policy.settings.sequential_reason()
         if forced is not None:
-            return "sequential", forced + (" (overlap was asked)" if requested == "overlap" else "")
+            return "sequential", forced if requested != "overlap" else f"overlap asked for, but {forced}"
         if requested == "overlap" and not supports_overlap(self.optimizer):
             name = type(self.optimizer).__name__
             raise InputError.at(
