@@ -91,3 +91,18 @@ def test_a_new_iteration_stream_never_gets_batches_prefetched_for_the_old_one() 
             assert target.tolist() == mb.indices  # the old plan's batch at position 8 had 4 of them
             taken += 1
     assert taken == 6  # 3 iterations of GBS 16 fit in the 56 samples left, 2 micro-batches each
+
+
+def test_a_plan_from_profiles_of_another_precision_is_refused_before_any_trainer_starts(tmp_path: Path) -> None:
+    from jabascli.config import load_config
+    from jabascli.profiles import MemoryProfile, write_memory_profile
+
+    config = write_job(tmp_path, [(1, 0)], plan_file=True, job_keys={"precision": "bf16"})
+    memory = load_config(config).profile_dirs().memory
+    write_memory_profile(memory, "s0", MemoryProfile(gpu_type="cpu", total_memory=1, lbs=4, max_num_models=1))
+    assert CliRunner().invoke(app, ["run", "-c", str(config)]).exit_code == 0  # no precision recorded: unknown
+    measured = MemoryProfile(gpu_type="cpu", total_memory=1, lbs=4, max_num_models=1, precision="fp32")
+    path = write_memory_profile(memory, "s0", measured)
+    result = CliRunner().invoke(app, ["run", "-c", str(config)])
+    assert result.exit_code == 2, result.output
+    assert f"{path.parent}: precision: measured in fp32, but [job] precision is bf16" in result.stderr

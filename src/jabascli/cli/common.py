@@ -16,6 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from jabascli.errors import JabasError
 
@@ -42,7 +43,8 @@ def cli_command(fn: F) -> F:
             if os.environ.get("JABAS_DEBUG"):
                 raise
             for line in exc.lines():
-                err_console.print(f"[red]error:[/red] {line}", markup=True, highlight=False)
+                # Messages name config sections ("[job] precision"): not Rich markup.
+                err_console.print(f"[red]error:[/red] {escape(line)}", markup=True, highlight=False)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")

@@ -73,6 +73,21 @@ NO_NATIVE: dict[str, tuple[str, ...]] = {
 capability 5.3 (Pascal), bf16 8.0 (Ampere). Names not listed are checked on the device when a trainer starts."""
 
 
+def check_job_precision_inputs(loaded: Any, plan: Any) -> None:
+    """Before any trainer trains: the precision suits the plan's devices, and the plan's profiles were measured in it.
+
+    A plan file is the solver's, made from the memory and computation profiles:
+    those (where this node has them) must be of the job's precision.
+    """
+    precision = loaded.config.job.precision
+    check_job_precision(precision, plan, loaded.path)
+    if plan.from_plan_file:
+        from jabascli.profiles.store import check_profiles_precision
+
+        dirs = loaded.profile_dirs()
+        check_profiles_precision(dirs.memory, dirs.computation, precision)
+
+
 def check_job_precision(precision: str, plan: Any, file: Path | str | None = None) -> None:
     """Before any trainer starts: the plan's devices, and this torch where trainers run on the CPU."""
     for rank in plan.ranks:

@@ -43,7 +43,7 @@ from jabascli.engine.metrics import MetricsWriter
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import TrainingPlan, load_plan
 from jabascli.engine.sampler import IIDPSampler, Iteration
-from jabascli.engine.step_policy import StepPolicy, check_precision, step_settings
+from jabascli.engine.step_policy import StepPolicy, check_job_precision_inputs, check_precision, step_settings
 from jabascli.engine.timing import PhaseTimer
 from jabascli.engine.vsw import Emulation, WorkerStep, build_vsw_strategy, choose_vsw_strategy, make_replicas
 from jabascli.engine.weight_sync import (
@@ -92,6 +92,7 @@ def run_trainer(
         with _sigterm_raises():
             plan = load_plan(loaded, options.plan)
             plan.check_world_size(env.world_size)
+            check_job_precision_inputs(loaded, plan)  # every rank, so that all of them stop
             device = choose_device(plan, env)
             created = init_process_group(env, device)
             trainer = Trainer(loaded, plan, env.rank, device, options, on_event)
