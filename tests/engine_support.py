@@ -62,11 +62,31 @@ def _layers(options):
     return model.to(_dtype(options))
 
 
-def _data(n, seed, options):
+class Recorded(TensorDataset):
+    # With option "record" (a folder), each trainer appends the index of every sample it loads to
+    # record-<RANK>.txt ("t <index>" for training, "v" for validation: validation separates epochs).
+
+    def __init__(self, x, y, folder, kind):
+        super().__init__(x, y)
+        rank = os.environ.get("RANK")
+        self.path = os.path.join(folder, f"record-{rank}.txt") if folder and rank is not None else None
+        self.kind = kind
+
+    def __getitem__(self, i):
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(f"{self.kind} {i}\\n" if self.kind == "t" else "v\\n")
+        return super().__getitem__(i)
+
+
+def _data(n, seed, options, kind):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, FEATURES, generator=g, dtype=torch.float64).to(_dtype(options))
     y = torch.randint(0, CLASSES, (n,), generator=g)
-    return TensorDataset(x, y)
+    if options.get("learnable"):  # labels a function of the features: early gradients agree across samples
+        w = torch.linspace(-1, 1, FEATURES * CLASSES, dtype=torch.float64).view(FEATURES, CLASSES)
+        y = (x.double() @ w).argmax(1)
+    return Recorded(x, y, options.get("record"), kind)
 
 
 class Augmented(torch.utils.data.Dataset):
@@ -85,14 +105,14 @@ class Augmented(torch.utils.data.Dataset):
 
 
 def train_dataset(options):
-    data = _data(int(options.get("samples", 250)), 1, options)
+    data = _data(int(options.get("samples", 250)), 1, options, "t")
     if options.get("inf_sample") is not None:
         data.tensors[1][options["inf_sample"]] = CLASSES  # marks the sample whose loss is made infinite
     return Augmented(data) if options.get("augment") else data
 
 
 def val_dataset(options):
-    return _data(50, 2, options)
+    return _data(50, 2, options, "v")
 
 
 def loss(output, target):
@@ -140,6 +160,7 @@ def write_job(
     plan_file: bool = False,
     servers: list[dict[str, Any]] | None = None,
     job_keys: dict[str, Any] | None = None,
+    batching: dict[str, Any] | None = None,
 ) -> Path:
     """A config (and, with ``plan_file``, a plan) whose ranks run the given (VSW, GA); returns the config path."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -176,6 +197,8 @@ def write_job(
         "cluster": {"servers": servers},
         "storage": {"checkpoint_dir": str(folder / "checkpoints"), "run_dir": str(folder / "runs")},
     }
+    if batching is not None:
+        config["batching"] = batching
     path = folder / f"{name}.toml"
     path.write_bytes(tomli_w.dumps(config).encode())
     return path

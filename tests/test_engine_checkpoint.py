@@ -70,7 +70,15 @@ def test_a_killed_job_resumes_mid_epoch_under_another_world_size_and_equals_an_u
     assert saved["plan"]["assignments"][0]["vsw"] == 2 and saved["lr_scheduler"] is not None
     assert {"torch", "python", "numpy"} <= saved["rng"].keys() and saved["config"]["job"]["lbs"] == LBS
     assert saved["progress"]["gbs_history"] == [
-        {"step": 0, "epoch": 0, "position": 0, "gbs": 20, "lbs": 4, "plan": "fast:1GPU,VSW:2,GA:1 slow:1GPU,VSW:1,GA:0"}
+        {
+            "step": 0,
+            "epoch": 0,
+            "position": 0,
+            "gbs": 20,
+            "lbs": 4,
+            "plan": "fast:1GPU,VSW:2,GA:1 slow:1GPU,VSW:1,GA:0",
+            "lr_factor": 1.0,
+        }
     ]
 
     # Three trainers, other (VSW, GA) and weight sync, same LBS and GBS.

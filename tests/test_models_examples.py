@@ -17,9 +17,10 @@ EXAMPLES = REPO / "examples"
 # example file -> the seed's config of the same model (../shared/reference/jabas_config_example_<model>.json)
 FULL_SIZE = {"resnet50": "resnet50", "vit": "vit", "gnmt": "gnmt", "faster_rcnn": "faster_r_cnn"}
 TINY = ["resnet_tiny", "vit_tiny", "gnmt_tiny", "faster_rcnn_tiny"]
+REAL_DATA = ["mnist1d", "digits_adaptive"]  # like the quick start: real (or generated) data, a small model
 
 
-@pytest.mark.parametrize("name", [*FULL_SIZE, *TINY])
+@pytest.mark.parametrize("name", [*FULL_SIZE, *TINY, *REAL_DATA])
 def test_example_passes_jabas_validate(cli: CliRunner, name: str) -> None:
     result = cli.invoke(app, ["validate", "-c", str(EXAMPLES / f"{name}.toml")], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
@@ -76,7 +77,7 @@ def test_tiny_example_trains_one_step(name: str) -> None:
 
 def test_every_builtin_example_is_covered() -> None:
     names = {p.stem for p in EXAMPLES.glob("*.toml")} - {"quickstart"}
-    assert names == set(FULL_SIZE) | set(TINY), "add new examples to this test"
+    assert names == set(FULL_SIZE) | set(TINY) | set(REAL_DATA), "add new examples to this test"
 
 
 def test_example_data_paths_are_only_comments() -> None:

@@ -6,9 +6,10 @@ starts them (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 workers, rank 1 one worker with one accumulation step. ``[job] data`` points
 at files in the format a user would have: an ImageFolder tree of JPEGs
 (resnet, vit), a WMT16-layout parallel corpus with its vocabulary (gnmt), a
-COCO annotation file and JPEGs (faster_rcnn). The cases share out the VSW
-strategies and weight-sync methods, with small gradient buckets so that
-``overlap`` steps the optimizer bucket by bucket.
+COCO annotation file and JPEGs (faster_rcnn); mnist1d generates its data (the
+tiny variant's 800 training signals) and caches it in ``[job] data``. The
+cases share out the VSW strategies and weight-sync methods, with small
+gradient buckets so that ``overlap`` steps the optimizer bucket by bucket.
 
 Learning is read from what rank 0 writes to the run folder: ``epochs.csv``'s
 ``train_loss`` is the exact mean loss of an epoch's iterations over every
@@ -71,6 +72,12 @@ def coco(root: Path) -> Path:
     return make_coco(root / "coco", images=8)
 
 
+def mnist1d_cache(root: Path) -> Path:
+    """MNIST-1D is generated, not read: ``[job] data`` is only the folder its arrays are cached in."""
+    (root / "mnist1d").mkdir()
+    return root / "mnist1d"
+
+
 RESNET = Case("resnet", image_folder, 24, lbs=3, epochs=8, last=2, ratio=0.6, options={"lr": 0.05})
 CASES = [
     RESNET,
@@ -91,6 +98,7 @@ CASES = [
         options=dict(lr=0.03, dropout=0.0),
     ),
     Case("faster_rcnn", coco, 8, lbs=1, epochs=10, last=2, ratio=0.7, vsw_strategy="streams"),
+    Case("mnist1d", mnist1d_cache, 800, lbs=8, epochs=4, last=1, ratio=0.75, weight_sync="overlap"),
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from jabascli import __version__
-from jabascli.cli import cluster, elastic, init, profile, solve, sync, train, validate
+from jabascli.cli import cluster, elastic, init, profile, report, simulate, solve, sync, train, validate
 
 app = typer.Typer(
     name="jabas",
@@ -43,6 +43,8 @@ app.command("schedule")(elastic.schedule)
 app.command("worker")(elastic.worker)
 app.command("train")(train.train)
 app.command("run")(train.run)
+app.command("simulate")(simulate.simulate)
+app.command("report")(report.report)
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ def cli_command(fn: F) -> F:
             if os.environ.get("JABAS_DEBUG"):
                 raise
             for line in exc.lines():
-                # Messages name config sections ("[job] precision"): not Rich markup.
+                # escape: a message naming a section, "[scaling] margin", is text, not Rich markup
                 err_console.print(f"[red]error:[/red] {escape(line)}", markup=True, highlight=False)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:

@@ -10,8 +10,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, err_console, print_json
-from jabascli.config import LoadedConfig, load_config
+from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
+from jabascli.config import load_config
 from jabascli.engine.options import TrainOptions
 
 PlanOption = Annotated[
@@ -61,7 +61,6 @@ def train(
     from jabascli.engine.trainer import run_trainer
 
     loaded = load_config(config)
-    _note_unbuilt(loaded)
     options = TrainOptions(
         plan=plan,
         resume=resume,
@@ -105,8 +104,10 @@ def run(
 ) -> None:
     """Train the whole job on this machine: one trainer process per device (or emulated device).
 
-    Shows progress (epoch, step, GBS, samples/s, loss) and a validation table;
-    metrics also go to the run folder as CSV, JSON lines and TensorBoard scalars.
+    Shows progress (epoch, step, GBS, samples/s, loss), a line per GBS change of
+    an adaptive job ([batching] metric), and a validation table; metrics also go
+    to the run folder as CSV (adjustments.csv for GBS decisions), JSON lines and
+    TensorBoard scalars. --json prints the epochs, each with its adjustments.
 
     Example:
 
@@ -115,7 +116,6 @@ def run(
     from jabascli.engine.launch import run_local
 
     loaded = load_config(config)
-    _note_unbuilt(loaded)
     options = TrainOptions(
         plan=plan, resume=resume, checkpoint_every=checkpoint_every, max_steps=max_steps, bucket_cap_mb=bucket_cap_mb
     )
@@ -123,6 +123,8 @@ def run(
         result = run_local(loaded, options, on_event=display)
     results = result.done["results"]
     if json_out:
+        for r in results:  # adaptive jobs: each epoch lists its GBS adjustments
+            r["adjustments"] = [a for a in display.adjustments if a["epoch"] == r["epoch"]]
         print_json(results)
         return
     _print_results(loaded.config.job.name, display.start, results)
@@ -134,6 +136,7 @@ class _RunDisplay:
     def __init__(self, disable: bool) -> None:
         self.disable = disable
         self.start: dict[str, Any] = {}
+        self.adjustments: list[dict[str, Any]] = []
         self.progress = Progress(
             TextColumn("[bold]{task.fields[epoch]}"),
             BarColumn(),
@@ -185,6 +188,26 @@ class _RunDisplay:
             )
         elif kind == "epoch" and not self.disable:
             self.progress.console.print(_epoch_line(event), highlight=False, markup=False)
+        elif kind == "adjustment":
+            self.adjustments.append(event)
+            if not self.disable and (event["changed"] or event["reason"].startswith("keep: no plan")):
+                self.progress.console.print(_adjustment_line(event), highlight=False, markup=False)
+
+
+def _adjustment_line(e: dict[str, Any]) -> str:
+    """``step 40: GBS 80 -> 96 (LBS 16; fast:2GPU,VSW:2,GA:0 ...), similarity 0.031, noise scale 412, LR x1.20``."""
+    head = f"step {e['step']}: GBS {e['old_gbs']} -> {e['new_gbs']}"
+    if not e["changed"]:
+        head = f"step {e['step']}: GBS stays {e['old_gbs']} ({e['reason']})"
+    else:
+        head += f" (LBS {e['new_lbs']}; {e['plan']})"
+    parts = [head]
+    if e.get("similarity") is not None:
+        parts.append(f"similarity {e['similarity']:.3f}")
+    if e.get("noise_scale") is not None:
+        parts.append(f"noise scale {e['noise_scale']:.3g}")
+    parts.append(f"LR x{e['lr_factor']:.3g}")
+    return ", ".join(parts)
 
 
 def _print_results(job: str, start: dict[str, Any], results: list[dict[str, Any]]) -> None:
@@ -200,15 +223,3 @@ def _print_results(job: str, start: dict[str, Any], results: list[dict[str, Any]
     console.print(table)
     if results and results[-1]["val_accuracy"] is not None:
         console.print(f"validation accuracy: {results[-1]['val_accuracy']:.4f}")
-
-
-def _note_unbuilt(loaded: LoadedConfig) -> None:
-    # Adaptive batching is configured but not built yet: say so rather than appear to adapt.
-    metric = loaded.config.batching.metric
-    if metric != "fixed":
-        err_console.print(
-            f"note: [batching] metric = {metric!r} does not adapt the global batch size yet; "
-            "training runs at the GBS of its plan or config",
-            markup=False,
-            highlight=False,
-        )

@@ -79,6 +79,8 @@ def seed_to_toml_dict(seed: SeedConfig, cluster: dict[str, SeedServer]) -> dict[
         batching["gbs_max"] = seed.batch_size_upper_bound
     if seed.similarity_target is not None:
         batching["similarity_target"] = seed.similarity_target
+    if seed.batch_size_lower_bound is not None or seed.batch_size_upper_bound is not None:
+        batching["metric"] = "similarity"  # the seed adapted its GBS by gradient similarity
     servers = [
         {
             "name": name,

@@ -15,14 +15,14 @@ _TEMPLATE = """\
 
 [job]
 name = "{name}"
-workload = {workload}   # a built-in (digits, resnet, vit, gnmt, faster_rcnn) or a path to a workload .py
+workload = {workload}   # a built-in (digits, mnist1d, resnet, vit, gnmt, faster_rcnn) or a path to a workload .py
 epochs = 10
 lbs = 32                # local batch size: the same on every device (IIDP)
 
 [batching]
 gbs_min = 64            # bounds of the adaptive global batch size
 gbs_max = 512
-metric = "fixed"        # "similarity" or "noise_scale" adapt the global batch size while training
+metric = "fixed"        # "similarity", "noise_scale" or "goodput" adapt the global batch size while training
 
 [[cluster.servers]]
 name = "{server}"

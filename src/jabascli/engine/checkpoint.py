@@ -42,13 +42,14 @@ class Progress:
     step: int = 0
     """Iterations (optimizer steps) done since the start of training."""
     gbs_history: list[dict[str, Any]] = field(default_factory=list)
-    """One entry per change of GBS or plan: ``{step, epoch, position, gbs, lbs, plan}``."""
+    """One entry per change of GBS or plan: ``{step, epoch, position, gbs, lbs, plan, lr_factor}``."""
 
-    def record_plan(self, gbs: int, lbs: int, plan: str) -> None:
+    def record_plan(self, gbs: int, lbs: int, plan: str, lr_factor: float = 1.0) -> None:
         last = self.gbs_history[-1] if self.gbs_history else None
-        if last is None or (last["gbs"], last["lbs"], last["plan"]) != (gbs, lbs, plan):
+        key = (gbs, lbs, plan, lr_factor)
+        if last is None or (last["gbs"], last["lbs"], last["plan"], last.get("lr_factor", 1.0)) != key:
             entry = {"step": self.step, "epoch": self.epoch, "position": self.position, "gbs": gbs, "lbs": lbs}
-            self.gbs_history.append({**entry, "plan": plan})
+            self.gbs_history.append({**entry, "plan": plan, "lr_factor": lr_factor})
 
 
 def fingerprint(model: nn.Module) -> dict[str, tuple[list[int], str]]:
@@ -90,6 +91,7 @@ def save_checkpoint(
     workload: str,
     config: dict[str, Any],
     plan: dict[str, Any],
+    adaptive: dict[str, Any] | None = None,
     grad_scaler: dict[str, Any] | None = None,
 ) -> Path:
     payload = {
@@ -104,6 +106,7 @@ def save_checkpoint(
         "progress": asdict(progress),
         "config": config,
         "plan": plan,
+        "adaptive": adaptive,
         "grad_scaler": grad_scaler or {},  # fp16's loss scale (engine/step_policy.py); empty otherwise
     }
     buffer = io.BytesIO()  # serialise first: a failure cannot leave a temporary file behind

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jabascli.adaptive.checks import check_batching
 from jabascli.config import LoadedConfig
 from jabascli.engine.events import EVENT_FD_ENV
 from jabascli.engine.layout import run_folder
@@ -69,6 +70,7 @@ def run_local(
     """
     options = options or TrainOptions()
     plan = load_plan(loaded, options.plan)
+    check_batching(loaded, plan)
     from jabascli.engine.step_policy import check_job_precision_inputs
 
     check_job_precision_inputs(loaded, plan)

@@ -8,9 +8,13 @@ In the run folder (``[storage] run_dir / <job name>``):
   ``iteration_s`` is their median duration (what a performance model's
   prediction is compared with: a median, as the profiles' times are);
 * ``epochs.csv``: ``epoch, step, train_loss, val_loss, val_accuracy, samples_per_s, time_s``;
-* ``metrics.jsonl``: every row of both, as ``{"kind": "step" | "epoch", ...}``;
+* ``adjustments.csv``: one row per adaptive-batching decision (adaptive jobs only):
+  the metrics measured, old and new GBS, LBS and plan, LR factor and LR, why;
+* ``metrics.jsonl``: every row of these, as ``{"kind": "step" | "epoch" | "adjustment", ...}``;
 * ``tensorboard/``: ``train/loss``, ``train/samples_per_s``, ``train/gbs``,
-  ``train/lr``, ``train/iteration_s``, ``val/loss``, ``val/accuracy``, against the step.
+  ``train/lr``, ``train/iteration_s``, ``val/loss``, ``val/accuracy``, and for adaptive jobs
+  ``adaptive/gbs``, ``adaptive/similarity``, ``adaptive/noise_scale``, ``adaptive/lr``, ``adaptive/lr_factor``,
+  against the step.
 
 A fresh run starts new files; a resumed run appends, and TensorBoard is told to
 drop events past the resumed step (``purge_step``). Rows are written whole and
@@ -27,6 +31,10 @@ from typing import Any
 
 STEP_FIELDS = ("time", "epoch", "step", "gbs", "loss", "samples_per_s", "lr", "iteration_s")
 EPOCH_FIELDS = ("epoch", "step", "train_loss", "val_loss", "val_accuracy", "samples_per_s", "time_s")
+ADJUSTMENT_FIELDS = (
+    "time", "epoch", "position", "step", "metric", "similarity", "noise_scale", "target_gbs", "old_gbs", "new_gbs",
+    "old_lbs", "new_lbs", "plan", "lr_factor", "lr", "changed", "reason", "source", "overhead_s",
+)  # fmt: skip
 
 
 class MetricsWriter:
@@ -36,6 +44,8 @@ class MetricsWriter:
         mode = "a" if resume_step is not None else "w"
         self._steps = self._open_csv("steps.csv", STEP_FIELDS, mode)
         self._epochs = self._open_csv("epochs.csv", EPOCH_FIELDS, mode)
+        self._adjustments: tuple[Any, Any] | None = None  # adjustments.csv, opened at the first adjustment
+        self._mode = mode
         self._jsonl = (folder / "metrics.jsonl").open(mode, encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -84,6 +94,20 @@ class MetricsWriter:
                     self._tb.add_scalar(tag, row[key], row["step"])
             self._tb.flush()
 
+    def adjustment(self, row: dict[str, Any], *, lr: float | None) -> None:
+        """One adaptive-batching decision (``jabascli.adaptive.batching``): ``adjustments.csv`` and TensorBoard."""
+        if self._adjustments is None:
+            self._adjustments = self._open_csv("adjustments.csv", ADJUSTMENT_FIELDS, self._mode)
+        self._write(self._adjustments, "adjustment", {"time": round(time.time(), 3), **row, "lr": lr})
+        if self._tb is not None:
+            step = row["step"]
+            self._tb.add_scalar("adaptive/gbs", row["new_gbs"], step)
+            for key in ("similarity", "noise_scale", "lr_factor"):
+                if row.get(key) is not None:
+                    self._tb.add_scalar(f"adaptive/{key}", row[key], step)
+            if lr is not None:
+                self._tb.add_scalar("adaptive/lr", lr, step)
+
     def _write(self, target: tuple[Any, Any], kind: str, row: dict[str, Any]) -> None:
         f, writer = target
         writer.writerow(row)
@@ -94,5 +118,7 @@ class MetricsWriter:
     def close(self) -> None:
         for f in (self._steps[0], self._epochs[0], self._jsonl):
             f.close()
+        if self._adjustments is not None:
+            self._adjustments[0].close()
         if self._tb is not None:
             self._tb.close()

@@ -174,6 +174,10 @@ class StepPolicy:
         self.scaler.step(self.optimizer)
         self.scaler.update()
 
+    def loss_scale(self) -> float:
+        """The factor ``S`` the reduced gradient carries until :meth:`step` unscales it (1 unless fp16)."""
+        return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+
     def state_dict(self) -> dict[str, Any]:
         """The loss scaler's state (empty unless fp16), for checkpoints."""
         return self.scaler.state_dict()

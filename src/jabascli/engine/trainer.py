@@ -6,9 +6,11 @@ Every iteration, on every rank ``r``::
         loss_w = mean loss of the micro-batch          # normalised with its own batch statistics
         backward(loss_w / (GBS / LBS))                 # only the rank's last backward communicates
     all-reduce (SUM) every gradient bucket             # = mean over all GBS / LBS workers
+    adaptive measurement (every adjust_interval)       # adaptive: first-half gradient, unscaled, unclipped
     fp16 unscale (skip on inf/NaN), clip, optimizer step   # step_policy; per bucket with overlap
     LR scheduler step
     running statistics and loss: one all-reduce      # exact, identical everywhere
+    adaptive decision: maybe another plan for the next iteration (same ranks)
 
 which is synchronous SGD at GBS: every rank ends the iteration with the same
 parameters as one process that feeds the GBS samples in micro-batches of LBS
@@ -30,6 +32,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from jabascli.adaptive.batching import build as build_adaptive
+from jabascli.adaptive.checks import check_batching
 from jabascli.config import LoadedConfig
 from jabascli.engine.buffers import BufferSync, allreduce_sum
 from jabascli.engine.checkpoint import Progress, read_checkpoint, restore_checkpoint, save_checkpoint
@@ -93,6 +97,7 @@ def run_trainer(
             plan = load_plan(loaded, options.plan)
             plan.check_world_size(env.world_size)
             check_job_precision_inputs(loaded, plan)  # every rank, so that all of them stop
+            check_batching(loaded, plan)  # `jabas run` did already; not plain torchrun
             device = choose_device(plan, env)
             created = init_process_group(env, device)
             trainer = Trainer(loaded, plan, env.rank, device, options, on_event)
@@ -143,18 +148,28 @@ class Trainer:
         check_precision(cfg.job.precision, device.type, loaded.path)
         self.step_policy = StepPolicy(step_settings(cfg.job, self.workload), self.optimizer, model.parameters(), device)
         self.progress = Progress()
+        payload: dict | None = None
         if options.resume is not None:
             payload = read_checkpoint(options.resume)
             self.progress = restore_checkpoint(
                 payload, options.resume, model=model, optimizer=self.optimizer, scheduler=self.scheduler
             )
             self.step_policy.load_state_dict(payload.get("grad_scaler") or {})
-        self.progress.record_plan(plan.gbs, plan.lbs, plan.describe())
 
         # The data: one seeded permutation per epoch, dealt to the workers in LBS chunks.
         self.train_set = self.workload.train_dataset()
         self.val_set = self.workload.val_dataset()
         self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)  # fit() checks that GBS samples exist
+
+        # Adaptive GBS (jabascli.adaptive): it may start from another plan (initial_gbs, a resumed GBS),
+        # and scales the LR that the workload's scheduler sets.
+        self.adaptive = build_adaptive(
+            loaded, plan, rank, len(self.train_set), self.optimizer, self.scheduler, list(model.parameters())
+        )
+        self.scheduler = self.adaptive.scheduler
+        plan = self.plan = self.adaptive.plan_to_start(plan, payload.get("adaptive") if payload else None)
+        self.me = plan.rank(rank)
+        self.progress.record_plan(plan.gbs, plan.lbs, plan.describe(), self.adaptive.lr_factor())
 
         # How this rank runs its workers (VSW strategy) and combines gradients (weight sync).
         self.weight_sync, self.weight_sync_reason = self._choose_weight_sync(plan.weight_sync)
@@ -166,13 +181,15 @@ class Trainer:
         self.vsw = build_vsw_strategy(self.vsw_name, replicas, self.ddp)
         self.vsw.after_step()  # replicas start from the broadcast parameters
         self.emulation = Emulation(self.me.slowdown)
-        GradientSync(
+        self.gradient_sync = GradientSync(
             list(model.parameters()),
             replicas=self.vsw.replica_params(),
             optimizer=BucketOptimizer(self.optimizer) if self.weight_sync == "overlap" else None,
             before_last_bucket=self.emulation.backward_done if self.emulation.active else None,
             riders=self.buffers.take_riders,
-        ).register(self.ddp)
+            tap=self.adaptive.tap,
+        )
+        self.gradient_sync.register(self.ddp)
         self.buffers.carried = True  # the statistics and loss ride on the last bucket's all-reduce
         load = BatchLoader(self.train_set, device, self.workload.collate)
         workers = default_loader_workers(cfg.job.loader_workers, device)  # 0: load in this process
@@ -185,6 +202,7 @@ class Trainer:
             self.emulation,
             precision=self.step_policy.precision,
             feed=self.feed,
+            observer=self.adaptive.observer,
         )
         self.timer = PhaseTimer()
         # Emulated devices: out of memory as the GPU would be, over the first iterations (engine/memory_limit.py).
@@ -225,28 +243,28 @@ class Trainer:
 
     def _train_epoch(self, metrics: MetricsWriter | None) -> EpochResult | None:
         """Train from the current position to the end of the epoch; None when ``max_steps`` stops it first."""
-        epoch, gbs = self.progress.epoch, self.plan.gbs
-        log = _StepLog(self, metrics, self.sampler.iterations_per_epoch(gbs))
+        epoch = self.progress.epoch
+        log = _StepLog(self, metrics, self.sampler.iterations_per_epoch(self.plan.gbs))
         start = time.perf_counter()
-        steps = 0
+        steps = samples = 0
         epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        iterations = self.sampler.rank_iterations(epoch, self.progress.position, self.plan, self.rank)
-        for iteration in iterations if self.feed is None else self.feed.follow(iterations):  # a new feed per stream
+        for iteration in self._iterations(epoch):
             with self.memory_limit.watch():
                 loss = self.train_step(iteration)
-            self.progress.position = iteration.position + gbs
+            self.progress.position = iteration.position + self.plan.gbs
             self.progress.step += 1
-            steps += 1
+            steps, samples = steps + 1, samples + self.plan.gbs
             epoch_loss += loss
             log.step(loss)
-            epoch_end = self.sampler.iterations_left(self.progress.position, gbs) == 0
+            self._adapt(metrics)  # may switch to another plan between this iteration and the next
+            epoch_end = self.sampler.iterations_left(self.progress.position, self.plan.gbs) == 0
             if self._stop():
                 break
             if self._checkpoint_due() and not epoch_end:
                 self._save_checkpoint()
         log.flush()
         train_time = time.perf_counter() - start
-        if self.sampler.iterations_left(self.progress.position, gbs) > 0:
+        if self.sampler.iterations_left(self.progress.position, self.plan.gbs) > 0:
             return None
         val_loss, val_accuracy = None, None
         if (epoch + 1) % self.validate_every == 0 or epoch + 1 == self.epochs:
@@ -257,7 +275,7 @@ class Trainer:
             train_loss=float(epoch_loss) / steps if steps else None,
             val_loss=val_loss,
             val_accuracy=val_accuracy,
-            samples_per_s=steps * gbs / train_time if train_time > 0 else 0.0,
+            samples_per_s=samples / train_time if train_time > 0 else 0.0,
             time_s=train_time,
         )
         self.progress.epoch, self.progress.position = epoch + 1, 0
@@ -269,6 +287,26 @@ class Trainer:
             self._save_checkpoint()  # at every epoch end; the last one is saved on exit
         return result
 
+    def _iterations(self, epoch: int) -> Iterator[Iteration]:
+        """This rank's iterations of ``epoch`` from the current position, dealt afresh after a plan change."""
+        while True:
+            plan = self.plan
+            for iteration in self._stream(epoch, plan):
+                yield iteration
+                if self.plan is not plan:
+                    break
+            else:
+                return
+
+    def _stream(self, epoch: int, plan: TrainingPlan) -> Iterator[Iteration]:
+        """The iterations ``plan`` deals from the current position; loader workers follow each stream afresh.
+
+        A new stream starts a new loader iterator (:meth:`MicroBatchFeed.follow`), which drops what the
+        workers had prefetched for the previous one: after a plan change no stale micro-batch is trained.
+        """
+        iterations = self.sampler.rank_iterations(epoch, self.progress.position, plan, self.rank)
+        return iterations if self.feed is None else self.feed.follow(iterations)
+
     def train_step(self, iteration: Iteration) -> torch.Tensor:
         """One iteration of this rank; returns the mean loss over all workers of the job."""
         timer = self.timer
@@ -276,8 +314,10 @@ class Trainer:
         self.vsw.zero_grad()
         self.buffers.begin()
         self.worker_step.begin()
+        self.adaptive.begin(self.progress.step, iteration, self.plan, self._replica_params)
         timer.mark("overhead")
         self.vsw.run(iteration.micro_batches, self.worker_step)  # all-reduces every gradient bucket
+        self.adaptive.measure(self.plan, self.step_policy.loss_scale)  # before the update unscales or clips
         if self.weight_sync == "sequential":
             self.step_policy.step()  # with overlap, each bucket was already updated as its all-reduce completed
             timer.mark("update")
@@ -291,6 +331,47 @@ class Trainer:
         loss_sum = self.worker_step.loss_sum
         assert loss_sum is not None
         return loss_sum.to(torch.float64) / self.plan.workers
+
+    # -- adaptive GBS: replanning in place -------------------------------------------------------
+
+    def _adapt(self, metrics: MetricsWriter | None) -> None:
+        p = self.progress
+        report = (lambda event: self._report_adjustment(event, metrics)) if self.rank == 0 else None
+        plan = self.adaptive.after_step(p.step, self.plan, {"epoch": p.epoch, "position": p.position}, report)
+        if plan is not None:
+            self.apply_plan(plan)
+
+    def apply_plan(self, plan: TrainingPlan) -> None:
+        """Switch to ``plan`` (same ranks) between two iterations.
+
+        LBS, GBS and this rank's VSW and GA change; the VSW replicas are rebuilt
+        (from replica 0, so with its parameters and statistics) when their count
+        changes; the model, optimizer, LR scheduler, DDP and its communication
+        hook are kept. The sampler deals the rest of the epoch at the new GBS, a
+        new stream that loader workers follow afresh (:meth:`_stream`), and the
+        emulated memory limit watches the next iterations of the new plan.
+        """
+        previous, self.plan, self.me = self.plan, plan, plan.rank(self.rank)
+        if self.vsw_name == "streams" and len(self.vsw.replicas) != self.me.vsw:
+            self.vsw = build_vsw_strategy(self.vsw_name, make_replicas(self.model, self.me.vsw), self.ddp)
+            self.vsw.after_step()
+        self.buffers = BufferSync(self.vsw.replicas, plan.workers)
+        self.buffers.carried = True
+        self.gradient_sync.replicas = [list(r) for r in self.vsw.replica_params()]
+        self.gradient_sync.riders = self.buffers.take_riders
+        self.worker_step.workers, self.worker_step.buffers = plan.workers, self.buffers
+        if plan is not previous:  # not when only the LR factor changed
+            self.memory_limit.start(self.vsw.replicas, self.optimizer)
+        self.progress.record_plan(plan.gbs, plan.lbs, plan.describe(), self.adaptive.lr_factor())
+
+    def _replica_params(self) -> list[list[torch.nn.Parameter]]:
+        return [list(self.model.parameters()), *self.vsw.replica_params()]
+
+    def _report_adjustment(self, event: dict, metrics: MetricsWriter | None) -> None:
+        if metrics is not None:
+            metrics.adjustment({k: v for k, v in event.items() if k != "event"}, lr=self.current_lr())
+        if self.emit:
+            self.emit({**event, "lr": self.current_lr()})
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -368,6 +449,7 @@ class Trainer:
             workload=self.workload.name,
             config=self.loaded.config.model_dump(mode="json"),
             plan=self.plan.to_dict(),
+            adaptive=self.adaptive.state_dict(self.plan),
             grad_scaler=self.step_policy.state_dict(),
         )
         if self.emit:
@@ -450,6 +532,7 @@ class _StepLog:
         rate = self.steps * t.plan.gbs / max(now - self.since, 1e-9)
         p = t.progress
         epoch_step, lr = p.position // t.plan.gbs, t.current_lr()
+        self.epoch_steps = epoch_step + t.sampler.iterations_left(p.position, t.plan.gbs)  # the GBS may change
         if self.metrics is not None:
             iteration_s = statistics.median(self.durations)
             self.metrics.step(

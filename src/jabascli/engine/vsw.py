@@ -130,6 +130,8 @@ class WorkerStep:
     """Autocast for the forward, loss scaling for the backward (:mod:`jabascli.engine.step_policy`)."""
     feed: MicroBatchFeed | None = None
     """Micro-batches loaded ahead by DataLoader workers (:mod:`jabascli.engine.loader`); None: ``load`` here."""
+    observer: Callable[[int, MicroBatch], None] | None = None
+    """Called with (replica, micro-batch) after every backward (adaptive batching's measurement)."""
 
     def begin(self) -> None:
         self.loss_sum = None
@@ -159,6 +161,8 @@ class WorkerStep:
             start = self.emulation.clock()
             self.precision.scale(loss / self.workers).backward()
             self.emulation.pause_since(start)
+        if self.observer is not None:
+            self.observer(replica, mb)
         timer.mark("bwd")
 
 

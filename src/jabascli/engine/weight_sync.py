@@ -108,7 +108,9 @@ class GradientSync:
     gradients of the iteration are computed, just before the last bucket's
     all-reduce (emulated slowdown uses it). ``riders(dtype)`` gives tensors to
     SUM-all-reduce in place together with the last bucket (only those of the
-    bucket's dtype are asked for).
+    bucket's dtype are asked for). ``tap(params)`` sees replica 0's gradients of
+    each bucket before anything is added or reduced (adaptive batching's
+    first-half measurement).
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class GradientSync:
         optimizer: BucketOptimizer | None = None,
         before_last_bucket: Callable[[], None] | None = None,
         riders: Callable[[torch.dtype], list[torch.Tensor]] | None = None,
+        tap: Callable[[Sequence[torch.Tensor]], None] | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self._index = {p: i for i, p in enumerate(params)}
@@ -126,6 +129,7 @@ class GradientSync:
         self.optimizer = optimizer
         self.before_last_bucket = before_last_bucket
         self.riders = riders
+        self.tap = tap
         self.group = group
 
     def register(self, ddp: nn.parallel.DistributedDataParallel) -> None:
@@ -136,6 +140,8 @@ class GradientSync:
         params = bucket.parameters()
         if self.replicas or self.optimizer is not None:
             _check_views(params, bucket.buffer())
+        if self.tap is not None:
+            self.tap(params)  # replica 0's own gradients, before aggregation and all-reduce
         if self.replicas:
             grads = [p.grad for p in params]
             for replica in self.replicas:

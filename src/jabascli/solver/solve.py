@@ -366,6 +366,27 @@ class Solver:
             plans += c.allocation.plans(c.lbs, c.weight_sync, [g for g, _ in batch], [b.extra for _, b in batch])
         return sorted(plans, key=lambda p: p.gbs)
 
+    def lower_bound(self, gbs: int) -> float:
+        """A lower bound on ``solve(gbs).iteration_time_s`` without building any table (inf: unreachable).
+
+        The relaxation of ``_FixedAllocation.lower_bounds``, exact when every
+        unit's cost is non-decreasing in its workers; what a planner comparing
+        many allocations sorts them by before solving the few that can win.
+        """
+        check_gbs(gbs)
+        best = np.inf
+        for alloc in self._allocations:
+            for lbs in alloc.lbs_values:
+                extra = alloc.extra(gbs, lbs)
+                if extra is not None:
+                    for ws in self.methods:
+                        best = min(best, float(alloc.lower_bounds(lbs, ws, extra + 1)[extra]))
+        return best
+
+    def reachable(self, gbs: int) -> bool:
+        """Whether some LBS splits ``gbs`` over these GPUs (every GPU at least one worker)."""
+        return any(alloc.extra(gbs, lbs) is not None for alloc in self._allocations for lbs in alloc.lbs_values)
+
     # Any plan --------------------------------------------------------------------
 
     def predict(self, plan: Plan) -> IterationPrediction:

@@ -1,0 +1,48 @@
+"""Build the planner's parts from a loaded job config: allocation space, cost model, objective."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jabascli.autoscale.allocation import AllocationSpace
+from jabascli.autoscale.costmodel import SolverCostModel
+from jabascli.autoscale.planner import Objective, Planner
+from jabascli.config import LoadedConfig
+from jabascli.errors import InputError
+from jabascli.perfmodel import PerformanceModel
+from jabascli.profiles import load_profile_set
+from jabascli.solver.cluster import server_specs
+
+
+@dataclass
+class ScalingSetup:
+    space: AllocationSpace
+    cost_model: SolverCostModel
+    objective: Objective
+
+    def planner(self, objective: Objective | None = None) -> Planner:
+        return Planner(self.space, self.cost_model, objective or self.objective)
+
+
+def scaling_from_config(loaded: LoadedConfig, *, warm_gbs: int | None = None) -> ScalingSetup:
+    """The available servers with their profiles and prices, and the profile-based cost model."""
+    dirs = loaded.profile_dirs()
+    profiles = load_profile_set(dirs.memory, dirs.computation, dirs.communication, dirs.bucket)
+    folders = {
+        "memory": dirs.memory,
+        "computation": dirs.computation,
+        "communication": dirs.communication,
+        "bucket": dirs.bucket,
+    }
+    model = PerformanceModel(profiles, folders)
+    config = loaded.config
+    specs = server_specs(config, profiles)
+    space = AllocationSpace.from_config(specs, config.cluster.servers, config.scaling.allocation_unit)
+    if config.scaling.objective == "cost" and not any(t.gpu_hour_price > 0 for t in space.types):
+        raise InputError.at(
+            None,
+            "scaling.objective",
+            "'cost' needs prices: set price_per_hour (or tflops, for the seed's rule) on the servers",
+        )
+    cost_model = SolverCostModel(model, space, config.job.weight_sync, warm_gbs=warm_gbs)
+    return ScalingSetup(space, cost_model, Objective.from_config(config.scaling))

@@ -1,0 +1,148 @@
+"""Which plots a report has, and the page that shows them."""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jabascli.atomic import atomic_write_text
+from jabascli.report import plots
+from jabascli.report.sources import RunData, SimulationData, read_source
+
+
+@dataclass
+class Report:
+    folder: Path
+    index: Path
+    images: list[Path] = field(default_factory=list)
+    summary: list[tuple[str, str]] = field(default_factory=list)
+
+
+def default_out(source: Path) -> Path:
+    """``RUN_DIR/report`` for a run folder, ``<name>-report`` beside a simulation file."""
+    return source / "report" if source.is_dir() else source.with_name(f"{source.stem}-report")
+
+
+def write_report(source: Path, out: Path | None = None) -> Report:
+    data = read_source(source)
+    folder = out or default_out(source)
+    folder.mkdir(parents=True, exist_ok=True)
+    report = Report(folder, folder / "index.html")
+    if isinstance(data, RunData):
+        _run_plots(data, report)
+        title = f"jabas run {data.folder.name}"
+    else:
+        _simulation_plots(data, report)
+        title = f"jabas simulate {data.path.name}"
+    atomic_write_text(report.index, _page(title, report))
+    return report
+
+
+def _column(rows: list[dict[str, float]], key: str) -> list[float]:
+    return [row.get(key, math.nan) for row in rows]
+
+
+def _run_plots(run: RunData, report: Report) -> None:
+    steps, epochs, out = run.steps, run.epochs, report.folder
+    step_x, epoch_x = _column(steps, "step"), _column(epochs, "step")
+    report.images += [
+        plots.lines(out / "loss.png", "Loss", "step", "loss", [
+            ("train (logged steps)", step_x, _column(steps, "loss")),
+            ("validation (epoch ends)", epoch_x, _column(epochs, "val_loss")),
+        ]),
+        plots.lines(out / "accuracy.png", "Validation accuracy", "step", "accuracy",
+                    [("validation", epoch_x, _column(epochs, "val_accuracy"))], markers=True),
+        plots.lines(out / "gbs.png", "Global batch size", "step", "GBS",
+                    [("GBS", step_x, _column(steps, "gbs"))], step=True),
+        plots.lines(out / "lr.png", "Learning rate", "step", "LR", [("LR", step_x, _column(steps, "lr"))]),
+        plots.lines(out / "throughput.png", "Throughput", "step", "samples/s",
+                    [("samples/s", step_x, _column(steps, "samples_per_s"))]),
+    ]  # fmt: skip
+    if run.scaling:
+        xs = [float(r.get("epoch", i)) for i, r in enumerate(run.scaling)]
+        servers = sorted({name for r in run.scaling for name in (r.get("choice") or {})})
+        by_server = {s: [float((r.get("choice") or {}).get(s, 0)) for r in run.scaling] for s in servers}
+        report.images.append(
+            plots.stacked_allocation(out / "allocation.png", "Allocation (scaling.jsonl)", "epoch", xs, by_server)
+        )
+    last = steps[-1] if steps else {}
+    accuracy = [a for a in _column(epochs, "val_accuracy") if math.isfinite(a)]
+    report.summary = [
+        ("run folder", str(run.folder)),
+        ("epochs finished", str(len(epochs))),
+        ("last logged step", _fmt(last.get("step"), "{:.0f}")),
+        ("GBS now", _fmt(last.get("gbs"), "{:.0f}")),
+        ("train loss (last logged)", _fmt(last.get("loss"), "{:.4f}")),
+        ("validation accuracy (last)", _fmt(accuracy[-1] if accuracy else None, "{:.4f}")),
+        ("validation accuracy (best)", _fmt(max(accuracy) if accuracy else None, "{:.4f}")),
+        ("samples/s (last logged)", _fmt(last.get("samples_per_s"), "{:.1f}")),
+        ("training time so far", _fmt(sum(t for t in _column(epochs, "time_s") if math.isfinite(t)), "{:.1f} s")),
+        ("scaling decisions", f"{len(run.scaling)} ({sum(bool(r.get('moved')) for r in run.scaling)} moves)"),
+    ]
+
+
+def _simulation_plots(sim: SimulationData, report: Report) -> None:
+    out, policies = report.folder, sim.policies
+
+    def per_epoch(policy: dict[str, Any], key: str, cumulative: bool = False) -> tuple[list[float], list[float]]:
+        xs, ys, total = [], [], 0.0
+        for e in policy["epochs"]:
+            value = e.get(key)
+            value = math.nan if value is None else float(value)
+            total += value
+            xs.append(float(e["epoch"]))
+            ys.append(total if cumulative else value)
+        return xs, ys
+
+    def series(key: str, scale: float = 1.0, cumulative: bool = False) -> list[tuple[str, list[float], list[float]]]:
+        rows = []
+        for p in policies:
+            xs, ys = per_epoch(p, key, cumulative)
+            rows.append((p["policy"], xs, [y / scale for y in ys]))
+        return rows
+
+    trajectory = sim.data.get("trajectory", {}).get("gbs", [])
+    report.images += [
+        plots.lines(out / "allocation.png", "GPUs per epoch", "epoch", "GPUs", series("gpus"), step=True),
+        plots.lines(out / "gbs.png", "GBS (mean per epoch)", "epoch", "GBS", series("mean_gbs")[:1], step=True),
+        plots.lines(out / "time.png", "Completion time", "epoch", "hours", series("time_s", 3600, cumulative=True)),
+        plots.lines(out / "cost.png", "Cost", "epoch", "cost", series("cost", 1.0, cumulative=True)),
+        plots.lines(out / "trajectory.png", "GBS per adjustment point", "adjustment point", "GBS",
+                    [("GBS", list(map(float, range(len(trajectory)))), list(map(float, trajectory)))], step=True),
+    ]  # fmt: skip
+    report.summary = [("simulation", str(sim.path)), ("epochs", str(sim.data.get("epochs", "?")))]
+    for p in policies:
+        hours = p.get("time_s")
+        text = "cannot run" if hours is None else (
+            f"{hours / 3600:.2f} h, cost {p.get('cost', math.nan):.2f}, {p.get('gpu_hours', math.nan):.1f} GPU-h, "
+            f"{p.get('moves', 0)} moves"
+        )  # fmt: skip
+        report.summary.append((p["policy"], text))
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return pattern.format(value) if value is not None and math.isfinite(value) else "-"
+
+
+def _page(title: str, report: Report) -> str:
+    rows = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in report.summary)
+    figures = "\n".join(
+        f'<figure><a href="{html.escape(p.name)}"><img src="{html.escape(p.name)}" alt="{html.escape(p.stem)}"></a>'
+        f"<figcaption>{html.escape(p.stem)}</figcaption></figure>"
+        for p in report.images
+    )
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
+th,td{{border:1px solid #ccc;padding:4px 8px;text-align:left}}figure{{display:inline-block;margin:1em}}
+img{{max-width:700px}}</style></head>
+<body><h1>{html.escape(title)}</h1>
+<table>
+{rows}
+</table>
+{figures}
+</body></html>
+"""

@@ -1,0 +1,274 @@
+"""The policies compared on a trace (docs/simulation.md has the table).
+
+- ``fixed-<B>``: GBS ``B`` (a traced one) all along, on one GPU type and GPU count,
+  the one that finishes soonest: what a user does without jabas.
+- ``ddp-all``: every GPU of every type, same LBS and micro-steps everywhere (plain
+  DDP on a mixed cluster, the slowest GPU pacing everyone), at the traced GBS that
+  finishes soonest.
+- ``pollux``: goodput-adaptive GBS (and GPU count) on one GPU type, the type that
+  finishes soonest; cost-unaware, as Pollux is; it changes GPU count only when the
+  predicted gain over the rest of the job pays for the restart.
+- ``jabas``: IIDP over every type (same LBS everywhere, faster types run more
+  micro-steps), the goodput-optimal GBS of each candidate allocation, and an
+  allocation chosen per epoch by ``planner.choose_allocation``.
+- ``jabas-similarity``: the same with jabas's ``similarity`` GBS policy instead of
+  goodput (its expectation derived from the statistics, ``similarity.py``): the
+  GBS follows the rule, and each allocation runs its fastest configuration
+  within 5% of that GBS.
+- ``oracle``: perfect hindsight: with the true statistics of every epoch, each
+  allocation's goodput-optimal IIDP configuration per epoch, and the sequence of
+  allocations of least total time, moves included (dynamic programming over
+  epochs). A lower bound on ``jabas``'s time in this model; cost is not its goal.
+
+What the adaptive policies know: at the start of epoch ``k`` they have measured
+the statistics of epoch ``k - 1`` at the GBS they ran (epoch 0: the first epoch's,
+which AdaptDL measures in its first iterations; the trace has nothing earlier),
+and they extrapolate ``E(M)`` from that one measurement.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from jabascli.errors import InputError
+from jabascli.simulate import similarity
+from jabascli.simulate.configs import Allocation, Config, Frontier, Timing, describe
+from jabascli.simulate.loop import Decide, PolicyResult, run_policy
+from jabascli.simulate.planner import DEFAULT_SLACK, Candidate, choose_allocation
+from jabascli.simulate.progress import Statistics
+from jabascli.simulate.steptime import StepTimes
+from jabascli.simulate.trace import Trace
+
+BASELINES = ("fixed", "ddp-all", "pollux")
+POLICIES = ("fixed", "ddp-all", "pollux", "jabas", "jabas-similarity", "oracle")
+
+
+class Simulation:
+    """One trace on one cluster: the shared model every policy runs against."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        cluster: dict[str, int],
+        prices: dict[str, float],
+        target_metric: float | None = None,
+        slack: float = DEFAULT_SLACK,
+    ) -> None:
+        self.trace = trace
+        self.cluster = cluster
+        self.prices = prices
+        self.stats = Statistics(trace.validation)
+        steps = {t: StepTimes(trace.timings[t]) for t in cluster}
+        self.timing = Timing(steps, tuple(float(b) for b in trace.batch_sizes))
+        self.per_node = self.timing.per_node
+        self.target_metric = target_metric
+        self.slack = slack
+        if target_metric is not None:
+            self.stats.check_target(target_metric)
+
+    # -- helpers ---------------------------------------------------------------
+
+    def run(self, name: str, decide: Decide) -> PolicyResult:
+        return run_policy(
+            name, decide, self.stats, self.prices, self.per_node, self.trace.restart_s, self.target_metric
+        )
+
+    def gpu_counts(self, gpu_type: str) -> list[int]:
+        """GPU counts offered on one type: powers of two below a node, then whole nodes."""
+        per_node, nodes = self.per_node[gpu_type], self.cluster[gpu_type]
+        small = [g for g in (1, 2, 4) if g < per_node]
+        return small + [per_node * n for n in range(1, nodes + 1)]
+
+    def node_allocations(self) -> list[Allocation]:
+        """Every non-empty choice of whole nodes per type (jabas's allocation unit is a node)."""
+        types = list(self.cluster)
+        out = []
+        for counts in itertools.product(*(range(self.cluster[t] + 1) for t in types)):
+            if any(counts):
+                out.append(tuple((t, n * self.per_node[t]) for t, n in zip(types, counts, strict=True) if n))
+        return out
+
+    def _seen_row(self, epoch: int, oracle: bool) -> int:
+        return epoch if oracle else max(epoch - 1, 0)
+
+    def _rate(self, frontier: Frontier, epoch: int, gbs: float | None, oracle: bool) -> tuple[int, float]:
+        """Best goodput point of ``frontier`` as the policy sees it, and its progress rate (/s)."""
+        row = self._seen_row(epoch, oracle)
+        if oracle:
+            eff = np.asarray(self.stats.efficiency(frontier.gbs, row))
+        else:
+            eff = np.asarray(self.stats.efficiency(frontier.gbs, row, stats_gbs=gbs or self.stats.m0))
+        i = frontier.best_goodput(eff)
+        return i, float(eff[i] * frontier.gbs[i] / self.stats.m0 / frontier.iter_s[i])
+
+    def remaining_progress(self, epoch: int) -> float:
+        """Progress left from the start of ``epoch`` to the trace's end: the horizon a move must pay off in."""
+        return float(self.stats.boundaries[-1] - (self.stats.boundaries[epoch - 1] if epoch > 0 else 0.0))
+
+    def _price_s(self, allocation: Allocation) -> float:
+        return sum(self.prices[t] * g for t, g in allocation) / 3600.0
+
+    # -- policies --------------------------------------------------------------
+
+    def fixed(self, batch_size: int) -> PolicyResult | None:
+        best: PolicyResult | None = None
+        for gpu_type in self.cluster:
+            for gpus in self.gpu_counts(gpu_type):
+                allocation: Allocation = ((gpu_type, gpus),)
+                config = self.timing.uniform(allocation, float(batch_size))
+                if config is None:
+                    continue
+                result = self.run(f"fixed-{batch_size}", lambda *_, a=allocation, c=config: (a, c))
+                result.details = {"batch_size": batch_size, "allocation": describe(allocation, self.per_node)}
+                if best is None or (result.time_s, result.cost) < (best.time_s, best.cost):
+                    best = result
+        return best
+
+    def ddp_all(self) -> PolicyResult | None:
+        allocation: Allocation = tuple((t, n * self.per_node[t]) for t, n in self.cluster.items())
+        best: PolicyResult | None = None
+        for batch_size in self.trace.batch_sizes:
+            config = self.timing.uniform(allocation, float(batch_size))
+            if config is None:
+                continue
+            result = self.run("ddp-all", lambda *_, c=config: (allocation, c))
+            result.details = {"batch_size": batch_size, "allocation": describe(allocation, self.per_node)}
+            if best is None or (result.time_s, result.cost) < (best.time_s, best.cost):
+                best = result
+        return best
+
+    def pollux(self) -> PolicyResult | None:
+        best: PolicyResult | None = None
+        for gpu_type in self.cluster:
+            options = [((gpu_type, g),) for g in self.gpu_counts(gpu_type)]
+            frontiers = {a: self.timing.frontier(a, self.stats.m0, self.stats.max_gbs) for a in options}
+            frontiers = {a: f for a, f in frontiers.items() if f is not None}
+            if not frontiers:
+                continue
+
+            def decide(
+                epoch: int, current: Allocation | None, gbs: float | None, fr: dict[Allocation, Frontier] = frontiers
+            ) -> tuple[Allocation, Config]:
+                work = self.remaining_progress(epoch)
+                scored = {a: self._rate(f, epoch, gbs, oracle=False) for a, f in fr.items()}
+                choice = max(scored, key=lambda a: scored[a][1])
+                if current in scored and work / scored[current][1] <= work / scored[choice][1] + self.trace.restart_s:
+                    choice = current  # the gain does not pay for the restart
+                return choice, fr[choice].config(scored[choice][0])
+
+            result = self.run("pollux", decide)
+            result.details = {"gpu_type": gpu_type}
+            if best is None or (result.time_s, result.cost) < (best.time_s, best.cost):
+                best = result
+        return best
+
+    def _node_frontiers(self) -> dict[Allocation, Frontier]:
+        frontiers = {a: self.timing.frontier(a, self.stats.m0, self.stats.max_gbs) for a in self.node_allocations()}
+        return {a: f for a, f in frontiers.items() if f is not None}
+
+    def _near(self, frontier: Frontier, epoch: int, gbs: float | None, target: float) -> tuple[int, float]:
+        """The fastest point of ``frontier`` within 5% of GBS ``target`` (else the nearest), and its rate."""
+        eff = np.asarray(self.stats.efficiency(frontier.gbs, self._seen_row(epoch, False), gbs or self.stats.m0))
+        off = np.abs(frontier.gbs - target) / target
+        close = off <= max(0.05, float(off.min()))
+        i = int(np.flatnonzero(close)[np.argmin(frontier.iter_s[close])])
+        return i, float(eff[i] * frontier.gbs[i] / self.stats.m0 / frontier.iter_s[i])
+
+    def jabas(self, batching: str = "goodput") -> PolicyResult | None:
+        """jabas with its ``goodput`` or ``similarity`` GBS policy (``similarity.py``)."""
+        frontiers = self._node_frontiers()
+        if not frontiers:
+            return None
+
+        def decide(epoch: int, current: Allocation | None, gbs: float | None) -> tuple[Allocation, Config]:
+            work = self.remaining_progress(epoch)
+            points: dict[Allocation, int] = {}
+            candidates = []
+            target = 0.0
+            if batching == "similarity":
+                now = gbs or self.stats.m0
+                noise = self.stats.noise_scale(now, self._seen_row(epoch, False))
+                iterations = self.stats.epoch_progress(epoch) * self.stats.m0 / now
+                target = similarity.next_gbs(now, noise, iterations, low=self.stats.m0, high=self.stats.max_gbs)
+            for allocation, frontier in frontiers.items():
+                if batching == "similarity":
+                    i, rate = self._near(frontier, epoch, gbs, target)
+                else:
+                    i, rate = self._rate(frontier, epoch, gbs, oracle=False)
+                points[allocation] = i
+                time_s = work / rate
+                price_s = self._price_s(allocation)
+                candidates.append(Candidate(allocation, time_s, time_s * price_s, price_s))
+            chosen = choose_allocation(candidates, current, self.trace.restart_s, self.slack)
+            return chosen.allocation, frontiers[chosen.allocation].config(points[chosen.allocation])
+
+        return self.run("jabas" if batching == "goodput" else f"jabas-{batching}", decide)
+
+    def oracle(self) -> PolicyResult | None:
+        frontiers = self._node_frontiers()
+        if not frontiers:
+            return None
+        allocations = list(frontiers)
+        epochs = self.stats.epochs
+        times = np.empty((epochs, len(allocations)))
+        points = np.empty((epochs, len(allocations)), dtype=int)
+        for k in range(epochs):
+            for j, allocation in enumerate(allocations):
+                i, rate = self._rate(frontiers[allocation], k, None, oracle=True)
+                points[k, j] = i
+                times[k, j] = self.stats.epoch_progress(k) / rate
+        # total[j]: least time to the end of epoch k, ending on allocation j
+        total = times[0].copy()
+        came_from = np.zeros((epochs, len(allocations)), dtype=int)
+        came_from[0] = np.arange(len(allocations))
+        for k in range(1, epochs):
+            best = int(np.argmin(total))
+            move = total[best] + self.trace.restart_s
+            stay = total <= move
+            came_from[k] = np.where(stay, np.arange(len(allocations)), best)
+            total = np.where(stay, total, move) + times[k]
+        path = [int(np.argmin(total))]
+        for k in range(epochs - 1, 0, -1):
+            path.append(int(came_from[k, path[-1]]))
+        path.reverse()
+
+        def decide(epoch: int, current: Allocation | None, gbs: float | None) -> tuple[Allocation, Config]:
+            allocation = allocations[path[epoch]]
+            return allocation, frontiers[allocation].config(int(points[epoch, path[epoch]]))
+
+        return self.run("oracle", decide)
+
+
+def run_policies(sim: Simulation, policies: list[str]) -> list[PolicyResult]:
+    """Run the named policies (``fixed`` = every traced GBS, or ``fixed-<B>``)."""
+    results: list[PolicyResult] = []
+    for name in policies:
+        if name == "fixed":
+            found = [sim.fixed(b) for b in sim.trace.batch_sizes]
+        elif name.startswith("fixed-"):
+            size = name.removeprefix("fixed-")
+            if not size.isdigit() or int(size) not in sim.trace.batch_sizes:
+                raise InputError.at(
+                    None, "policies", f"{name}: expected fixed-<B> with B one of {sim.trace.batch_sizes}"
+                )
+            found = [sim.fixed(int(size))]
+        elif name == "ddp-all":
+            found = [sim.ddp_all()]
+        elif name == "pollux":
+            found = [sim.pollux()]
+        elif name == "jabas":
+            found = [sim.jabas()]
+        elif name == "jabas-similarity":
+            found = [sim.jabas("similarity")]
+        elif name == "oracle":
+            found = [sim.oracle()]
+        else:
+            raise InputError.at(None, "policies", f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
+        results.extend(r for r in found if r is not None)
+    if not results:
+        raise InputError.at(
+            None, "cluster", "too small for the trace: no configuration reaches the smallest traced batch size"
+        )
+    return results

@@ -1,0 +1,100 @@
+"""Statistical progress, efficiency and the validation metric, read off a trace.
+
+Pollux's model of training progress (Qiao et al., OSDI 2021), with its trace
+conventions:
+
+- ``M0`` is the smallest traced GBS; progress is counted in iterations at ``M0``.
+- One iteration at GBS ``M`` advances progress by ``E(M) * M / M0``, with the
+  statistical efficiency
+
+      E(M) = (grad_var + grad_sqr) / (grad_var + (M / M0) * grad_sqr)
+           = (B_noise + M0) / (B_noise + M),   B_noise = M0 * grad_var / grad_sqr
+
+  (AdaptDL ``goodput.py``: ``gain / scale``). ``grad_sqr`` estimates |G|^2 and
+  ``grad_var`` the gradient variance at ``M0``; ``B_noise`` is the gradient noise
+  scale.
+- The trace has one row per epoch; epoch ``k`` ends at progress
+  ``boundaries[k]`` = the smallest traced progress of row ``k`` over the batch
+  sizes (Pollux ``get_progress``). During epoch ``k`` the statistics are row
+  ``k``'s, linearly interpolated between the traced batch sizes at the current GBS
+  and clamped to the traced range (Pollux ``get_grad_stats``).
+- The metric after epoch ``k`` is the best traced metric of rows ``0..k``,
+  interpolated the same way (Pollux ``get_best_metric``); it rises if the first
+  traced run's last row is above its first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jabascli.errors import InputError
+from jabascli.simulate.trace import ValidationRun
+
+
+def efficiency(
+    gbs: np.ndarray | float, m0: float, grad_sqr: np.ndarray | float, grad_var: np.ndarray | float
+) -> np.ndarray | float:
+    """Pollux's statistical efficiency ``E(M)`` (formula in the module docstring)."""
+    return (grad_var + grad_sqr) / (grad_var + (np.asarray(gbs, dtype=float) / m0) * grad_sqr)
+
+
+class Statistics:
+    """A trace's gradient statistics, epoch boundaries and metric as functions of GBS and epoch."""
+
+    def __init__(self, validation: dict[int, ValidationRun]) -> None:
+        runs = [validation[b] for b in sorted(validation)]
+        self.batch_sizes = np.array([r.batch_size for r in runs], dtype=float)
+        self.m0 = float(self.batch_sizes[0])
+        self.max_gbs = float(self.batch_sizes[-1])
+        self.epochs = min(len(r.progress) for r in runs)
+        n = self.epochs
+        self.boundaries = np.min([r.progress[:n] for r in runs], axis=0)
+        self._sqr = np.array([r.grad_sqr[:n] for r in runs])  # [batch size, epoch]
+        self._var = np.array([r.grad_var[:n] for r in runs])
+        self.metric_rises = bool(runs[0].metric[-1] > runs[0].metric[0])
+        metric = np.array([r.metric[:n] for r in runs])
+        self._best = (
+            np.maximum.accumulate(metric, axis=1) if self.metric_rises else np.minimum.accumulate(metric, axis=1)
+        )
+        self.iterations = {r.batch_size: r.iteration[:n] for r in runs}
+
+    def epoch_progress(self, epoch: int) -> float:
+        """Progress made during ``epoch`` (from the previous boundary to its own)."""
+        start = self.boundaries[epoch - 1] if epoch > 0 else 0.0
+        return float(self.boundaries[epoch] - start)
+
+    def grad_stats(self, gbs: np.ndarray | float, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(grad_sqr, grad_var)`` during ``epoch`` at GBS ``gbs`` (scalar or array)."""
+        return (
+            np.interp(gbs, self.batch_sizes, self._sqr[:, epoch]),
+            np.interp(gbs, self.batch_sizes, self._var[:, epoch]),
+        )
+
+    def noise_scale(self, gbs: float, epoch: int) -> float:
+        sqr, var = self.grad_stats(gbs, epoch)
+        return float(self.m0 * var / sqr)
+
+    def efficiency(self, gbs: np.ndarray | float, epoch: int, stats_gbs: float | None = None) -> np.ndarray | float:
+        """``E(gbs)`` in ``epoch``, with the statistics measured at ``stats_gbs`` (default: ``gbs``).
+
+        A running job measures its statistics at the GBS it runs; a policy then
+        extrapolates ``E`` to other GBS from that one measurement, as AdaptDL does.
+        """
+        sqr, var = self.grad_stats(gbs if stats_gbs is None else stats_gbs, epoch)
+        return efficiency(gbs, self.m0, sqr, var)
+
+    def best_metric(self, gbs: float, epoch: int) -> float:
+        """The best validation metric seen by the end of ``epoch`` at GBS ``gbs``."""
+        return float(np.interp(gbs, self.batch_sizes, self._best[:, epoch]))
+
+    def reached(self, metric: float, target: float) -> bool:
+        return metric >= target if self.metric_rises else metric <= target
+
+    def check_target(self, target: float) -> None:
+        """Raise :class:`InputError` if no traced run ever reaches ``target``."""
+        best = float(self._best[:, -1].max() if self.metric_rises else self._best[:, -1].min())
+        if not self.reached(best, target):
+            word = "highest" if self.metric_rises else "lowest"
+            raise InputError.at(
+                None, "target_metric", f"{target:g} is never reached in the trace (its {word} is {best:g})"
+            )

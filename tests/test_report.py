@@ -1,0 +1,159 @@
+"""`jabas report` on a real run folder made here (digits, one epoch), a run still being written, and a simulation."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from jabascli.autoscale.allocation import AllocationSpace, Choice
+from jabascli.autoscale.decide import append_decision, decide
+from jabascli.autoscale.planner import Objective
+from jabascli.autoscale.setup import ScalingSetup
+from jabascli.cli.app import app
+from jabascli.perfmodel import ServerSpec
+from tests.conftest import run_jabas
+
+JOB = """
+[job]
+name = "rep"
+workload = "digits"
+epochs = 1
+lbs = 64
+options = { lr = 0.05 }
+
+[batching]
+metric = "fixed"
+
+[[cluster.servers]]
+name = "cpu0"
+device_type = "cpu"
+devices = 1
+
+[storage]
+run_dir = "runs"
+checkpoint_dir = "checkpoints"
+"""
+RUN_PNGS = {"loss.png", "accuracy.png", "gbs.png", "lr.png", "throughput.png"}
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Digits trained for one short epoch by the real `jabas run`."""
+    folder = tmp_path_factory.mktemp("report")
+    (folder / "jabas.toml").write_text(JOB)
+    result = run_jabas("run", "-c", "jabas.toml", cwd=folder)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return folder / "runs" / "rep"
+
+
+class LinearCostModel:
+    """Iteration time proportional to GBS / GPUs, for the decisions logged below."""
+
+    def __init__(self, space: AllocationSpace) -> None:
+        self.space = space
+
+    def iteration_time(self, choice: Choice, gbs: int) -> float:
+        return 0.001 * gbs / self.space.gpus(choice) + 0.05 * (len(self.space.used(choice)) - 1)
+
+
+def log_two_decisions(run: Path) -> list[dict]:  # type: ignore[type-arg]
+    servers = [ServerSpec("a", "x", 2, "a", 1e9, 1e9), ServerSpec("b", "y", 2, "b", 1e9, 1e9)]
+    space = AllocationSpace(servers, 1, {"a": 1.0, "b": 1.0})
+    setup = ScalingSetup(space, LinearCostModel(space), Objective("time"))  # type: ignore[arg-type]
+    common = dict(setup=setup, dataset_size=10_000, adjust_interval=10, gbs_min=32, gbs_max=4096, gbs_step=32)
+    first = decide([64.0, 64.0], None, epoch=0, **common)  # type: ignore[arg-type]
+    second = decide([64.0, 128.0, 256.0, 512.0], first["choice"], epoch=1, **common)  # type: ignore[arg-type]
+    for record in (first, second):
+        append_decision(run, record)
+    return [first, second]
+
+
+def report(cli: CliRunner, *args: str):  # type: ignore[no-untyped-def]
+    return cli.invoke(app, ["report", *args], env={"COLUMNS": "200"})
+
+
+def check_pngs_and_index(folder: Path, expected: set[str]) -> str:
+    written = {p.name for p in folder.glob("*.png")}
+    assert written == expected
+    for name in expected:
+        data = (folder / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+    index = (folder / "index.html").read_text()
+    assert set(re.findall(r'src="([^"]+)"', index)) == expected
+    assert set(re.findall(r'href="([^"]+)"', index)) == expected
+    return index
+
+
+def test_report_of_a_finished_run_with_scaling_decisions(cli: CliRunner, run_folder: Path) -> None:
+    records = log_two_decisions(run_folder)
+    assert records[0]["choice"] and records[1]["forecast"][0] > 512  # the growth is forecast, not mean-reverted
+    assert {"forecast", "candidates", "choice", "reason", "predicted"} <= set(records[1])
+    result = report(cli, str(run_folder))
+    assert result.exit_code == 0, result.output
+    index = check_pngs_and_index(run_folder / "report", RUN_PNGS | {"allocation.png"})
+    epochs = list(csv.DictReader((run_folder / "epochs.csv").open()))
+    assert len(epochs) == 1
+    assert f"{float(epochs[-1]['val_accuracy']):.4f}" in index
+    assert "<th>epochs finished</th><td>1</td>" in index
+    assert "2 (" in index  # two scaling decisions
+
+
+def test_report_of_a_run_still_being_written(cli: CliRunner, run_folder: Path, tmp_path: Path) -> None:
+    """Half-written last lines (a trainer mid-write) are skipped; a run without epochs yet still plots."""
+    live = tmp_path / "live"
+    live.mkdir()
+    steps = (run_folder / "steps.csv").read_text().splitlines()
+    assert len(steps) >= 2  # a header and at least one logged step
+    # Every row but the last whole, the last cut in the middle (how many rows a run logs depends on its speed).
+    (live / "steps.csv").write_text("\n".join(steps[:-1]) + "\n" + steps[-1][: len(steps[-1]) // 2])
+    (live / "epochs.csv").write_text((run_folder / "epochs.csv").read_text().splitlines()[0] + "\n")
+    (live / "scaling.jsonl").write_text('{"epoch": 0, "choice": {"a": 2}}\n{"epoch": 1, "cho')
+    result = report(cli, str(live), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    index = check_pngs_and_index(tmp_path / "out", RUN_PNGS | {"allocation.png"})
+    assert "<th>epochs finished</th><td>0</td>" in index
+
+
+def test_report_of_a_simulation(cli: CliRunner, reference_dir: Path, tmp_path: Path) -> None:
+    from tests.test_autoscale_simulate import config_with
+
+    config = config_with(tmp_path, reference_dir)
+    args = ["simulate", "-c", str(config), "--trajectory", "grow:256:2048", "--epochs", "4", "--dataset-size", "50000"]
+    result = cli.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    sim = tmp_path / "sim.json"
+    sim.write_text(result.stdout)
+    result = report(cli, str(sim))
+    assert result.exit_code == 0, result.output
+    index = check_pngs_and_index(
+        tmp_path / "sim-report", {"allocation.png", "gbs.png", "time.png", "cost.png", "trajectory.png"}
+    )
+    for policy in json.loads(sim.read_text())["policies"]:
+        assert f"<th>{policy['policy']}</th><td>{policy['time_s'] / 3600:.2f} h" in index
+        assert math.isfinite(policy["time_s"])
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "is not a run folder with metrics"),
+        ('{"policies": []}', "expected the JSON that `jabas simulate --json` prints"),
+        ("not json", "sim.json"),
+    ],
+)
+def test_bad_input_exits_2(cli: CliRunner, tmp_path: Path, content: str | None, expected: str) -> None:
+    if content is None:
+        target = tmp_path / "empty-run"
+        target.mkdir()
+    else:
+        target = tmp_path / "sim.json"
+        target.write_text(content)
+    result = report(cli, str(target))
+    assert result.exit_code == 2, result.output
+    assert expected in result.stderr and "Traceback" not in result.output
