@@ -221,3 +221,17 @@ def test_a_solver_plan_is_given_to_the_ranks_server_by_server() -> None:
         8, (RankPlan(0, "fast", "cpu", 1, 0), RankPlan(1, "fast", "cpu", 1, 0), RankPlan(2, "fast", "cpu", 1, 0))
     )
     assert in_rank_order(current, other) is None
+
+
+def test_fp16_loss_scale_is_divided_out_and_a_skipped_step_is_not_a_measurement() -> None:
+    g = torch.Generator().manual_seed(3)
+    f, t = torch.randn(50, generator=g, dtype=torch.float64), torch.randn(50, generator=g, dtype=torch.float64)
+    plain = HalfGradients(float(f @ f), float(f @ t), float(t @ t), 5, 4)
+    s = 2.0**16  # what fp16's gradients carry until the update unscales them
+    scaled = HalfGradients(float((s * f) @ (s * f)), float((s * f) @ (s * t)), float((s * t) @ (s * t)), 5, 4)
+    assert scaled.unscaled(s).noise() == pytest.approx(plain.noise(), rel=1e-12)
+    assert scaled.unscaled(s).similarity() == pytest.approx(plain.similarity(), rel=1e-12)
+    assert plain.finite()
+    inf_t = t.clone()
+    inf_t[7] = math.inf
+    assert not HalfGradients(float(f @ f), float(f @ inf_t), float(inf_t @ inf_t), 5, 4).finite()

@@ -6,7 +6,11 @@ completes a multiple of the interval), on every rank:
 1. the iteration's first-half gradient is kept and all-reduced
    (:class:`~jabascli.adaptive.measure.FirstHalf`), giving the similarity and
    the noise estimates (:mod:`~jabascli.adaptive.estimators`, smoothed by
-   :class:`~jabascli.adaptive.noise.NoiseScale`);
+   :class:`~jabascli.adaptive.noise.NoiseScale`). The engine reads them
+   (:meth:`AdaptiveBatching.measure`) once the gradient is all-reduced and
+   before the update: unscaled from fp16's loss scale, never clipped. A
+   measurement with an inf or NaN (a step fp16 skips) is discarded: that
+   adjustment keeps the plan;
 2. rank 0 decides: the policy's target (:mod:`~jabascli.adaptive.policy`), the
    anti-flapping rule (:class:`~jabascli.adaptive.policy.Steadiness`), a plan
    for it on the same ranks (:mod:`~jabascli.adaptive.replan`) and the LR factor
@@ -78,6 +82,7 @@ class AdaptiveBatching:
         self.steady = Steadiness(dead_band=min(0.05, self.settings.adjust_rate / 2))
         self.lr = ScaledLr(optimizer, scheduler)
         self.first_half = FirstHalf(params)
+        self._halves: HalfGradients | None = None
         self.overhead_s = 0.0
         """Time this rank spent measuring and deciding (the measurement iterations' extra time)."""
 
@@ -143,6 +148,19 @@ class AdaptiveBatching:
             self.first_half.begin(iteration, plan.workers, replicas())
             self.overhead_s += time.perf_counter() - start
 
+    def measure(self, plan: TrainingPlan, loss_scale: Callable[[], float]) -> None:
+        """Once the iteration's gradient is all-reduced, before the update: the halves, if measuring.
+
+        ``loss_scale()`` is the factor the gradients carry (fp16's ``S``, else 1); it is divided out.
+        Clipping comes later, in the update: the measurement sees the whole, unclipped gradient.
+        """
+        if not self.first_half.active:
+            return
+        start = time.perf_counter()
+        halves = self.first_half.finish(plan.workers, plan.lbs)
+        self._halves = None if halves is None else halves.unscaled(loss_scale())
+        self.overhead_s += time.perf_counter() - start
+
     def after_step(
         self, step: int, plan: TrainingPlan, where: dict[str, int], report: Report | None
     ) -> TrainingPlan | None:
@@ -150,7 +168,7 @@ class AdaptiveBatching:
         if step % self.settings.adjust_interval:
             return None
         start = time.perf_counter()
-        halves = self.first_half.finish(plan.workers, plan.lbs)
+        halves, self._halves = self._halves, None
         event: dict[str, Any] = {}
         decision = torch.zeros(3 + 2 * plan.world_size, dtype=torch.float64)
         if self.rank == 0:
@@ -180,6 +198,8 @@ class AdaptiveBatching:
 
     def _decide(self, plan: TrainingPlan, halves: HalfGradients | None) -> tuple[TrainingPlan | None, dict[str, Any]]:
         s = self.settings
+        if halves is not None and not halves.finite():
+            return None, self._kept(plan, "keep: the gradient was not finite (fp16 skipped the step): no measurement")
         similarity = None
         grad_sq = trace = None
         if halves is not None:
@@ -237,6 +257,26 @@ class AdaptiveBatching:
         }
         return new, event
 
+    def _kept(self, plan: TrainingPlan, reason: str) -> dict[str, Any]:
+        """The event of an adjustment that measured nothing and changes nothing."""
+        return {
+            "metric": self.settings.metric,
+            "similarity": None,
+            "noise_scale": self.noise.value(),
+            "grad_sq": None,
+            "trace": None,
+            "target_gbs": plan.gbs,
+            "old_gbs": plan.gbs,
+            "new_gbs": plan.gbs,
+            "old_lbs": plan.lbs,
+            "new_lbs": plan.lbs,
+            "plan": plan.describe(),
+            "changed": False,
+            "reason": reason,
+            "source": self.replanner.source,
+            "lr_factor": self.lr.factor,
+        }
+
     # -- checkpoints -----------------------------------------------------------------------------
 
     def state_dict(self, plan: TrainingPlan) -> dict[str, Any]:
@@ -263,6 +303,9 @@ class FixedBatching:
         return plan
 
     def begin(self, step: int, iteration: Iteration, plan: TrainingPlan, replicas: Replicas) -> None:
+        pass
+
+    def measure(self, plan: TrainingPlan, loss_scale: Callable[[], float]) -> None:
         pass
 
     def after_step(

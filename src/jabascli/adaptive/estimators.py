@@ -60,6 +60,15 @@ class HalfGradients:
     def second(self) -> int:
         return self.workers - self.first
 
+    def unscaled(self, scale: float) -> HalfGradients:
+        """The products of gradients that were ``scale`` times the true ones (fp16's loss scale ``S``): ``/ S^2``."""
+        s2 = scale * scale
+        return HalfGradients(self.ff / s2, self.ft / s2, self.tt / s2, self.workers, self.lbs)
+
+    def finite(self) -> bool:
+        """False when a gradient held an inf or NaN (an fp16 step the loss scaler skips)."""
+        return all(math.isfinite(x) for x in (self.ff, self.ft, self.tt))
+
     def half_norms(self) -> tuple[float, float, float]:
         """``(|g_A|^2, |g_B|^2, g_A . g_B)``."""
         w, a, b = self.workers, self.first, self.second

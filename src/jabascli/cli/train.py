@@ -168,7 +168,8 @@ class _RunDisplay:
                     f"{event['world_size']} trainers on {event['device']}, "
                     f"GBS {event['gbs']} = LBS {event['lbs']} x {event['workers']} workers ({event['plan']}), "
                     f"weight sync {event['weight_sync']} ({event['weight_sync_reason']}), "
-                    f"VSW strategy {event['vsw_strategy']}"
+                    f"VSW strategy {event['vsw_strategy']}, precision {event.get('precision', 'fp32')}, "
+                    f"loader workers {event.get('loader_workers', 0)}"
                 )
                 console.print(f"[bold]{escape(event['job'])}[/bold]: {escape(details)}", highlight=False)
             total = event["steps_per_epoch"]

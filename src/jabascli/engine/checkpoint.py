@@ -92,6 +92,7 @@ def save_checkpoint(
     config: dict[str, Any],
     plan: dict[str, Any],
     adaptive: dict[str, Any] | None = None,
+    grad_scaler: dict[str, Any] | None = None,
 ) -> Path:
     payload = {
         "format": FORMAT,
@@ -106,6 +107,7 @@ def save_checkpoint(
         "config": config,
         "plan": plan,
         "adaptive": adaptive,
+        "grad_scaler": grad_scaler or {},  # fp16's loss scale (engine/step_policy.py); empty otherwise
     }
     buffer = io.BytesIO()  # serialise first: a failure cannot leave a temporary file behind
     torch.save(payload, buffer)

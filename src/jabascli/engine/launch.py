@@ -71,6 +71,9 @@ def run_local(
     options = options or TrainOptions()
     plan = load_plan(loaded, options.plan)
     check_batching(loaded, plan)
+    from jabascli.engine.step_policy import check_job_precision_inputs
+
+    check_job_precision_inputs(loaded, plan)
     if options.resume is not None:
         from jabascli.engine.checkpoint import check_resumable
         from jabascli.workload import load_workload

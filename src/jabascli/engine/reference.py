@@ -4,6 +4,10 @@ Per iteration it takes the GBS samples the sampler deals, feeds them in
 micro-batches of LBS in worker order (so BatchNorm sees the same per-micro-batch
 statistics, and every micro-batch is drawn after the same seeding), accumulates
 ``loss / (GBS / LBS)``, and steps the optimizer and the LR scheduler once.
+With ``[job] precision`` bf16/fp16 the forward runs under autocast and fp16
+scales the loss (``GradScaler``: unscale, skip the step on inf/NaN); a clip
+norm (``[job] clip_grad_norm`` or the workload's) clips the accumulated
+gradient by its global norm before the step.
 Tests compare trainers against it; it is also a readable statement of the
 semantics.
 
@@ -14,7 +18,8 @@ permutation at the position the previous one left, and an epoch ends when
 fewer than the current GBS samples are left (the remainder rule). With
 ``halves_every`` it also measures, as plainly, what an adaptive job's
 measurement iterations measure: the gradient of the first ``floor(W/2)``
-workers and the full gradient (:class:`~jabascli.adaptive.estimators.HalfGradients`).
+workers and the full gradient (:class:`~jabascli.adaptive.estimators.HalfGradients`),
+before clipping and without fp16's loss scale, as the trainers do.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from jabascli.config import LoadedConfig
 from jabascli.engine.data import BatchLoader, seed_worker
 from jabascli.engine.plan import TrainingPlan
 from jabascli.engine.sampler import IIDPSampler
+from jabascli.engine.step_policy import PRECISIONS, step_settings
 from jabascli.workload import load_workload
 
 
@@ -41,20 +47,26 @@ def reference_run(
     schedule: Sequence[dict[str, Any]] | None = None,
     halves_every: int | None = None,
     halves: dict[int, HalfGradients] | None = None,
+    device: torch.device | str = "cpu",
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Train the config's workload for ``steps`` iterations at the plan's LBS and GBS (or ``schedule``'s).
 
     With ``halves_every``, ``halves[step]`` gets the measurement of every iteration that completes a
-    multiple of it (``step`` iterations done).
+    multiple of it (``step`` iterations done): of the gradient before clipping, with fp16's loss
+    scale divided out.
     """
+    device = torch.device(device)
     cfg = loaded.config
     workload = load_workload(cfg.job.workload, cfg.job.options, cfg.job.data)
     torch.manual_seed(cfg.job.seed)
-    model = workload.build_model()
+    model = workload.build_model().to(device)
     optimizer = workload.optimizer(model.parameters())
     lr = ScaledLr(optimizer, workload.lr_scheduler(optimizer))
+    settings = step_settings(cfg.job, workload)
+    dtype = PRECISIONS[settings.precision]
+    scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
     dataset = workload.train_dataset()
-    load = BatchLoader(dataset, torch.device("cpu"), workload.collate)
+    load = BatchLoader(dataset, device, workload.collate)
     sampler = IIDPSampler(len(dataset), cfg.job.seed)
     schedule = schedule or [{"step": 0, "gbs": plan.gbs, "lbs": plan.lbs, "lr_factor": 1.0}]
     done, epoch, position = 0, 0, 0
@@ -73,17 +85,24 @@ def reference_run(
         first: torch.Tensor | None = None
         for w in range(workers):
             at = position + w * lbs
-            seed_worker(sampler.worker_seed(epoch, at), torch.device("cpu"))
+            seed_worker(sampler.worker_seed(epoch, at), device)
             inputs, target = load(perm[at : at + lbs])
-            output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            loss: Any = workload.loss(output, target)
-            (loss / workers).backward()
+            with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+                loss: Any = workload.loss(output, target)
+            scaler.scale(loss / workers).backward()
             if measuring and w == half_split(workers) - 1:
                 first = _flat_grad(model)
         if halves is not None and first is not None:
             f, t = first, _flat_grad(model)
-            halves[done + 1] = HalfGradients(float(f @ f), float(f @ t), float(t @ t), workers, lbs)
-        optimizer.step()
+            scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
+            measured = HalfGradients(float(f @ f), float(f @ t), float(t @ t), workers, lbs)
+            halves[done + 1] = measured.unscaled(scale)
+        scaler.unscale_(optimizer)  # a no-op unless fp16
+        if settings.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip_grad_norm)
+        scaler.step(optimizer)  # optimizer.step(), unless fp16 found an inf or NaN
+        scaler.update()
         lr.step()
         position += gbs
         done += 1

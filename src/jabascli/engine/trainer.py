@@ -6,8 +6,11 @@ Every iteration, on every rank ``r``::
         loss_w = mean loss of the micro-batch          # normalised with its own batch statistics
         backward(loss_w / (GBS / LBS))                 # only the rank's last backward communicates
     all-reduce (SUM) every gradient bucket             # = mean over all GBS / LBS workers
-    optimizer step (per bucket with overlap), LR scheduler step
+    adaptive measurement (every adjust_interval)       # adaptive: first-half gradient, unscaled, unclipped
+    fp16 unscale (skip on inf/NaN), clip, optimizer step   # step_policy; per bucket with overlap
+    LR scheduler step
     running statistics and loss: one all-reduce      # exact, identical everywhere
+    adaptive decision: maybe another plan for the next iteration (same ranks)
 
 which is synchronous SGD at GBS: every rank ends the iteration with the same
 parameters as one process that feeds the GBS samples in micro-batches of LBS
@@ -38,10 +41,13 @@ from jabascli.engine.data import BatchLoader, batch_len
 from jabascli.engine.distributed import DistEnv, choose_device, init_process_group, wrap_ddp
 from jabascli.engine.events import EventSink
 from jabascli.engine.layout import checkpoint_path, run_folder
+from jabascli.engine.loader import MicroBatchFeed, default_loader_workers
+from jabascli.engine.memory_limit import MemoryLimit
 from jabascli.engine.metrics import MetricsWriter
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import TrainingPlan, load_plan
 from jabascli.engine.sampler import IIDPSampler, Iteration
+from jabascli.engine.step_policy import StepPolicy, check_job_precision_inputs, check_precision, step_settings
 from jabascli.engine.timing import PhaseTimer
 from jabascli.engine.vsw import Emulation, WorkerStep, build_vsw_strategy, choose_vsw_strategy, make_replicas
 from jabascli.engine.weight_sync import (
@@ -90,6 +96,7 @@ def run_trainer(
         with _sigterm_raises():
             plan = load_plan(loaded, options.plan)
             plan.check_world_size(env.world_size)
+            check_job_precision_inputs(loaded, plan)  # every rank, so that all of them stop
             check_batching(loaded, plan)  # `jabas run` did already; not plain torchrun
             device = choose_device(plan, env)
             created = init_process_group(env, device)
@@ -137,6 +144,9 @@ class Trainer:
         self.model = model
         self.optimizer = self.workload.optimizer(model.parameters())
         self.scheduler = self.workload.lr_scheduler(self.optimizer)
+        # Precision and clipping: how the reduced gradient becomes an update (engine/step_policy.py).
+        check_precision(cfg.job.precision, device.type, loaded.path)
+        self.step_policy = StepPolicy(step_settings(cfg.job, self.workload), self.optimizer, model.parameters(), device)
         self.progress = Progress()
         payload: dict | None = None
         if options.resume is not None:
@@ -144,6 +154,7 @@ class Trainer:
             self.progress = restore_checkpoint(
                 payload, options.resume, model=model, optimizer=self.optimizer, scheduler=self.scheduler
             )
+            self.step_policy.load_state_dict(payload.get("grad_scaler") or {})
 
         # The data: one seeded permutation per epoch, dealt to the workers in LBS chunks.
         self.train_set = self.workload.train_dataset()
@@ -181,9 +192,22 @@ class Trainer:
         self.gradient_sync.register(self.ddp)
         self.buffers.carried = True  # the statistics and loss ride on the last bucket's all-reduce
         load = BatchLoader(self.train_set, device, self.workload.collate)
-        self.worker_step = WorkerStep(self.workload.loss, load, plan.workers, self.buffers, self.emulation)
-        self.worker_step.observer = self.adaptive.observer
+        workers = default_loader_workers(cfg.job.loader_workers, device)  # 0: load in this process
+        self.feed = MicroBatchFeed(self.train_set, self.workload.collate, device, workers) if workers else None
+        self.worker_step = WorkerStep(
+            self.workload.loss,
+            load,
+            plan.workers,
+            self.buffers,
+            self.emulation,
+            precision=self.step_policy.precision,
+            feed=self.feed,
+            observer=self.adaptive.observer,
+        )
         self.timer = PhaseTimer()
+        # Emulated devices: out of memory as the GPU would be, over the first iterations (engine/memory_limit.py).
+        self.memory_limit = MemoryLimit(self.me.memory_bytes, f"{self.me.server} ({self.me.device_type}), rank {rank}")
+        self.memory_limit.start(replicas, self.optimizer)
 
     def set_timer(self, timer: PhaseTimer) -> None:
         """Report phase boundaries to ``timer`` (the computation profiler's; training keeps the no-op default)."""
@@ -225,7 +249,8 @@ class Trainer:
         steps = samples = 0
         epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for iteration in self._iterations(epoch):
-            loss = self.train_step(iteration)
+            with self.memory_limit.watch():
+                loss = self.train_step(iteration)
             self.progress.position = iteration.position + self.plan.gbs
             self.progress.step += 1
             steps, samples = steps + 1, samples + self.plan.gbs
@@ -266,12 +291,21 @@ class Trainer:
         """This rank's iterations of ``epoch`` from the current position, dealt afresh after a plan change."""
         while True:
             plan = self.plan
-            for iteration in self.sampler.rank_iterations(epoch, self.progress.position, plan, self.rank):
+            for iteration in self._stream(epoch, plan):
                 yield iteration
                 if self.plan is not plan:
                     break
             else:
                 return
+
+    def _stream(self, epoch: int, plan: TrainingPlan) -> Iterator[Iteration]:
+        """The iterations ``plan`` deals from the current position; loader workers follow each stream afresh.
+
+        A new stream starts a new loader iterator (:meth:`MicroBatchFeed.follow`), which drops what the
+        workers had prefetched for the previous one: after a plan change no stale micro-batch is trained.
+        """
+        iterations = self.sampler.rank_iterations(epoch, self.progress.position, plan, self.rank)
+        return iterations if self.feed is None else self.feed.follow(iterations)
 
     def train_step(self, iteration: Iteration) -> torch.Tensor:
         """One iteration of this rank; returns the mean loss over all workers of the job."""
@@ -283,8 +317,9 @@ class Trainer:
         self.adaptive.begin(self.progress.step, iteration, self.plan, self._replica_params)
         timer.mark("overhead")
         self.vsw.run(iteration.micro_batches, self.worker_step)  # all-reduces every gradient bucket
+        self.adaptive.measure(self.plan, self.step_policy.loss_scale)  # before the update unscales or clips
         if self.weight_sync == "sequential":
-            self.optimizer.step()  # with overlap, each bucket was already updated as its all-reduce completed
+            self.step_policy.step()  # with overlap, each bucket was already updated as its all-reduce completed
             timer.mark("update")
         if self.scheduler is not None:
             self.scheduler.step()
@@ -312,9 +347,11 @@ class Trainer:
         LBS, GBS and this rank's VSW and GA change; the VSW replicas are rebuilt
         (from replica 0, so with its parameters and statistics) when their count
         changes; the model, optimizer, LR scheduler, DDP and its communication
-        hook are kept. The sampler deals the rest of the epoch at the new GBS.
+        hook are kept. The sampler deals the rest of the epoch at the new GBS, a
+        new stream that loader workers follow afresh (:meth:`_stream`), and the
+        emulated memory limit watches the next iterations of the new plan.
         """
-        self.plan, self.me = plan, plan.rank(self.rank)
+        previous, self.plan, self.me = self.plan, plan, plan.rank(self.rank)
         if self.vsw_name == "streams" and len(self.vsw.replicas) != self.me.vsw:
             self.vsw = build_vsw_strategy(self.vsw_name, make_replicas(self.model, self.me.vsw), self.ddp)
             self.vsw.after_step()
@@ -323,6 +360,8 @@ class Trainer:
         self.gradient_sync.replicas = [list(r) for r in self.vsw.replica_params()]
         self.gradient_sync.riders = self.buffers.take_riders
         self.worker_step.workers, self.worker_step.buffers = plan.workers, self.buffers
+        if plan is not previous:  # not when only the LR factor changed
+            self.memory_limit.start(self.vsw.replicas, self.optimizer)
         self.progress.record_plan(plan.gbs, plan.lbs, plan.describe(), self.adaptive.lr_factor())
 
     def _replica_params(self) -> list[list[torch.nn.Parameter]]:
@@ -371,6 +410,9 @@ class Trainer:
     # -- decisions, checkpoints, reports ---------------------------------------------------------
 
     def _choose_weight_sync(self, requested: str) -> tuple[str, str]:
+        forced = self.step_policy.settings.sequential_reason()
+        if forced is not None:
+            return "sequential", forced if requested != "overlap" else f"overlap asked for, but {forced}"
         if requested == "overlap" and not supports_overlap(self.optimizer):
             name = type(self.optimizer).__name__
             raise InputError.at(
@@ -408,6 +450,7 @@ class Trainer:
             config=self.loaded.config.model_dump(mode="json"),
             plan=self.plan.to_dict(),
             adaptive=self.adaptive.state_dict(self.plan),
+            grad_scaler=self.step_policy.state_dict(),
         )
         if self.emit:
             p = self.progress
@@ -438,6 +481,8 @@ class Trainer:
                 "weight_sync": self.weight_sync,
                 "weight_sync_reason": self.weight_sync_reason,
                 "vsw_strategy": self.vsw_name,
+                "loader_workers": 0 if self.feed is None else self.feed.workers,
+                "precision": self.step_policy.settings.precision,
                 "device": str(self.device),
                 "epochs": self.epochs,
                 "steps_per_epoch": self.sampler.iterations_per_epoch(plan.gbs),
