@@ -48,9 +48,22 @@ class TraceResult:
             "fastest_baseline": fastest.policy,
             "cheapest_baseline": cheapest.policy,
             "time_ratio": jabas.time_s / fastest.time_s,
-            "cost_ratio_vs_fastest": jabas.cost / fastest.cost,
-            "cost_ratio_vs_cheapest": jabas.cost / cheapest.cost,
+            "cost_ratio_vs_fastest": _ratio(jabas.cost, fastest.cost),
+            "cost_ratio_vs_cheapest": _ratio(jabas.cost, cheapest.cost),
         }
+
+    def relative(self) -> dict[str, tuple[float, float | None]]:
+        """Each policy's time over the fastest baseline's and cost over the cheapest baseline's.
+
+        The two ratios the issue's targets are about (``jabas``: time <= 0.85, cost <= 1),
+        for every policy, so a table can show where each stands; empty without a baseline.
+        """
+        baselines = [p for p in self.policies if p.policy.startswith(BASELINES)]
+        if not baselines:
+            return {}
+        fastest = min(p.time_s for p in baselines)
+        cheapest = min(p.cost for p in baselines)
+        return {p.policy: (p.time_s / fastest, _ratio(p.cost, cheapest)) for p in self.policies}
 
     def to_json(self, timeline: bool = True) -> dict[str, Any]:
         return {
@@ -61,6 +74,11 @@ class TraceResult:
             "policies": [p.to_json(timeline) for p in self.policies],
             "comparison": self.comparison(),
         }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """``a / b``, or None where a price of 0 (``--prices aws=0``) makes the baseline free."""
+    return a / b if b > 0 else None
 
 
 def simulate_trace(

@@ -41,6 +41,7 @@ class PolicyResult:
     epochs: int = 0
     target_reached: bool | None = None
     final_metric: float = 0.0
+    progress: float = 0.0  # statistical progress at the end (the trace's end, or where the target was met)
     details: dict[str, Any] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
 
@@ -55,6 +56,7 @@ class PolicyResult:
             "epochs": self.epochs,
             "target_reached": self.target_reached,
             "final_metric": self.final_metric,
+            "progress": round(self.progress, 3),
             **self.details,
         }
         if timeline:
@@ -97,6 +99,7 @@ def run_policy(
                 "lbs": round(config.lbs, 3),
                 "iter_s": round(config.iter_s, 6),
                 "allocation": describe(allocation, per_node),
+                "gpus": dict(allocation),
                 "micro_steps": config.micro_steps,
             }
         )
@@ -106,6 +109,7 @@ def run_policy(
         result.iterations += seconds / config.iter_s
         result.epochs = epoch + 1
         progress = float(stats.boundaries[epoch])
+        result.progress = progress
         result.final_metric = stats.best_metric(config.gbs, epoch)
         if target_metric is not None and stats.reached(result.final_metric, target_metric):
             break
