@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ def write_report(source: Path, out: Path | None = None) -> Report:
     if isinstance(data, RunData):
         _run_plots(data, report)
         title = f"jabas run {data.folder.name}"
+    elif data.is_trace:
+        _trace_plots(data, report)
+        title = f"jabas simulate --trace {data.data.get('trace', '')} ({data.path.name})"
     else:
         _simulation_plots(data, report)
         title = f"jabas simulate {data.path.name}"
@@ -121,6 +125,68 @@ def _simulation_plots(sim: SimulationData, report: Report) -> None:
             f"{p.get('moves', 0)} moves"
         )  # fmt: skip
         report.summary.append((p["policy"], text))
+
+
+def _trace_plots(sim: SimulationData, report: Report) -> None:
+    """A trace simulation: GBS, GPUs and progress over time for every policy, the allocation per adaptive one.
+
+    Each timeline entry holds from its ``start_s`` to the next one; the last
+    until the policy's ``time_s``, where the job ends at its final ``progress``.
+    """
+    out, policies = report.folder, sim.policies
+
+    def held(p: dict[str, Any], value: Any) -> tuple[list[float], list[float]]:
+        xs = [float(e["start_s"]) / 3600 for e in p["timeline"]] + [float(p["time_s"]) / 3600]
+        ys = [float(value(e)) for e in p["timeline"]]
+        return xs, ys + ys[-1:]
+
+    def gpus(entry: dict[str, Any]) -> float:
+        return float(sum((entry.get("gpus") or {}).values())) if entry.get("gpus") else math.nan
+
+    progress = []
+    for p in policies:
+        xs = [float(e["start_s"]) / 3600 for e in p["timeline"]] + [float(p["time_s"]) / 3600]
+        ys = [float(e["progress"]) for e in p["timeline"]] + [float(p.get("progress", math.nan))]
+        progress.append((p["policy"], xs, ys))
+    report.images += [
+        plots.lines(out / "gbs.png", "Global batch size", "hours", "GBS",
+                    [(p["policy"], *held(p, lambda e: e["gbs"])) for p in policies], step=True),
+        plots.lines(out / "gpus.png", "GPUs allocated", "hours", "GPUs",
+                    [(p["policy"], *held(p, gpus)) for p in policies], step=True),
+        plots.lines(out / "progress.png", "Statistical progress (samples at the base batch size)", "hours",
+                    "progress", progress),
+    ]  # fmt: skip
+    # fixed-* and ddp-all keep one allocation all along (gpus.png shows it); the adaptive policies get one plot each
+    for p in policies:
+        if p["policy"].startswith(("fixed-", "ddp-all")) or not p["timeline"]:
+            continue
+        types = list(dict.fromkeys(t for e in p["timeline"] for t in (e.get("gpus") or {})))
+        xs = [float(e["start_s"]) / 3600 for e in p["timeline"]]
+        by_type = {t: [float((e.get("gpus") or {}).get(t, 0)) for e in p["timeline"]] for t in types}
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", p["policy"])
+        report.images.append(
+            plots.stacked_allocation(out / f"allocation-{name}.png", f"Allocation: {p['policy']}", "hours",
+                                     xs, by_type, end=float(p["time_s"]) / 3600)
+        )  # fmt: skip
+    report.summary = [
+        ("simulation", str(sim.path)),
+        ("trace", str(sim.data.get("trace", "?"))),
+        ("cluster", ", ".join(f"{t}: {n} nodes" for t, n in (sim.data.get("cluster") or {}).items())),
+        ("target metric", str(sim.data.get("target_metric") or "none: to the trace's end")),
+    ]  # fmt: skip
+    for p in policies:
+        report.summary.append((
+            p["policy"],
+            f"{p['time_s'] / 3600:.2f} h, cost {p.get('cost', math.nan):.2f}, "
+            f"{p.get('gpu_hours', math.nan):.1f} GPU-h, {p.get('moves', 0)} moves",
+        ))  # fmt: skip
+    comparison = sim.data.get("comparison")
+    if isinstance(comparison, dict):
+        report.summary.append((
+            "jabas vs baselines",
+            f"time {_fmt(comparison.get('time_ratio'), '{:.2f}')}x {comparison.get('fastest_baseline')}, "
+            f"cost {_fmt(comparison.get('cost_ratio_vs_cheapest'), '{:.2f}')}x {comparison.get('cheapest_baseline')}",
+        ))  # fmt: skip
 
 
 def _fmt(value: float | None, pattern: str) -> str:

@@ -52,6 +52,10 @@ def lines(
 ) -> Path:
     """One line per ``(label, xs, ys)``; NaN points left out; an empty series still gives a titled plot."""
     fig, ax = _figure(title, xlabel, ylabel)
+    if len(series) > 10:  # the default cycle repeats after 10: two policies would share a colour
+        import matplotlib
+
+        ax.set_prop_cycle(color=matplotlib.colormaps["tab20"].colors)
     drawn = False
     for label, xs, ys in series:
         x, y = _finite(xs, ys)
@@ -71,12 +75,17 @@ def lines(
 
 
 def stacked_allocation(
-    path: Path, title: str, xlabel: str, xs: Sequence[float], by_server: dict[str, list[float]]
+    path: Path,
+    title: str,
+    xlabel: str,
+    xs: Sequence[float],
+    by_server: dict[str, list[float]],
+    end: float | None = None,
 ) -> Path:
-    """GPUs used per server over time, stacked, held until the next decision."""
+    """GPUs used per server over time, stacked, held until the next decision (the last one until ``end``)."""
     fig, ax = _figure(title, xlabel, "GPUs")
     if xs:
-        x = [*xs, xs[-1] + 1]
+        x = [*xs, xs[-1] + 1 if end is None else end]
         ys = [[*values, values[-1]] for values in by_server.values()]
         ax.stackplot(x, ys, labels=list(by_server), step="post")
         ax.legend(fontsize="small", loc="upper left")

@@ -74,6 +74,11 @@ class SimulationData:
     def policies(self) -> list[dict[str, Any]]:
         return list(self.data["policies"])
 
+    @property
+    def is_trace(self) -> bool:
+        """A ``jabas simulate --trace`` file (per-policy timelines) rather than a trajectory simulation."""
+        return "timeline" in self.data["policies"][0]
+
 
 def read_source(path: Path) -> RunData | SimulationData:
     """A run folder with metrics, or a simulation JSON file; InputError for anything else."""
@@ -90,6 +95,23 @@ def read_source(path: Path) -> RunData | SimulationData:
     if not isinstance(data, dict) or not isinstance(data.get("policies"), list) or not data["policies"]:
         raise InputError.at(path, "policies", "expected the JSON that `jabas simulate --json` prints")
     for i, policy in enumerate(data["policies"]):
-        if not isinstance(policy, dict) or "policy" not in policy or not isinstance(policy.get("epochs"), list):
-            raise InputError.at(path, f"policies[{i}]", "expected an object with 'policy' and 'epochs'")
+        if not isinstance(policy, dict) or "policy" not in policy:
+            raise InputError.at(path, f"policies[{i}]", "expected an object with 'policy' and 'epochs' or 'timeline'")
+        if isinstance(policy.get("timeline"), list):
+            _check_timeline(path, i, policy)
+        elif not isinstance(policy.get("epochs"), list):
+            raise InputError.at(path, f"policies[{i}]", "expected an object with 'policy' and 'epochs' or 'timeline'")
     return SimulationData(path, data)
+
+
+def _check_timeline(path: Path, i: int, policy: dict[str, Any]) -> None:
+    """A trace simulation's policy: a finishing time and timeline entries with numbers where plotted."""
+    if not isinstance(policy.get("time_s"), int | float):
+        raise InputError.at(path, f"policies[{i}].time_s", "expected a number of seconds")
+    for k, entry in enumerate(policy["timeline"]):
+        if not isinstance(entry, dict) or not all(
+            isinstance(entry.get(key), int | float) for key in ("start_s", "progress", "gbs")
+        ):
+            raise InputError.at(
+                path, f"policies[{i}].timeline[{k}]", "expected numbers 'start_s', 'progress' and 'gbs'"
+            )
