@@ -70,7 +70,11 @@ def _validation_rows(batch: int, sqr: list[float], var: list[float], epoch_progr
 
 @pytest.fixture
 def synthetic(tmp_path: Path) -> Path:
-    folder = tmp_path / "toy"
+    return write_synthetic_trace(tmp_path / "toy")
+
+
+def write_synthetic_trace(folder: Path) -> Path:
+    """A trace folder with one GPU type (aws) and two validation runs (GBS 100 and 400)."""
     folder.mkdir()
     placements = ["1", "2", "4", "44", "444"]
     rows = []
