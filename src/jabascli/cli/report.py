@@ -23,13 +23,17 @@ def report(
     """PNG plots (loss, validation accuracy, GBS, LR, throughput, allocation) and an index.html.
 
     For a simulation: GPUs, GBS, cumulative time and cost per epoch for each
-    policy. Works on a run that is still going: it shows what is logged so far.
+    policy; for a trace simulation (--trace): GBS, GPUs and progress over time
+    per policy, and each adaptive policy's allocation by GPU type. Works on a
+    run that is still going: it shows what is logged so far.
 
     Example:
 
         jabas report runs/quickstart
 
         jabas simulate -c jabas.toml --trajectory grow:256:8192 --json > sim.json && jabas report sim.json
+
+        jabas report trace.json   # from jabas simulate --trace DIR --cluster aws:2,rtx:1 --json > trace.json
     """
     from jabascli.report import write_report  # matplotlib: only when reporting
 

@@ -105,8 +105,7 @@ def simulate(
 
         jabas simulate --trace ../shared/reference/sia-traces/imagenet --cluster aws:6,dgx-ext:2,rtx:3
 
-        jabas simulate --trace ../shared/reference/sia-traces/cifar10 --cluster aws:2,rtx:1,azure:1 \\
-            --policies fixed,pollux,jabas --prices rtx=1.2 --target-metric 0.94 --json > sim.json
+        jabas simulate --trace ../shared/reference/sia-traces/cifar10 --cluster aws:2,rtx:1 --json > sim.json
     """
     trace_given = {"--cluster": cluster, "--policies": policies, "--prices": prices, "--target-metric": target_metric}
     trajectory_given = {
