@@ -54,6 +54,19 @@ def test_table_shows_each_policy_and_its_ratios(cli: CliRunner, trace: Path) -> 
     assert "time / fastest" in result.stdout and "cost / cheapest" in result.stdout
 
 
+def test_free_gpus_give_no_cost_ratio_instead_of_a_division_by_zero(cli: CliRunner, trace: Path) -> None:
+    args = ["--trace", str(trace), "--cluster", "aws:1", "--policies", "fixed-100,jabas", "--prices", "aws=0"]
+    result = simulate(cli, *args, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [p["cost"] for p in data["policies"]] == [0, 0]
+    assert data["comparison"]["cost_ratio_vs_cheapest"] is None and data["comparison"]["time_ratio"] > 0
+    table = simulate(cli, *args)
+    assert table.exit_code == 0, table.output
+    jabas_row = next(line for line in table.stdout.splitlines() if line.strip("│ ").startswith("jabas "))
+    assert jabas_row.rstrip("│ ").endswith("-")
+
+
 def _too_small(trace: Path) -> None:
     """Only two-node placements traced: one node has no measured configuration."""
     rows = _rows(trace / "placements-aws.csv")
@@ -80,6 +93,7 @@ def _too_small(trace: Path) -> None:
         ("", ["--cluster", "aws:1", "--trajectory", "flat:256"], "--trajectory: not used with --trace"),
         ("", ["--cluster", "aws:1", "-c", "jabas.toml"], "--config: not used with --trace"),
         ("no --trace", ["--cluster", "aws:1"], "--cluster: not used without --trace"),
+        ("no --trace", [], "expected -c FILE --trajectory SPEC, or --trace DIR --cluster TYPE:NODES"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(
