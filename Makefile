@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: quickstart test lint venv clean sshd
+.PHONY: quickstart test lint venv clean sshd gpu-check
 
 quickstart: $(VENV)/.installed-base
 	$(VENV)/bin/jabas run -c examples/quickstart.toml
@@ -22,6 +22,11 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format --check src tests models benchmarks
 
 venv: $(VENV)/.installed-test
+
+# On a machine with a GPU: the CUDA paths (tests marked gpu) and the engine's overhead on CUDA.
+gpu-check: $(VENV)/.installed-test
+	$(PY) -m pytest -m gpu -v -rs
+	$(PY) benchmarks/engine_overhead.py --device cuda
 
 # The jabas sync tests start real OpenSSH servers on loopback ports. On a fresh
 # Debian machine run as root (CI), install openssh-server for them; anywhere

@@ -11,7 +11,12 @@ time of each and their ratio::
     ratio=X   jabas (VSW 1, GA 0) / DDP
     ratio=X   jabas (VSW 2, GA 0) / DDP with 2 accumulation micro-steps (no_sync, then sync)
 
-Run: ``.venv/bin/python benchmarks/engine_overhead.py [--rounds 12 --block 5 --lbs 32]``.
+With ``--device cuda`` both processes run on the GPU (each on ``cuda:rank`` with
+NCCL when there are two GPUs; on one GPU both share it over gloo, since NCCL
+refuses two ranks on one device), and iterations are timed after a CUDA
+synchronisation.
+
+Run: ``.venv/bin/python benchmarks/engine_overhead.py [--rounds 12 --block 5 --lbs 32 --device cpu]``.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import default_collate
 
 from jabascli.config import load_config
-from jabascli.engine.distributed import DistEnv, init_process_group
+from jabascli.engine.data import to_device
+from jabascli.engine.distributed import SHARE_GPUS_ENV, DistEnv, init_process_group
 from jabascli.engine.launch import free_port
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
@@ -77,7 +83,7 @@ options = {{ width = {width}, samples = {samples} }}
 
 [[cluster.servers]]
 name = "local"
-device_type = "cpu"
+device_type = "{device_type}"
 devices = 2
 vsw = {vsw}
 
@@ -93,31 +99,46 @@ def write_config(folder: Path, vsw: int, args: argparse.Namespace) -> Path:
     samples = 2 * vsw * args.lbs * args.block * 2  # two blocks' worth, reused every round
     path = folder / f"vsw{vsw}.toml"
     path.write_text(
-        CONFIG.format(workload=workload, lbs=args.lbs, width=args.width, samples=samples, vsw=vsw, folder=folder)
+        CONFIG.format(
+            workload=workload,
+            lbs=args.lbs,
+            width=args.width,
+            samples=samples,
+            vsw=vsw,
+            folder=folder,
+            device_type="gpu" if args.device == "cuda" else "cpu",
+        )
     )
     return path
 
 
 def rank_main(rank: int, port: int, configs: list[str], args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(args.threads)
-    init_process_group(DistEnv(rank, 2, rank, "127.0.0.1", port), torch.device("cpu"))
-    lines = [measure(Path(config), rank, args) for config in configs]
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        if torch.cuda.device_count() < 2:
+            os.environ[SHARE_GPUS_ENV] = "1"  # both ranks on the one GPU, over gloo
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    init_process_group(DistEnv(rank, 2, rank, "127.0.0.1", port), device)
+    lines = [measure(Path(config), rank, args, device) for config in configs]
     gc.collect()  # free every DDP before its process group
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text("\n".join(lines) + "\n")
 
 
-def measure(config: Path, rank: int, args: argparse.Namespace) -> str:
+def measure(config: Path, rank: int, args: argparse.Namespace, device: torch.device) -> str:
     """Alternate blocks of jabas and DDP iterations on the same samples; rank 0 returns the figures."""
     loaded = load_config(config)
     plan = load_plan(loaded)
-    trainer = Trainer(loaded, plan, rank, torch.device("cpu"), TrainOptions(metrics=False))
+    trainer = Trainer(loaded, plan, rank, device, TrainOptions(metrics=False))
     iterations = list(trainer.sampler.rank_iterations(0, 0, plan, rank))
     workload, dataset = trainer.workload, trainer.train_set
 
     torch.manual_seed(loaded.config.job.seed)
-    ddp = DistributedDataParallel(workload.build_model())
+    cuda = device.type == "cuda"
+    ddp = DistributedDataParallel(workload.build_model().to(device), device_ids=[device.index] if cuda else None)
     optimizer = workload.optimizer(ddp.parameters())
     micro_steps = plan.rank(rank).micro_steps
 
@@ -125,9 +146,9 @@ def measure(config: Path, rank: int, args: argparse.Namespace) -> str:
         *local, last = iteration.micro_batches
         with ddp.no_sync():
             for mb in local:
-                x, y = default_collate([dataset[i] for i in mb.indices])
+                x, y = to_device(default_collate([dataset[i] for i in mb.indices]), device)
                 (workload.loss(ddp(x), y) / micro_steps).backward()
-        x, y = default_collate([dataset[i] for i in last.indices])
+        x, y = to_device(default_collate([dataset[i] for i in last.indices]), device)
         (workload.loss(ddp(x), y) / micro_steps).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -140,6 +161,8 @@ def measure(config: Path, rank: int, args: argparse.Namespace) -> str:
                 dist.barrier()
                 start = time.perf_counter()
                 step(iteration)
+                if cuda:
+                    torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - start
                 if round_ > 0:
                     times[name].append(elapsed)
@@ -168,6 +191,7 @@ def main() -> None:
     parser.add_argument("--lbs", type=int, default=32, help="local batch size (default 32)")
     parser.add_argument("--width", type=int, default=32, help="channels of the first convolution (default 32)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both ranks train (default cpu)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     with tempfile.TemporaryDirectory() as tmp:

@@ -26,8 +26,9 @@ mixes lengths); ``collate`` builds ``((source, source_lengths,
 decoder_input), decoder_target)``. The loss is cross-entropy with label
 smoothing 0.1 (the seed's), averaged over the target tokens of the batch, not
 counting padding: a *mean per token*. As the seed, the model is trained with
-Adam and a warm-up; the seed's gradient-norm clipping (5.0) is not part of
-the workload interface and is not applied.
+Adam and a warm-up, and its gradients are clipped to a global norm of 5.0
+(the seed's ``grad_clip``; ``[job] clip_grad_norm`` overrides it), which
+makes the engine use ``sequential`` weight sync.
 
 The model's ``translate(source, source_lengths)`` decodes greedily (no beam
 search), for a quick look at what a trained model does.
@@ -73,6 +74,7 @@ from jabascli.errors import InputError, Problem
 
 NAME = "gnmt"
 LABEL_SMOOTHING = 0.1
+CLIP_GRAD_NORM = 5.0
 INIT_RANGE = 0.1
 
 SPECS = {
@@ -336,6 +338,11 @@ def optimizer(params: Any, options: dict[str, Any]) -> torch.optim.Optimizer:
 
 def lr_scheduler(opt: torch.optim.Optimizer, options: dict[str, Any]) -> Any:
     return warmup(opt, settings(options).warmup_iters)
+
+
+def clip_grad_norm(options: dict[str, Any]) -> float:
+    """GNMT clips the whole gradient to a global L2 norm of 5.0."""
+    return CLIP_GRAD_NORM
 
 
 def synthetic_batch(batch_size: int, options: dict[str, Any]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:

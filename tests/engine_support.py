@@ -15,7 +15,9 @@ from jabascli.config import LoadedConfig, load_config
 # test that every worker's random numbers follow its samples, a scheduler to test its step.
 WORKLOAD = """
 import os
+import random
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,8 +69,26 @@ def _data(n, seed, options):
     return TensorDataset(x, y)
 
 
+class Augmented(torch.utils.data.Dataset):
+    # Random augmentation from all three generators a worker seeds: it must follow the samples.
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        shift = random.random() + float(np.random.rand())
+        return x + 0.1 * torch.randn(x.shape, dtype=x.dtype) + 0.01 * shift, y
+
+
 def train_dataset(options):
-    return _data(int(options.get("samples", 250)), 1, options)
+    data = _data(int(options.get("samples", 250)), 1, options)
+    if options.get("inf_sample") is not None:
+        data.tensors[1][options["inf_sample"]] = CLASSES  # marks the sample whose loss is made infinite
+    return Augmented(data) if options.get("augment") else data
 
 
 def val_dataset(options):
@@ -80,6 +100,8 @@ def loss(output, target):
     crash = _OPTIONS.get("crash_rank")
     if crash is not None and os.environ.get("RANK") == str(crash) and _LOSSES[0] > _OPTIONS.get("crash_after", 0):
         raise RuntimeError(f"boom on rank {crash}")
+    if bool((target == CLASSES).any()):  # an injected inf: the whole micro-batch's gradient is not finite
+        return F.cross_entropy(output, target.clamp(max=CLASSES - 1)) * float("inf")
     return F.cross_entropy(output, target)
 
 
@@ -117,6 +139,7 @@ def write_job(
     vsw_strategy: str = "sequential",
     plan_file: bool = False,
     servers: list[dict[str, Any]] | None = None,
+    job_keys: dict[str, Any] | None = None,
 ) -> Path:
     """A config (and, with ``plan_file``, a plan) whose ranks run the given (VSW, GA); returns the config path."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -137,6 +160,7 @@ def write_job(
         "weight_sync": weight_sync,
         "vsw_strategy": vsw_strategy,
         "options": options or {},
+        **(job_keys or {}),
     }
     if plan_file:
         workers = sum(v * (g + 1) for v, g in ranks)

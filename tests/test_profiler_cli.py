@@ -179,6 +179,15 @@ def test_digits_on_an_emulated_device(cli: CliRunner, tmp_path: Path) -> None:
     again = profile(cli, "comp", "-c", str(config), "--json")
     assert again.exit_code == 0 and all(r["skipped"] for r in json.loads(again.stdout))
 
+    # Profiles record how they were measured, and a job in another precision refuses them.
+    for measured in [*profiles.values(), *load_profile_set(where["memory"], where["comp"]).comp.values()]:
+        assert (measured.precision, measured.torch_version, measured.threads) == ("fp32", torch.__version__, 1)
+    config.write_text(config.read_text().replace("[job]\n", '[job]\nprecision = "bf16"\n'))
+    for command in (["profile", "mem", "-c", str(config), "--lbs", "16"], ["solve", "-c", str(config), "--gbs", "32"]):
+        refused = cli.invoke(app, command)
+        assert refused.exit_code == 2, refused.output
+        assert "precision" in refused.stderr and "measured in fp32" in refused.stderr, refused.stderr
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a plain server is profiled on the GPU there")
 def test_tiny_cnn_on_a_small_cpu_server(cli: CliRunner, tmp_path: Path) -> None:

@@ -15,12 +15,12 @@ from jabascli.config import load_config
 from jabascli.devices import NodeDevices
 from jabascli.engine.distributed import DistEnv, init_process_group
 from jabascli.errors import InputError
+from jabascli.memtrack import BudgetExceeded, TensorMemoryTracker
 from jabascli.profiler.bucket import ddp_bucket_sizes
 from jabascli.profiler.comm import parse_sizes
 from jabascli.profiler.common import ensure_writable, resolve_target
 from jabascli.profiler.comp import vsw_points
 from jabascli.profiler.memory import search_max_vsw, trial_bound
-from jabascli.profiler.memtrack import BudgetExceeded, TensorMemoryTracker
 from jabascli.profiler.step import EngineStep, VswStep
 from jabascli.profiler.summary import summarize_profiles
 from jabascli.profiler.trial import median_is_stable, percentile

@@ -75,6 +75,19 @@ def test_round_trip(tmp_path: Path) -> None:
     assert read_comm_profile(tmp_path / "comm", "inter") is None
 
 
+def test_profiles_without_a_precision_are_unknown_and_fit_any_job(tmp_path: Path) -> None:
+    # The seed's files (and jabas' before precision was recorded) have no precision field.
+    write_memory_profile(tmp_path / "mem", "a", MemoryProfile(gpu_type="x", total_memory=1, lbs=8, max_num_models=1))
+    measured = MemoryProfile(gpu_type="x", total_memory=1, lbs=16, max_num_models=1, precision="bf16", threads=2)
+    write_memory_profile(tmp_path / "mem", "a", measured)
+    (tmp_path / "comp").mkdir()
+    profiles = load_profile_set(tmp_path / "mem", tmp_path / "comp")
+    assert {lbs: p.measured_precision for (_, lbs), p in profiles.memory.items()} == {8: "unknown", 16: "bf16"}
+    profiles.check_precision("bf16")
+    with pytest.raises(InputError, match=r"16/a: precision: measured in bf16, but \[job\] precision is fp32"):
+        profiles.check_precision("fp32")
+
+
 def test_malformed_json_names_the_file(tmp_path: Path, reference_dir: Path) -> None:
     root = tmp_path / "ref"
     shutil.copytree(reference_dir, root)

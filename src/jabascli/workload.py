@@ -18,6 +18,7 @@ and may define:
 ``count_correct(output, target)``      how many predictions in the batch are right (accuracy)
 ``lr_scheduler(optimizer, options)``   a scheduler, stepped once per iteration
 ``collate(samples)``                   turns a list of samples into ``(inputs, target)``
+``clip_grad_norm(options)``            the global gradient norm to clip to, or None (``[job] clip_grad_norm`` wins)
 =====================================  ==========================================================
 
 ``inputs`` may be a tensor or a tuple of tensors; a tuple is passed to the model
@@ -39,7 +40,7 @@ from typing import Any
 from jabascli.errors import InputError
 
 REQUIRED = ("build_model", "train_dataset", "loss", "optimizer", "synthetic_batch")
-OPTIONAL = ("val_dataset", "count_correct", "lr_scheduler", "collate")
+OPTIONAL = ("val_dataset", "count_correct", "lr_scheduler", "collate", "clip_grad_norm")
 
 
 def builtin_folder() -> Path:
@@ -88,6 +89,13 @@ class Workload:
     def count_correct(self, output: Any, target: Any) -> int | None:
         fn = getattr(self.module, "count_correct", None)
         return None if fn is None else int(fn(output, target))
+
+    def clip_grad_norm(self) -> float | None:
+        fn = getattr(self.module, "clip_grad_norm", None)
+        value = None if fn is None else fn(self.options)
+        if value is not None and not (isinstance(value, int | float) and value > 0):
+            raise InputError.at(self.path, "clip_grad_norm", f"must return a number above 0 or None, got {value!r}")
+        return None if value is None else float(value)
 
     @property
     def collate(self) -> Any | None:

@@ -36,6 +36,11 @@ def print_summary(loaded: LoadedConfig) -> None:
     job.add_row("epochs", str(cfg.job.epochs))
     job.add_row("local batch size", str(cfg.job.lbs or "(from plan or solver)"))
     job.add_row("weight sync", cfg.job.weight_sync)
+    job.add_row("precision", cfg.job.precision)
+    clip = cfg.job.clip_grad_norm
+    job.add_row("clip grad norm", "(the workload's, if any)" if clip is None else f"{clip:g}")
+    workers = cfg.job.loader_workers
+    job.add_row("loader workers", "(0 on CPU/emulated, 2 per GPU)" if workers is None else str(workers))
     b = cfg.batching
     job.add_row(
         "global batch size", f"{b.gbs_min or '-'} .. {b.gbs_max or '-'} ({b.metric}, target {b.similarity_target})"

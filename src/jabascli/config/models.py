@@ -17,6 +17,7 @@ VswStrategy = Literal["auto", "sequential", "streams"]
 BatchMetric = Literal["similarity", "noise_scale", "fixed"]
 LrScaling = Literal["linear", "sqrt", "none"]
 ScalingObjective = Literal["time", "cost"]
+Precision = Literal["fp32", "bf16", "fp16"]
 
 # Seed folder names, used when a config gives only [profiles] dir.
 MEMORY_DIRNAME = "cluster_mem_profile_data"
@@ -49,6 +50,12 @@ class JobConfig(Section):
     """A plan written by ``jabas solve --out``; overrides lbs and per-server vsw/ga."""
     validate_every: PositiveInt = 1
     """Run validation every this many epochs."""
+    precision: Precision = "fp32"
+    """``bf16``/``fp16``: forward under autocast; ``fp16`` also scales the loss (docs/engine.md)."""
+    clip_grad_norm: float | None = Field(None, gt=0)
+    """Clip the GBS gradient to this global L2 norm; None: the workload's ``clip_grad_norm``, if any."""
+    loader_workers: NonNegativeInt | None = None
+    """DataLoader worker processes per trainer; None: 0 on a CPU or emulated device, 2 per GPU."""
 
 
 class ProfilesConfig(Section):

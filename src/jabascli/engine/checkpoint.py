@@ -90,6 +90,7 @@ def save_checkpoint(
     workload: str,
     config: dict[str, Any],
     plan: dict[str, Any],
+    grad_scaler: dict[str, Any] | None = None,
 ) -> Path:
     payload = {
         "format": FORMAT,
@@ -103,6 +104,7 @@ def save_checkpoint(
         "progress": asdict(progress),
         "config": config,
         "plan": plan,
+        "grad_scaler": grad_scaler or {},  # fp16's loss scale (engine/step_policy.py); empty otherwise
     }
     buffer = io.BytesIO()  # serialise first: a failure cannot leave a temporary file behind
     torch.save(payload, buffer)

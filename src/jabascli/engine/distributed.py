@@ -8,7 +8,9 @@ rendezvous address.
 Device and backend: every rank runs on ``cuda:LOCAL_RANK`` with NCCL when CUDA
 is available and no server of the plan is emulated or of device type ``cpu``;
 otherwise every rank runs on the CPU with gloo. (All ranks decide from the
-same plan, so they agree.)
+same plan, so they agree.) With ``JABAS_SHARE_GPUS=1`` several ranks may share
+a GPU (``cuda:LOCAL_RANK mod GPUs``) over gloo, since NCCL refuses two ranks on
+one device: how the GPU tests run a multi-rank job on a one-GPU machine.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from jabascli.engine.plan import TrainingPlan
 from jabascli.errors import InputError
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+SHARE_GPUS_ENV = "JABAS_SHARE_GPUS"
+
+
+def _sharing_gpus() -> bool:
+    return os.environ.get(SHARE_GPUS_ENV) == "1"
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,10 @@ def _int_var(env: Mapping[str, str], name: str) -> int:
 def choose_device(plan: TrainingPlan, env: DistEnv) -> torch.device:
     gpu_job = all(not r.emulated and r.device_type.lower() != "cpu" for r in plan.ranks)
     if gpu_job and torch.cuda.is_available():
+        if _sharing_gpus():
+            index = env.local_rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            return torch.device("cuda", index)
         if env.local_rank >= torch.cuda.device_count():
             raise InputError.at(
                 "environment",
@@ -80,7 +91,7 @@ def init_process_group(env: DistEnv, device: torch.device) -> bool:
     """Join the job's process group; returns False when one was already initialised (by the caller)."""
     if dist.is_initialized():
         return False
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device.type == "cuda" and not _sharing_gpus() else "gloo"
     if env.world_size == 1 and env.master_addr is None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:

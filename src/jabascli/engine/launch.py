@@ -69,6 +69,15 @@ def run_local(
     """
     options = options or TrainOptions()
     plan = load_plan(loaded, options.plan)
+    from jabascli.engine.step_policy import check_job_precision
+
+    precision = loaded.config.job.precision
+    check_job_precision(precision, plan, loaded.path)
+    if plan.from_plan_file:  # the solver's plan: it must come from profiles measured in this precision
+        from jabascli.profiles.store import check_profiles_precision
+
+        dirs = loaded.profile_dirs()
+        check_profiles_precision(dirs.memory, dirs.computation, precision)
     if options.resume is not None:
         from jabascli.engine.checkpoint import check_resumable
         from jabascli.workload import load_workload

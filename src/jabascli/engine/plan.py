@@ -44,6 +44,8 @@ class RankPlan:
     slowdown: float = 1.0
     """Emulated servers: every compute step takes this many times as long (1.0: not emulated)."""
     emulated: bool = False
+    memory_bytes: int | None = None
+    """Emulated servers: the device memory budget the trainer is held to (:mod:`jabascli.engine.memory_limit`)."""
 
     @property
     def micro_steps(self) -> int:
@@ -124,6 +126,7 @@ def _rank(rank: int, server: ServerConfig | None, name: str, device_type: str, v
         ga=ga,
         slowdown=emulate.slowdown if emulate is not None else 1.0,
         emulated=emulate is not None,
+        memory_bytes=emulate.memory_bytes if emulate is not None else None,
     )
 
 

@@ -36,10 +36,13 @@ from jabascli.engine.data import BatchLoader, batch_len
 from jabascli.engine.distributed import DistEnv, choose_device, init_process_group, wrap_ddp
 from jabascli.engine.events import EventSink
 from jabascli.engine.layout import checkpoint_path, run_folder
+from jabascli.engine.loader import MicroBatchFeed, default_loader_workers
+from jabascli.engine.memory_limit import MemoryLimit
 from jabascli.engine.metrics import MetricsWriter
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import TrainingPlan, load_plan
 from jabascli.engine.sampler import IIDPSampler, Iteration
+from jabascli.engine.step_policy import StepPolicy, check_precision, step_settings
 from jabascli.engine.timing import PhaseTimer
 from jabascli.engine.vsw import Emulation, WorkerStep, build_vsw_strategy, choose_vsw_strategy, make_replicas
 from jabascli.engine.weight_sync import (
@@ -134,12 +137,16 @@ class Trainer:
         self.model = model
         self.optimizer = self.workload.optimizer(model.parameters())
         self.scheduler = self.workload.lr_scheduler(self.optimizer)
+        # Precision and clipping: how the reduced gradient becomes an update (engine/step_policy.py).
+        check_precision(cfg.job.precision, device.type, loaded.path)
+        self.step_policy = StepPolicy(step_settings(cfg.job, self.workload), self.optimizer, model.parameters(), device)
         self.progress = Progress()
         if options.resume is not None:
             payload = read_checkpoint(options.resume)
             self.progress = restore_checkpoint(
                 payload, options.resume, model=model, optimizer=self.optimizer, scheduler=self.scheduler
             )
+            self.step_policy.load_state_dict(payload.get("grad_scaler") or {})
         self.progress.record_plan(plan.gbs, plan.lbs, plan.describe())
 
         # The data: one seeded permutation per epoch, dealt to the workers in LBS chunks.
@@ -166,8 +173,21 @@ class Trainer:
         ).register(self.ddp)
         self.buffers.carried = True  # the statistics and loss ride on the last bucket's all-reduce
         load = BatchLoader(self.train_set, device, self.workload.collate)
-        self.worker_step = WorkerStep(self.workload.loss, load, plan.workers, self.buffers, self.emulation)
+        workers = default_loader_workers(cfg.job.loader_workers, device)  # 0: load in this process
+        self.feed = MicroBatchFeed(self.train_set, self.workload.collate, device, workers) if workers else None
+        self.worker_step = WorkerStep(
+            self.workload.loss,
+            load,
+            plan.workers,
+            self.buffers,
+            self.emulation,
+            precision=self.step_policy.precision,
+            feed=self.feed,
+        )
         self.timer = PhaseTimer()
+        # Emulated devices: out of memory as the GPU would be, over the first iterations (engine/memory_limit.py).
+        self.memory_limit = MemoryLimit(self.me.memory_bytes, f"{self.me.server} ({self.me.device_type}), rank {rank}")
+        self.memory_limit.start(replicas, self.optimizer)
 
     def set_timer(self, timer: PhaseTimer) -> None:
         """Report phase boundaries to ``timer`` (the computation profiler's; training keeps the no-op default)."""
@@ -208,8 +228,10 @@ class Trainer:
         start = time.perf_counter()
         steps = 0
         epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for iteration in self.sampler.rank_iterations(epoch, self.progress.position, self.plan, self.rank):
-            loss = self.train_step(iteration)
+        iterations = self.sampler.rank_iterations(epoch, self.progress.position, self.plan, self.rank)
+        for iteration in iterations if self.feed is None else self.feed.follow(iterations):  # a new feed per stream
+            with self.memory_limit.watch():
+                loss = self.train_step(iteration)
             self.progress.position = iteration.position + gbs
             self.progress.step += 1
             steps += 1
@@ -255,7 +277,7 @@ class Trainer:
         timer.mark("overhead")
         self.vsw.run(iteration.micro_batches, self.worker_step)  # all-reduces every gradient bucket
         if self.weight_sync == "sequential":
-            self.optimizer.step()  # with overlap, each bucket was already updated as its all-reduce completed
+            self.step_policy.step()  # with overlap, each bucket was already updated as its all-reduce completed
             timer.mark("update")
         if self.scheduler is not None:
             self.scheduler.step()
@@ -305,6 +327,9 @@ class Trainer:
     # -- decisions, checkpoints, reports ---------------------------------------------------------
 
     def _choose_weight_sync(self, requested: str) -> tuple[str, str]:
+        forced = self.step_policy.settings.sequential_reason()
+        if forced is not None:
+            return "sequential", forced + (" (overlap was asked)" if requested == "overlap" else "")
         if requested == "overlap" and not supports_overlap(self.optimizer):
             name = type(self.optimizer).__name__
             raise InputError.at(
@@ -341,6 +366,7 @@ class Trainer:
             workload=self.workload.name,
             config=self.loaded.config.model_dump(mode="json"),
             plan=self.plan.to_dict(),
+            grad_scaler=self.step_policy.state_dict(),
         )
         if self.emit:
             p = self.progress
@@ -371,6 +397,8 @@ class Trainer:
                 "weight_sync": self.weight_sync,
                 "weight_sync_reason": self.weight_sync_reason,
                 "vsw_strategy": self.vsw_name,
+                "loader_workers": 0 if self.feed is None else self.feed.workers,
+                "precision": self.step_policy.settings.precision,
                 "device": str(self.device),
                 "epochs": self.epochs,
                 "steps_per_epoch": self.sampler.iterations_per_epoch(plan.gbs),

@@ -31,7 +31,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from jabascli.engine.buffers import BufferSync
 from jabascli.engine.data import BatchLoader, seed_worker
+from jabascli.engine.loader import MicroBatchFeed
 from jabascli.engine.sampler import MicroBatch
+from jabascli.engine.step_policy import Precision
 from jabascli.engine.timing import PhaseTimer
 
 VSW_STRATEGIES = ("sequential", "streams")
@@ -124,6 +126,10 @@ class WorkerStep:
     """The sum of the (unscaled) losses of the rank's micro-steps so far in this iteration."""
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     """Phase boundaries (see :mod:`jabascli.engine.timing`); only the computation profiler records them."""
+    precision: Precision = field(default_factory=Precision)
+    """Autocast for the forward, loss scaling for the backward (:mod:`jabascli.engine.step_policy`)."""
+    feed: MicroBatchFeed | None = None
+    """Micro-batches loaded ahead by DataLoader workers (:mod:`jabascli.engine.loader`); None: ``load`` here."""
 
     def begin(self) -> None:
         self.loss_sum = None
@@ -131,12 +137,13 @@ class WorkerStep:
     def __call__(self, module: nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> None:
         timer = self.timer
         seed_worker(mb.seed, self.load.device)  # a worker's randomness follows its samples, not the plan
-        inputs, target = self.load(mb.indices)
+        inputs, target = self.load(mb.indices) if self.feed is None else self.feed.take(mb)
         timer.mark("data")
         self.buffers.before_micro_step(replica, mb.worker)
         start = self.emulation.clock()
-        output = module(*inputs) if isinstance(inputs, tuple) else module(inputs)
-        loss = self.loss_fn(output, target)
+        with self.precision.autocast():
+            output = module(*inputs) if isinstance(inputs, tuple) else module(inputs)
+            loss = self.loss_fn(output, target)
         self.emulation.pause_since(start)
         self.buffers.after_micro_step(replica, mb.worker)
         self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
@@ -147,10 +154,10 @@ class WorkerStep:
             self.buffers.launch(self.loss_sum)
             timer.mark("overhead")
             self.emulation.backward_started()  # the slowdown sleep happens before the last all-reduce
-            (loss / self.workers).backward()
+            self.precision.scale(loss / self.workers).backward()
         else:
             start = self.emulation.clock()
-            (loss / self.workers).backward()
+            self.precision.scale(loss / self.workers).backward()
             self.emulation.pause_since(start)
         timer.mark("bwd")
 

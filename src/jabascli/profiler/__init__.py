@@ -7,11 +7,12 @@
 ``comm``           all-reduce time per message size (``comm_worker``: one process of it)
 ``summary``        a profile folder as rows of LBS x server
 ``step``           the measured training step: n VSW replicas, data/fwd/bwd/copy/update
-``memtrack``       peak live tensor bytes on the CPU (the analogue of max_memory_allocated)
 ``trial``          one memory trial or computation run, in a child process
 ``child``          runs children (fresh, or forked from ``zygote``) and follows their progress
 ``common``         the device being profiled, progress reporting, output folders
 =================  ============================================================
 
-Files are read and written only through :mod:`jabascli.profiles`.
+Files are read and written only through :mod:`jabascli.profiles`. Peak tensor
+memory on the CPU (the analogue of ``max_memory_allocated``) is measured by
+:mod:`jabascli.memtrack`, which the engine uses too, for emulated devices.
 """

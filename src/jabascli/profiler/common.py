@@ -131,11 +131,39 @@ def positive(value: int | float, option: str) -> None:
         raise InputError.at(None, option, f"must be positive, got {value}")
 
 
+def measured_with(precision: str, threads: int | None) -> dict[str, Any]:
+    """What a profile records about how it was measured: precision, torch version, threads."""
+    import torch
+
+    return {
+        "precision": precision,
+        "torch_version": torch.__version__,
+        "threads": threads if threads is not None else torch.get_num_threads(),
+    }
+
+
+def check_reusable(path: Path, measured: str | None, precision: str) -> None:
+    """A profile on disk is reused only when measured in the job's precision (unknown: a seed file, reused)."""
+    if measured is not None and measured != precision:
+        raise InputError.at(
+            path,
+            "precision",
+            f"was measured in {measured}, but [job] precision is {precision}: measure again with --force, "
+            "or write to another --out",
+        )
+
+
 def job_workload(loaded: LoadedConfig) -> tuple[Workload, dict[str, Any]]:
     """The job's workload, checked in this process, and how a child process loads it again."""
     job = loaded.config.job
     if job.workload is None:
         raise InputError.at(loaded.path, "job.workload", "no workload: set [job] workload to a built-in name or a file")
     workload = load_workload(job.workload, job.options, job.data)
-    spec = {"workload": str(workload.path), "options": job.options, "data": str(job.data) if job.data else None}
+    spec = {
+        "workload": str(workload.path),
+        "options": job.options,
+        "data": str(job.data) if job.data else None,
+        "precision": job.precision,
+        "clip_grad_norm": job.clip_grad_norm,
+    }
     return workload, spec

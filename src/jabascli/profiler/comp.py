@@ -28,7 +28,16 @@ from typing import Any
 from jabascli.config.loader import LoadedConfig
 from jabascli.errors import InputError, RuntimeFailure
 from jabascli.profiler.child import ChildCrashed, run_child
-from jabascli.profiler.common import Reporter, Target, ensure_writable, job_workload, positive, resolve_target
+from jabascli.profiler.common import (
+    Reporter,
+    Target,
+    check_reusable,
+    ensure_writable,
+    job_workload,
+    measured_with,
+    positive,
+    resolve_target,
+)
 from jabascli.profiles.formats import (
     CompProfile,
     comp_profile_path,
@@ -113,7 +122,9 @@ def profile_comp(
         path = comp_profile_path(folder, lbs, name, model, n)
         what = f"LBS {lbs}, {n} VSW{'s' if n != 1 else ''}"
         if path.is_file() and not force:
-            results.append(CompResult(lbs, n, read_comp_profile(path), path, skipped=True))
+            known = read_comp_profile(path)
+            check_reusable(path, known.precision, workload_spec["precision"])
+            results.append(CompResult(lbs, n, known, path, skipped=True))
             reporter.note(f"{what}: already profiled ({path})")
             reporter.progress(index + 1, len(plan), f"{what}: already profiled")
             continue
@@ -143,7 +154,7 @@ def profile_comp(
             "overlap": True,  # also measure overlap weight sync, if the workload's optimizer allows it
         }
         result = _run(spec, on_progress, run_timeout, what)
-        profile = _profile(result, model, target, lbs, n)
+        profile = _profile(result, model, target, lbs, n, workload_spec["precision"])
         written = write_comp_profile(folder, name, profile)
         results.append(CompResult(lbs, n, profile, written))
         unstable = "" if result["stable"] else ", median still moving by more than 5%"
@@ -194,7 +205,7 @@ def _run(spec: dict[str, Any], on_progress: Any, timeout: float | None, what: st
     return result
 
 
-def _profile(result: dict[str, Any], model: str, target: Target, lbs: int, n: int) -> CompProfile:
+def _profile(result: dict[str, Any], model: str, target: Target, lbs: int, n: int, precision: str) -> CompProfile:
     phases = result["phases"]
     times = {key: phases[phase]["median"] for phase, key in PHASE_KEYS.items()}
     spread = {key: [phases[phase]["p25"], phases[phase]["p75"]] for phase, key in PHASE_KEYS.items()}
@@ -213,5 +224,6 @@ def _profile(result: dict[str, Any], model: str, target: Target, lbs: int, n: in
         timer=result["timer"],
         slowdown=target.slowdown,
         vsw_strategy=result.get("vsw_strategy"),
+        **measured_with(precision, target.threads),
         overlap_update_time=result.get("overlap_update"),
     )

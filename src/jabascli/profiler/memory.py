@@ -31,7 +31,16 @@ from typing import Any, Literal
 from jabascli.config.loader import LoadedConfig
 from jabascli.errors import InputError, RuntimeFailure
 from jabascli.profiler.child import ChildCrashed, run_child
-from jabascli.profiler.common import Reporter, Target, ensure_writable, job_workload, positive, resolve_target
+from jabascli.profiler.common import (
+    Reporter,
+    Target,
+    check_reusable,
+    ensure_writable,
+    job_workload,
+    measured_with,
+    positive,
+    resolve_target,
+)
 from jabascli.profiles.formats import MemoryProfile, MemoryTrial, memory_profile_path, read_memory_profile
 from jabascli.profiles.formats import write_memory_profile as _write
 
@@ -151,6 +160,7 @@ def profile_memory(
         if path.is_file() and not force:
             known = read_memory_profile(path)
             _check_same_device(path, known, target)
+            check_reusable(path, known.precision, workload_spec["precision"])
             results.append(LbsResult(batch, known.max_num_models, list(known.trials or []), path, skipped=True))
             n = known.max_num_models
             reporter.note(f"LBS {batch}: at most {n} VSW{'s' if n != 1 else ''} fit (already profiled, {path})")
@@ -193,6 +203,7 @@ def _search_lbs(
             lbs=lbs,
             max_num_models=best,
             trials=trials,
+            **measured_with(workload_spec["precision"], target.threads),
         )
         written = _write(folder, target.server.name, profile)
     return LbsResult(lbs, best, trials, written)

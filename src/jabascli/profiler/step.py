@@ -158,7 +158,10 @@ class VswStep:
         device: str | torch.device = "cpu",
         batches: Iterator[Batch] | None = None,
         seed: int = 0,
+        precision: str = "fp32",
     ) -> None:
+        from jabascli.engine.step_policy import Precision
+
         if num_models < 1:
             raise ValueError(f"num_models must be at least 1, got {num_models}")
         self.workload = workload
@@ -176,6 +179,7 @@ class VswStep:
         self.clock: _CpuClock | _CudaClock = _CudaClock() if self.cuda else _CpuClock()
         self.streams = [torch.cuda.Stream(self.device) for _ in self.replicas] if self.cuda else []
         self.last_losses: list[float] = []
+        self.precision = Precision(precision, self.device)  # autocast, as the engine runs the forward
 
     def _next_batches(self) -> list[Batch]:
         return [to_device(next(self.batches), self.device) for _ in self.replicas]
@@ -183,8 +187,9 @@ class VswStep:
     def _forward(self, index: int, batch: Batch) -> torch.Tensor:
         inputs, target = batch
         model = self.replicas[index]
-        output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-        return self.workload.loss(output, target)
+        with self.precision.autocast():
+            output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            return self.workload.loss(output, target)
 
     def run(self) -> StepTimes:
         """One training iteration; the time of each phase."""
@@ -355,6 +360,8 @@ class EngineStep:
         synthetic: bool = False,
         seed: int = 0,
         slowdown: float = 1.0,
+        precision: str = "fp32",
+        clip_grad_norm: float | None = None,
     ) -> None:
         from jabascli.config.loader import LoadedConfig
         from jabascli.config.models import JabasConfig, JobConfig
@@ -375,6 +382,8 @@ class EngineStep:
             seed=seed,
             weight_sync=weight_sync,  # type: ignore[arg-type]
             vsw_strategy=vsw_strategy,  # type: ignore[arg-type]
+            precision=precision,  # type: ignore[arg-type]
+            clip_grad_norm=clip_grad_norm,
         )
         loaded = LoadedConfig(JabasConfig(job=job), Path("jabas profile comp"), "toml")
         rank = RankPlan(0, "profile", "profile", num_models, 0, slowdown, emulated=slowdown > 1)

@@ -12,7 +12,7 @@ measure; the result says how it went:
     never counted as out of memory.
 ``peak_bytes``
     memory trials: ``torch.cuda.max_memory_allocated`` on CUDA, the peak of
-    live tensor bytes (:mod:`jabascli.profiler.memtrack`) elsewhere.
+    live tensor bytes (:mod:`jabascli.memtrack`) elsewhere.
 ``phases``, ``total``
     computation runs: per-phase median and quartiles in ms.
 """
@@ -90,15 +90,16 @@ def run_memory_trial(spec: dict[str, Any]) -> dict[str, Any]:
     """A few training iterations of ``num_models`` VSWs; did they fit, and at what peak."""
     import torch
 
-    from jabascli.profiler.memtrack import TensorMemoryTracker
+    from jabascli.memtrack import TensorMemoryTracker
     from jabascli.profiler.step import VswStep, synthetic_batches
 
     workload = _setup(spec)
     lbs, n, iterations = int(spec["lbs"]), int(spec["num_models"]), int(spec.get("iterations", 3))
+    precision = spec.get("precision", "fp32")
     if spec["device"] == "cuda":
         torch.cuda.reset_peak_memory_stats(0)
         try:
-            step = VswStep(workload, lbs, n, "cuda", synthetic_batches(workload, lbs))
+            step = VswStep(workload, lbs, n, "cuda", synthetic_batches(workload, lbs), precision=precision)
             for _ in range(iterations):
                 step.run()
             torch.cuda.synchronize()
@@ -111,7 +112,7 @@ def run_memory_trial(spec: dict[str, Any]) -> dict[str, Any]:
     tracker = TensorMemoryTracker(budget=spec.get("budget"))
     try:
         with tracker:
-            step = VswStep(workload, lbs, n, "cpu", synthetic_batches(workload, lbs))
+            step = VswStep(workload, lbs, n, "cpu", synthetic_batches(workload, lbs), precision=precision)
             for _ in range(iterations):
                 step.run()
     except Exception:
@@ -158,6 +159,8 @@ def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
             weight_sync=weight_sync,
             synthetic=bool(spec.get("synthetic_data")),
             slowdown=slowdown,
+            precision=spec.get("precision", "fp32"),
+            clip_grad_norm=spec.get("clip_grad_norm"),
         )
 
     try:

@@ -40,6 +40,20 @@ class _Format(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class _Measured(_Format):
+    """How a memory or computation profile was measured (absent from seed files and older profiles)."""
+
+    precision: str | None = None
+    """``[job] precision`` of the measurement: ``fp32``, ``bf16`` or ``fp16``; None: unknown (seed files)."""
+    torch_version: str | None = None
+    threads: int | None = None
+    """torch intra-op threads of the measuring process."""
+
+    @property
+    def measured_precision(self) -> str:
+        return self.precision or "unknown"
+
+
 class MemoryTrial(_Format):
     """One memory-profiler trial: did ``num_models`` VSWs fit, and at what peak."""
 
@@ -49,7 +63,7 @@ class MemoryTrial(_Format):
     error: str | None = None
 
 
-class MemoryProfile(_Format):
+class MemoryProfile(_Measured):
     """The largest number of VSWs (model replicas) that fit at one LBS on one server."""
 
     gpu_type: str
@@ -59,7 +73,7 @@ class MemoryProfile(_Format):
     trials: list[MemoryTrial] | None = None
 
 
-class CompProfile(_Format):
+class CompProfile(_Measured):
     """Per-iteration times (ms) of ``num_models`` VSWs at one LBS on one server."""
 
     model: str

@@ -64,6 +64,20 @@ class ProfileSet:
         """Measured computation profiles at ``lbs``, keyed by VSW count."""
         return {n: p for (s, b, n), p in sorted(self.comp.items()) if s == server and b == lbs}
 
+    def check_precision(self, precision: str) -> None:
+        """Refuse profiles measured in another precision than the job's; unknown ones (seed files) are accepted."""
+        kinds = (("memory", self.memory), ("computation", self.comp))
+        for kind, profiles in kinds:
+            for key, profile in sorted(profiles.items()):
+                if profile.precision is not None and profile.precision != precision:
+                    where = self.folders.get(kind, Path(kind)) / str(key[1]) / key[0]
+                    raise InputError.at(
+                        where,
+                        "precision",
+                        f"measured in {profile.precision}, but [job] precision is {precision}: profile again "
+                        f"(jabas profile mem/comp --force) or set [job] precision = {profile.precision!r}",
+                    )
+
     def resolve_servers(self, servers: Iterable[tuple[str, str]]) -> dict[str, str]:
         """For each ``(server, device_type)``, the profiled server whose profiles it uses.
 
@@ -114,6 +128,15 @@ def load_profile_set(
     )
     _check_consistent(profiles, Path(computation))
     return profiles
+
+
+def check_profiles_precision(memory: Path, computation: Path, precision: str) -> None:
+    """Refuse the memory and computation profiles in these folders (where they exist) if of another precision."""
+    mem = read_memory_profiles(memory) if Path(memory).is_dir() else {}
+    comp = read_comp_profiles(computation) if Path(computation).is_dir() else {}
+    ProfileSet(mem, comp, None, folders={"memory": Path(memory), "computation": Path(computation)}).check_precision(
+        precision
+    )
 
 
 def _check_consistent(profiles: ProfileSet, comp_folder: Path) -> None:

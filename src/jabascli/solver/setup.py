@@ -14,6 +14,7 @@ def solver_from_config(loaded: LoadedConfig, servers: str | None = None, weight_
     """The solver for a job: its profiles, and ``servers`` (None: the available ones, ``auto``, or ``a,b``)."""
     dirs = loaded.profile_dirs()
     profiles = load_profile_set(dirs.memory, dirs.computation, dirs.communication, dirs.bucket)
+    profiles.check_precision(loaded.config.job.precision)
     folders = {
         "memory": dirs.memory,
         "computation": dirs.computation,

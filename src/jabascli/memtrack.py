@@ -10,10 +10,16 @@ active is counted from the operation that creates it until the storage is
 freed (a weak reference to the storage fires then), and the peak of the live
 total is kept. Views share their base's storage and count once.
 
+Only new storage is counted: an operator's output that aliases an input (a
+view, an in-place or ``out=`` operation, by its schema, or a collective that
+hands back its input tensors) adds nothing, so working on tensors created
+before the tracker (a trainer's parameters, a dataset's samples) is free.
+
 What it does not see: memory an operator uses internally and frees before it
 returns (convolution workspaces, for instance), and tensors created before it
 was entered. Memory trials therefore build the model, the optimizer and the
-batches inside it.
+batches inside it; the engine counts what exists before as a ``baseline``
+(:mod:`jabascli.engine.memory_limit`).
 
 With a ``budget``, the first allocation that takes the live total over it
 raises :class:`BudgetExceeded`, as a real device's out-of-memory error
@@ -40,22 +46,36 @@ class BudgetExceeded(RuntimeError):
 
 
 class TensorMemoryTracker(TorchDispatchMode):
-    """Live and peak bytes of CPU tensor storage created under it."""
+    """Live and peak bytes of CPU tensor storage created under it (plus ``baseline`` bytes held already)."""
 
-    def __init__(self, budget: int | None = None) -> None:
+    def __init__(self, budget: int | None = None, baseline: int = 0) -> None:
         super().__init__()
         self.budget = budget
-        self.live = 0
-        self.peak = 0
+        self.live = baseline
+        self.peak = baseline
         self.exceeded: BudgetExceeded | None = None
         self._sizes: dict[int, int] = {}
+        self._aliasing: dict[Any, bool] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
-                self._track(value)
+        if self._returns_alias(func):
+            return out
+        outputs = [v for v in tree_flatten(out)[0] if isinstance(v, torch.Tensor)]
+        if outputs:
+            inputs = {_storage_ptr(v) for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)}
+            for value in outputs:
+                if _storage_ptr(value) not in inputs:
+                    self._track(value)
         return out
+
+    def _returns_alias(self, func: Any) -> bool:
+        aliasing = self._aliasing.get(func)
+        if aliasing is None:
+            schema = getattr(func, "_schema", None)
+            returns = schema.returns if schema is not None else []
+            aliasing = self._aliasing[func] = any(r.alias_info is not None for r in returns)
+        return aliasing
 
     def _track(self, tensor: torch.Tensor) -> None:
         if tensor.device.type != "cpu" or tensor.is_sparse:
@@ -79,3 +99,10 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return -1

@@ -1,0 +1,135 @@
+"""The CUDA paths, for the first machine with a GPU (``make gpu-check``; skipped, saying why, without CUDA).
+
+Exactness with ``streams`` VSWs on CUDA (one NCCL rank with several VSWs, and
+two ranks sharing the one GPU over gloo, since NCCL refuses two ranks on one
+device), bf16/fp16 on CUDA, loader workers with pinned memory, and a real
+CUDA out-of-memory error in the memory profiler. Every comparison is against
+:func:`~jabascli.engine.reference.reference_run` on the same GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from jabascli.cli.app import app
+from jabascli.engine.launch import run_local
+from jabascli.engine.options import TrainOptions
+from jabascli.engine.plan import load_plan
+from jabascli.engine.reference import reference_run
+from tests.engine_support import TRAINER_ENV, checkpoint_of, load, max_abs_diff, write_job
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device here: these run the CUDA paths (make gpu-check on a GPU)"
+    ),
+]
+
+LBS = 4
+TINY_BUCKETS_MB = 0.0005
+
+
+def _train(
+    tmp_path: Path,
+    ranks: list[tuple[int, int]],
+    *,
+    job_keys: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """20 iterations on the GPU (device type "gpu": not emulated, not "cpu"); the config and the start event."""
+    gbs = LBS * sum(v * (g + 1) for v, g in ranks)
+    servers = [
+        {"name": f"g{i}", "device_type": "gpu", "devices": 1, "vsw": v, "ga": g} for i, (v, g) in enumerate(ranks)
+    ]
+    options = {"samples": 10 * gbs + 5, **(options or {})}
+    config = write_job(
+        tmp_path, ranks, lbs=LBS, options=options, vsw_strategy="streams", servers=servers, job_keys=job_keys
+    )
+    loaded = load(config)
+    events: list[dict[str, Any]] = []
+    result = run_local(
+        loaded,
+        TrainOptions(bucket_cap_mb=TINY_BUCKETS_MB, metrics=False),
+        events.append,
+        {**TRAINER_ENV, **(env or {})},
+    )
+    assert result.done["step"] == 20
+    return loaded, next(e for e in events if e["event"] == "start")
+
+
+def _diff(loaded: Any) -> float:
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=20, device="cuda")
+    theirs = {k: v.cpu() for k, v in reference.state_dict().items()}
+    return max(max_abs_diff(checkpoint_of(loaded)["model"], theirs).values())
+
+
+def test_one_nccl_rank_with_streams_vsws_equals_the_reference(tmp_path: Path) -> None:
+    loaded, start = _train(tmp_path, [(3, 1)])
+    assert start["device"] == "cuda:0" and start["vsw_strategy"] == "streams"
+    assert _diff(loaded) <= 1e-9  # float64
+
+
+def test_two_ranks_sharing_the_gpu_over_gloo_equal_the_reference(tmp_path: Path) -> None:
+    loaded, start = _train(tmp_path, [(3, 1), (1, 0)], env={"JABAS_SHARE_GPUS": "1"})
+    assert start["device"] == "cuda:0" and start["vsw_strategy"] == "streams" and start["world_size"] == 2
+    assert _diff(loaded) <= 1e-9
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_on_cuda_equals_the_reference_in_that_precision(tmp_path: Path, precision: str) -> None:
+    if precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip(f"{torch.cuda.get_device_name()} has no native bf16")
+    loaded, start = _train(tmp_path, [(2, 1)], job_keys={"precision": precision}, options={"dtype": "float32"})
+    assert start["precision"] == precision
+    low = _diff(loaded)
+    loaded.config.job.precision = "fp32"
+    # Same tolerance and reasoning as on the CPU (test_engine_exactness.py): the same low-precision
+    # kernels on the same inputs; only the float32 gradient sums differ in order.
+    assert low <= 1e-4 and _diff(loaded) > 1000 * low, low
+
+
+def test_loader_workers_on_cuda_pin_memory_and_follow_the_samples(tmp_path: Path) -> None:
+    loaded, start = _train(tmp_path, [(2, 1)], options={"augment": True})
+    assert start["loader_workers"] == 2  # the default for a GPU trainer
+    assert _diff(loaded) <= 1e-9
+
+    from torch.utils.data import TensorDataset
+
+    from jabascli.engine.loader import MicroBatchFeed
+    from jabascli.engine.plan import RankPlan, TrainingPlan
+    from jabascli.engine.sampler import IIDPSampler
+
+    feed = MicroBatchFeed(TensorDataset(torch.randn(64, 3), torch.arange(64)), None, torch.device("cuda"), 2)
+    plan = TrainingPlan(8, (RankPlan(0, "g", "gpu", 2, 0),))
+    iteration = next(feed.follow(IIDPSampler(64, 0).rank_iterations(0, 0, plan, 0)))
+    assert feed._batches is not None
+    _, (x, y), _ = next(feed._batches)
+    assert x.is_pinned() and y.is_pinned()
+    inputs, _ = feed.take(iteration.micro_batches[1])
+    assert inputs.device.type == "cuda"
+
+
+def test_the_memory_profiler_counts_a_real_cuda_out_of_memory(tmp_path: Path) -> None:
+    budget = 256 * 2**20
+    name = torch.cuda.get_device_name()
+    config = tmp_path / "jabas.toml"
+    config.write_text(
+        '[job]\nworkload = "resnet"\noptions = { variant = "tiny" }\n\n[profiles]\ndir = "profiles"\n\n'
+        f'[[cluster.servers]]\nname = "gpu"\ndevice_type = "{name}"\ndevices = 1\nmemory_bytes = {budget}\n'
+    )
+    # LBS 4096 of 32x32 images: the first stage's activations alone take ~270 MB.
+    result = CliRunner().invoke(
+        app, ["profile", "mem", "-c", str(config), "--lbs", "4096", "--search", "static", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    [lbs] = json.loads(result.stdout)["results"]
+    assert lbs["max_num_models"] == 0
+    [trial] = lbs["trials"]
+    assert not trial["fits"] and "out of memory" in trial["error"].lower()
