@@ -119,7 +119,16 @@ class CommModel:
         fit = self.fits.get(kind)
         if fit is None:
             where = comm_profile_path(self.folders.get("communication", Path("comm_profile_data")), kind)
-            what = "one server" if kind == "intra" else "several servers"
-            raise InputError.at(where, None, f"no {kind}-node all-reduce profile, needed for {what}")
+            if kind == "intra":
+                how = "`jabas profile all -c CONFIG`, or `jabas profile comm -c CONFIG --nprocs N` on that server"
+                what = "one server"
+            else:
+                how = (
+                    "`jabas profile all -c CONFIG` when the servers are on this machine, or "
+                    "`jabas profile comm -c CONFIG --server NAME --rank R --world W --master ADDR:PORT` "
+                    "on every server at once (`jabas profile all --server NAME` prints them)"
+                )
+                what = "several servers"
+            raise InputError.at(where, None, f"no {kind}-node all-reduce profile, needed for {what}: run {how}")
         times = tuple(fit.time_s(mib * BUCKET_MB, world_size, config_bandwidth) for mib in self.bucket_mib)
         return BucketTimes(times, self.last_share())
