@@ -114,10 +114,10 @@ def _worker(
     for _ in range(iters):
         batch = iteration()
         timer.take()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         trainer.train_step(batch)
         totals.append(time.perf_counter() - start)
-        phases.append(timer.take())
+        phases.append({**timer.take(), "cpu": time.process_time() - cpu})
     results.put((me.server, totals, phases))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

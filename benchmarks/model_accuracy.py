@@ -325,7 +325,7 @@ def breakdown(prediction: Any) -> str:
         parts.append(
             f"{g.group.server.name}: data {b.data_s * 1e3:.2f} fwd {b.forward_s * 1e3:.2f} "
             f"bwd {b.backward_s * 1e3:.2f} comm {b.exposed_comm_s * 1e3:.2f} update {b.update_s * 1e3:.2f} "
-            f"overhead {b.overhead_s * 1e3:.2f} = {b.total_s * 1e3:.2f}"
+            f"overhead {b.overhead_s * 1e3:.2f} sync wait {b.sync_wait_s * 1e3:.2f} = {b.total_s * 1e3:.2f}"
         )
     return "; ".join(parts)
 
