@@ -192,7 +192,9 @@ def profile_all(
         def comp(sub: Reporter, s: ServerConfig = s) -> str:
             result = profile_comp(loaded, server=s.name, iters=iters, force=force, reporter=sub)
             measured = sum(not r.skipped for r in result.results)
-            return f"{len(result.results)} points ({measured} measured now), {result.target.threads} threads"
+            threads = result.target.threads
+            each = f", {threads} thread{'s' if threads != 1 else ''} each" if threads is not None else ""
+            return f"{len(result.results)} points ({measured} measured now){each}"
 
         if stage(f"mem {s.name}", WEIGHTS["mem"], mem):
             stage(f"comp {s.name}", WEIGHTS["comp"], comp)

@@ -1,9 +1,10 @@
 """The plan ``jabas run`` solves for itself, when it is given a GBS and no plan file.
 
 Rule: with no plan file (``--plan`` or ``[job] plan``), a GBS (``--gbs``, else
-``[batching] initial_gbs``) and a computation profile folder on disk, ``jabas
-run`` trains the solver's plan for that GBS (:meth:`Solver.solve`) instead of
-the config's per-server ``vsw``/``ga``. The solver needs profiles for every
+``[batching] initial_gbs`` of a job whose ``metric`` is ``fixed``: an adaptive
+job reaches its ``initial_gbs`` by its own replanning) and a computation
+profile folder on disk, ``jabas run`` trains the solver's plan for that GBS
+(:meth:`Solver.solve`) instead of the config's per-server ``vsw``/``ga``. The solver needs profiles for every
 available server; a missing one is bad input naming the command that makes
 it (``jabas profile all``). Without a GBS, or without any profiles, the
 config's plan is trained as before.
@@ -33,8 +34,10 @@ def solve_for_run(loaded: LoadedConfig, gbs: int | None = None, has_plan_file: b
             raise InputError.at(None, "--gbs", "a plan file fixes the GBS already: give --gbs or --plan, not both")
         return None
     source = "--gbs"
-    if gbs is None:
-        gbs, source = loaded.config.batching.initial_gbs, "[batching] initial_gbs"
+    batching = loaded.config.batching
+    if gbs is None and batching.metric == "fixed":
+        # An adaptive job starts from initial_gbs by its own replanning; --gbs still asks for a solved start.
+        gbs, source = batching.initial_gbs, "[batching] initial_gbs"
     if gbs is None:
         return None
     if not loaded.profile_dirs().computation.is_dir():
