@@ -45,6 +45,8 @@ from jabascli.profiles.formats import (
 
 WORKER_MODULE = "jabascli.profiler.comm_worker"
 PORT_ATTEMPTS = 3
+AFTER_WAIT_MS = 2.0
+"""gloo: also time all-reduces that the last rank enters this long after the others, who wait blocked."""
 
 
 @dataclass
@@ -167,6 +169,7 @@ def profile_comm(
         "max_reps": 200,
         "threads": 1,
         "timeout": rendezvous_timeout,
+        "after_wait_ms": AFTER_WAIT_MS if backend == "gloo" else None,
     }
     here = range(world_size) if loopback_nodes is not None else range(rank * local, rank * local + local)
     specs = [{**base, "rank": r, "local_rank": r - here[0]} for r in here]
@@ -197,8 +200,13 @@ def profile_comm(
     rows = results[0]["rows"]
     ideal = [ring_allreduce_ideal_ms(row["size_bytes"], bandwidth, world_size) for row in rows]
     measured = [row["median"] for row in rows]
+    after_wait = [row["after_wait"] for row in rows] if all("after_wait" in row for row in rows) else None
     meta = CommMeta(
-        bandwidth=bandwidth, world_size=world_size, backend=backend, sizes_bytes=[row["size_bytes"] for row in rows]
+        bandwidth=bandwidth,
+        world_size=world_size,
+        backend=backend,
+        sizes_bytes=[row["size_bytes"] for row in rows],
+        after_wait_ms=after_wait,
     )
     profile = CommProfile(kind=kind, ideal_ms=ideal, measured_ms=measured, meta=meta)
     written = write_comm_profile(folder, profile)

@@ -127,6 +127,9 @@ class CommMeta(_Format):
     backend: str | None = None
     sizes_bytes: list[PositiveInt] | None = None
     """The all-reduce message size of each line of the profile."""
+    after_wait_ms: list[NonNegativeFloat] | None = None
+    """Per line: the median all-reduce time of the last rank to enter it, when the others entered
+    first and waited blocked (gloo; as in training, where ranks finish their backward apart)."""
 
 
 class CommProfile(BaseModel):
