@@ -176,7 +176,8 @@ def profile_all(
     def bucket(sub: Reporter) -> str:
         result = profile_buckets(loaded, force=force, reporter=sub)
         bucket_mib.extend(result.profile.bucket_size_distribution)
-        return f"{len(bucket_mib)} buckets, {sum(bucket_mib):.3g} MB" + (" (on disk)" if result.skipped else "")
+        count = f"{len(bucket_mib)} bucket{'s' if len(bucket_mib) != 1 else ''}"
+        return f"{count}, {sum(bucket_mib):.3g} MB" + (" (on disk)" if result.skipped else "")
 
     stage("bucket", WEIGHTS["bucket"], bucket)
     for s in mine:
