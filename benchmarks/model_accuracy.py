@@ -71,13 +71,14 @@ from jabascli.solver.plan import Assignment, Plan, write_plan
 
 TARGET_MDAPE = 10.0
 
-# workload, [job] options, default LBS pair (small, large)
-WORKLOADS: dict[str, tuple[str, str, tuple[int, int]]] = {
+# workload, [job] options, default LBS pair (small, large), default slowdown of server "slow"
+WORKLOADS: dict[str, tuple[str, str, tuple[int, int], float]] = {
     # the tiny ResNet on generated 32x32 images: 1.2 MB of gradients, in two buckets; at LBS 2 and 4 two
     # ranks run side by side at the speed of one alone on the development machine (not at LBS 8 and up)
-    "resnet": ("resnet", '{ variant = "tiny", synthetic_size = 200000 }', (2, 4)),
-    # scikit-learn's handwritten digits, the CNN of the quick start: 38 KB of gradients
-    "digits": ("digits", "{ width = 16 }", (32, 64)),
+    "resnet": ("resnet", '{ variant = "tiny", synthetic_size = 200000 }', (2, 4), 4.0),
+    # scikit-learn's handwritten digits, the CNN of the quick start: 38 KB of gradients; slowed 3x as in
+    # issue #13's two-server example
+    "digits": ("digits", "{ width = 16 }", (32, 64), 3.0),
 }
 
 CONFIG = """\
@@ -123,6 +124,18 @@ CONFIGS: list[tuple[int, tuple[int, int], tuple[int, int], str]] = [
     (1, (3, 0), (1, 0), "sequential"),
     (1, (1, 2), (1, 1), "overlap"),
 ]
+
+# Digits, slow server 3x slower: plans the solver finds for GBS 128-256 on this pair, balanced (the fast
+# server runs about three times the slow one's micro-steps), where a synchronous iteration waits for both.
+DIGITS_CONFIGS: list[tuple[int, tuple[int, int], tuple[int, int], str]] = [
+    (1, (1, 2), (1, 0), "sequential"),
+    (1, (3, 0), (1, 0), "sequential"),
+    (0, (3, 1), (1, 1), "sequential"),
+    (0, (1, 2), (1, 0), "overlap"),
+    (1, (2, 1), (1, 0), "overlap"),
+    (0, (3, 0), (1, 0), "sequential"),
+]
+CONFIGS_OF = {"resnet": CONFIGS, "digits": DIGITS_CONFIGS}
 
 
 @dataclass
@@ -312,7 +325,7 @@ def breakdown(prediction: Any) -> str:
         parts.append(
             f"{g.group.server.name}: data {b.data_s * 1e3:.2f} fwd {b.forward_s * 1e3:.2f} "
             f"bwd {b.backward_s * 1e3:.2f} comm {b.exposed_comm_s * 1e3:.2f} update {b.update_s * 1e3:.2f} "
-            f"overhead {b.overhead_s * 1e3:.2f} = {b.total_s * 1e3:.2f}"
+            f"overhead {b.overhead_s * 1e3:.2f} sync wait {b.sync_wait_s * 1e3:.2f} = {b.total_s * 1e3:.2f}"
         )
     return "; ".join(parts)
 
@@ -320,13 +333,16 @@ def breakdown(prediction: Any) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--workload", choices=sorted(WORKLOADS), default="resnet", help="what to train (default resnet)"
-    )
+        "--workload", choices=[*sorted(WORKLOADS), "all"], default="all",
+        help="what to train (default all: the tiny ResNet, then digits; MdAPE over every configuration)",
+    )  # fmt: skip
     parser.add_argument(
         "--lbs", type=lambda t: tuple(int(x) for x in t.split(",")),
         help="the two local batch sizes SMALL,LARGE, LARGE a multiple of SMALL (default: digits 32,64; resnet 2,4)",
     )  # fmt: skip
-    parser.add_argument("--slowdown", type=float, default=4.0, help="emulated slowdown of server 'slow' (default 4)")
+    parser.add_argument(
+        "--slowdown", type=float, help="emulated slowdown of server 'slow' (default: resnet 4, digits 3)"
+    )
     parser.add_argument("--workdir", type=Path, help="keep the config, profiles and runs here (default: a temp folder)")
     parser.add_argument("--reprofile", action="store_true", help="measure the profiles again even if on disk")
     parser.add_argument(
@@ -342,70 +358,80 @@ def main() -> None:
         "--seconds", type=float, default=6.0, help="train about this long per configuration (default 6)"
     )
     parser.add_argument("--min-steps", type=int, default=40, help="measure at least this many iterations (default 40)")
-    parser.add_argument(
-        "--configs", type=int, default=len(CONFIGS), help=f"run the first N configurations (of {len(CONFIGS)})"
-    )
+    parser.add_argument("--configs", type=int, help="run the first N configurations of each workload")
     parser.add_argument("--no-host-check", action="store_true", help="skip the check that two ranks run independently")
     parser.add_argument("--breakdown", action="store_true", help="also print the model's breakdown per configuration")
     args = parser.parse_args()
-    workload, options, default_lbs = WORKLOADS[args.workload]
-    lbs_pair: tuple[int, int] = args.lbs or default_lbs
-    if len(lbs_pair) != 2 or lbs_pair[1] % lbs_pair[0]:
+    if args.lbs is not None and (len(args.lbs) != 2 or args.lbs[1] % args.lbs[0]):
         parser.error("--lbs: give SMALL,LARGE with LARGE a multiple of SMALL")
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one thread per process: 2 on 2 cores
     os.environ["OMP_NUM_THREADS"] = "1"
+    names = sorted(WORKLOADS, reverse=True) if args.workload == "all" else [args.workload]  # resnet, then digits
+    results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="jabas-accuracy-") as tmp:
-        folder = (args.workdir or Path(tmp)).resolve()
-        folder.mkdir(parents=True, exist_ok=True)
-        config = folder / "jabas.toml"
-        text = CONFIG.format(workload=workload, options=options, lbs=lbs_pair[0], folder=folder, slowdown=args.slowdown)
-        config.write_text(text, encoding="utf-8")
-        print(
-            f"workload {args.workload} {options}, LBS {lbs_pair[0]} and {lbs_pair[1]}, slow server x{args.slowdown:g}"
-        )
-        if not args.no_host_check:
-            for lbs in lbs_pair:
-                report_host_check(config, lbs, "before")
-        start = time.perf_counter()
-        profile_structure(config, folder, lbs_pair, args, env)
-        profile_times(config, folder, args, env, force=args.reprofile or not args.profile_once)
-        print(f"profiled in {time.perf_counter() - start:.0f} s: {folder / 'profiles'}")
+        root = (args.workdir or Path(tmp)).resolve()
+        for name in names:
+            folder = root / name if len(names) > 1 else root
+            results += run_workload(name, folder, args, env)
+    mdape = statistics.median(abs(r.error) for r in results)
+    signed = statistics.median(r.error for r in results)
+    print(f"median signed error {signed:+.1f}% (negative: the model predicts faster iterations than measured)")
+    print(f"MdAPE={mdape:.1f}%  (target <= {TARGET_MDAPE:g}%; {len(results)} configurations: {', '.join(names)})")
+
+
+def run_workload(name: str, folder: Path, args: argparse.Namespace, env: dict[str, str]) -> list[Result]:
+    """Profile, train and predict every configuration of one workload."""
+    workload, options, default_lbs, default_slowdown = WORKLOADS[name]
+    lbs_pair: tuple[int, int] = args.lbs or default_lbs
+    slowdown = args.slowdown or default_slowdown
+    configs = CONFIGS_OF[name][: args.configs]
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / "jabas.toml"
+    text = CONFIG.format(workload=workload, options=options, lbs=lbs_pair[0], folder=folder, slowdown=slowdown)
+    config.write_text(text, encoding="utf-8")
+    print(f"workload {name} {options}, LBS {lbs_pair[0]} and {lbs_pair[1]}, slow server x{slowdown:g}")
+    if not args.no_host_check:
+        for lbs in lbs_pair:
+            report_host_check(config, lbs, "before")
+    start = time.perf_counter()
+    profile_structure(config, folder, lbs_pair, args, env)
+    profile_times(config, folder, args, env, force=args.reprofile or not args.profile_once)
+    print(f"profiled in {time.perf_counter() - start:.0f} s: {folder / 'profiles'}")
+    if not args.profile_once:
+        print("each configuration is predicted from the profiles measured just before and just after its run")
+    print(f"{'configuration':<59} {'predicted':>10} {'measured':>10} {'APE':>7}  iterations")
+
+    results: list[Result] = []
+    for index, (which, fast, slow, weight_sync) in enumerate(configs):
+        plan = make_plan(config, folder / f"plan{index}.json", lbs_pair[which], fast, slow, weight_sync)
+        steps = args.warmup + max(args.min_steps, math.ceil(args.seconds / plan.iteration_time_s))
+        jabas(
+            "run", "-c", str(config), "--plan", str(folder / f"plan{index}.json"), "--max-steps", str(steps),
+            "--json", log=folder / f"run{index}.log", env=env,
+        )  # fmt: skip
+        measured, counted = measured_time(folder / "runs" / "accuracy" / "steps.csv", args.warmup)
         if not args.profile_once:
-            print("each configuration is predicted from the profiles measured just before and just after its run")
-        print(f"{'configuration':<52} {'predicted':>10} {'measured':>10} {'APE':>7}  iterations")
+            profile_times(config, folder, args, env, force=True)
+        latest = predict(config, plan)  # from the profiles measured after the run (bracketing)
+        predicted = plan.iteration_time_s if args.profile_once else (plan.iteration_time_s + latest.time_s) / 2
+        by_server = {a.server: (a.vsw, a.ga) for a in plan.assignments}
+        label = f"{name:<6} " + describe(plan.lbs, by_server["fast"], by_server["slow"], weight_sync)
+        result = Result(label, predicted, measured, counted)
+        results.append(result)
+        print(
+            f"{result.name:<59} {result.predicted_s * 1e3:>7.2f} ms {result.measured_s * 1e3:>7.2f} ms "
+            f"{abs(result.error):>6.1f}%  {result.steps}"
+        )
+        if args.breakdown:
+            print(f"    model: {breakdown(latest)}")
+        sys.stdout.flush()
 
-        results: list[Result] = []
-        for index, (which, fast, slow, weight_sync) in enumerate(CONFIGS[: args.configs]):
-            plan = make_plan(config, folder / f"plan{index}.json", lbs_pair[which], fast, slow, weight_sync)
-            steps = args.warmup + max(args.min_steps, math.ceil(args.seconds / plan.iteration_time_s))
-            jabas(
-                "run", "-c", str(config), "--plan", str(folder / f"plan{index}.json"), "--max-steps", str(steps),
-                "--json", log=folder / f"run{index}.log", env=env,
-            )  # fmt: skip
-            measured, counted = measured_time(folder / "runs" / "accuracy" / "steps.csv", args.warmup)
-            if not args.profile_once:
-                profile_times(config, folder, args, env, force=True)
-            latest = predict(config, plan)  # from the profiles measured after the run (bracketing)
-            predicted = plan.iteration_time_s if args.profile_once else (plan.iteration_time_s + latest.time_s) / 2
-            by_server = {a.server: (a.vsw, a.ga) for a in plan.assignments}
-            name = describe(plan.lbs, by_server["fast"], by_server["slow"], weight_sync)
-            result = Result(name, predicted, measured, counted)
-            results.append(result)
-            print(
-                f"{result.name:<52} {result.predicted_s * 1e3:>7.2f} ms {result.measured_s * 1e3:>7.2f} ms "
-                f"{abs(result.error):>6.1f}%  {result.steps}"
-            )
-            if args.breakdown:
-                print(f"    model: {breakdown(latest)}")
-            sys.stdout.flush()
-
-        if not args.no_host_check:
-            report_host_check(config, lbs_pair[0], "after")
-        mdape = statistics.median(abs(r.error) for r in results)
-        signed = statistics.median(r.error for r in results)
-        print(f"median signed error {signed:+.1f}% (negative: the model predicts faster iterations than measured)")
-        print(f"MdAPE={mdape:.1f}%  (target <= {TARGET_MDAPE:g}%; {len(results)} configurations)")
+    if not args.no_host_check:
+        report_host_check(config, lbs_pair[0], "after")
+    mdape = statistics.median(abs(r.error) for r in results)
+    print(f"{name}: MdAPE {mdape:.1f}% over {len(results)} configurations")
+    return results
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ EXAMPLES = REPO / "examples"
 # example file -> the seed's config of the same model (../shared/reference/jabas_config_example_<model>.json)
 FULL_SIZE = {"resnet50": "resnet50", "vit": "vit", "gnmt": "gnmt", "faster_rcnn": "faster_r_cnn"}
 TINY = ["resnet_tiny", "vit_tiny", "gnmt_tiny", "faster_rcnn_tiny"]
-REAL_DATA = ["mnist1d", "digits_adaptive"]  # like the quick start: real (or generated) data, a small model
+# Like the quick start: real (or generated) data, a small model.
+REAL_DATA = ["mnist1d", "digits_adaptive", "two_servers"]
 
 
 @pytest.mark.parametrize("name", [*FULL_SIZE, *TINY, *REAL_DATA])

@@ -328,3 +328,43 @@ def test_bucket_profile_with_no_bytes_is_refused(reference_dir: Path) -> None:
     profiles.bucket = BucketProfile(model="resnet50", bucket_size_distribution=[0.0])
     with pytest.raises(InputError, match="no gradient bytes"):
         PerformanceModel(profiles)
+
+
+# Balanced plans (issue #13) -------------------------------------------------------
+
+
+def test_a_synchronised_rank_waits_for_the_slowest_rank_of_each_iteration() -> None:
+    memory = {("s", 8): MemoryProfile(gpu_type="t", total_memory=10**9, lbs=8, max_num_models=2)}
+    comp = {
+        ("s", 8, n): _comp(n, 0.5, 0.2, None).model_copy(update={"spread": {"total_time": [9.0 * n, 9.0 * n + iqr]}})
+        for n, iqr in ((1, 1.349), (2, 2.698))
+    }
+    device = build_device_model(ProfileSet(memory, comp, None), "s", 8)
+    sigma = {1: 1e-3, 2: 2e-3}  # IQR / 1.349, in seconds
+    together, alone = BucketTimes((0.001,), 1.0), BucketTimes((), 1.0)
+    for v in (1, 2):
+        for g in (0, 3):
+            wait = breakdown(device, v, g, "sequential", together).sync_wait_s
+            assert wait == pytest.approx(sigma[v] * np.sqrt(g + 1) / np.sqrt(np.pi))
+            assert breakdown(device, v, g, "sequential", alone).sync_wait_s == 0.0  # nobody to wait for
+            table = iteration_times(device, np.array([v]), np.array([g]), "sequential", together)
+            assert breakdown(device, v, g, "sequential", together).total_s == float(table[0])
+    seed_like = {k: p.model_copy(update={"spread": None}) for k, p in comp.items()}
+    assert build_device_model(ProfileSet(memory, seed_like, None), "s", 8).spread is None
+
+
+def test_an_allreduce_after_a_wait_costs_the_measured_wake_up_on_the_last_bucket() -> None:
+    ideal = [ring_allreduce_ideal_ms(s * MIB, 1e9, 2) for s in (0.03, 0.06, 0.12)]
+    measured = [0.1 + x for x in ideal]
+    meta = CommMeta(
+        bandwidth=1e9, world_size=2, after_wait_ms=[m + d for m, d in zip(measured, (0.6, 0.7, 0.9), strict=True)]
+    )
+    fit = AllReduceFit.from_profile(CommProfile(kind="inter", ideal_ms=ideal, measured_ms=measured, meta=meta))
+    assert fit.wake_s == pytest.approx(0.7e-3)
+    without = CommMeta(bandwidth=1e9, world_size=2)
+    plain = AllReduceFit.from_profile(CommProfile(kind="inter", ideal_ms=ideal, measured_ms=measured, meta=without))
+    assert plain.wake_s == 0.0  # not measured (seed profiles): nothing added
+    woken = CommModel({"inter": fit}, (0.05, 0.05), {}).buckets(2, 2, 1e9)
+    asleep = CommModel({"inter": plain}, (0.05, 0.05), {}).buckets(2, 2, 1e9)
+    assert woken.per_bucket_s[0] == asleep.per_bucket_s[0]
+    assert woken.last_s == pytest.approx(asleep.last_s + 0.7e-3)

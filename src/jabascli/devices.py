@@ -98,3 +98,28 @@ def _total_ram() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})
+
+
+def is_this_host(host: str) -> bool:
+    """Whether a server's ``host`` names this machine: a loopback address, or this machine's name."""
+    if host in LOOPBACK_HOSTS or host.startswith("127."):
+        return True
+    names = {socket.gethostname(), socket.gethostname().split(".")[0], socket.getfqdn()}
+    return host in names
+
+
+def trainer_threads(trainers_here: int) -> int:
+    """torch threads of each trainer process ``jabas run`` starts on this machine.
+
+    ``OMP_NUM_THREADS`` when set; otherwise the machine's cores shared equally
+    among the trainers that run on it, at least one each. The computation
+    profiler measures a CPU or emulated device with the same count, so that a
+    profile describes the trainer that will run.
+    """
+    configured = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return max(1, (os.cpu_count() or 1) // max(1, trainers_here))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     Progress,
@@ -37,7 +38,10 @@ ServerOption = Annotated[
 ForceOption = Annotated[bool, typer.Option("--force", help="Measure again what is already on disk.")]
 ThreadsOption = Annotated[
     int | None,
-    typer.Option(help="torch threads per measuring process (default on the CPU: the cores over the server's devices)."),
+    typer.Option(
+        help="torch threads per measuring process (default on the CPU: what `jabas run` gives each trainer, "
+        "the cores over the trainers on this machine)."
+    ),
 ]
 
 
@@ -385,6 +389,82 @@ def comm(
         table.add_row(size, f"{ideal:.3f}", f"{measured:.3f}", spread)
     console.print(table)
     console.print(f"written to {run.path}" + (" (already there; --force measures again)" if run.skipped else ""))
+
+
+@app.command("all")
+@cli_command
+def all_(
+    config: ConfigOption,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            "--server",
+            help="On a real cluster: this node's server. Profiles it, and prints the inter-node commands "
+            "every node runs (default: every server, all on this machine).",
+        ),
+    ] = None,
+    lbs: Annotated[int, typer.Option(help="Local batch size the memory sweep starts from (and its step).")] = 32,
+    gbs_max: Annotated[
+        int | None,
+        typer.Option(
+            help="Largest GBS the job trains (default: \\[batching] gbs_max, else initial_gbs): no VSW count "
+            "or LBS above it is measured."
+        ),
+    ] = None,
+    iters: Annotated[int, typer.Option(help="Measured iterations per computation point (more until stable).")] = 20,
+    sizes: Annotated[
+        str | None,
+        typer.Option(help="All-reduce sizes in MB, LO:HI or a list (default: from the bucket profile)."),
+    ] = None,
+    force: ForceOption = False,
+    json_out: JsonOption = False,
+) -> None:
+    """Every profile the solver needs, in one command: buckets, memory and computation per server, all-reduce.
+
+    With every server of the config on this machine (loopback, emulated or
+    not): each server, the intra-node all-reduce and the inter-node one over
+    loopback, one process per server. On a cluster, run it on every node with
+    --server NAME; it prints the `jabas profile comm --rank/--world/--master`
+    commands the nodes then run together. Files already on disk are kept
+    (--force measures again); Ctrl-C leaves only complete files.
+
+    Example:
+
+        jabas profile all -c examples/two_servers.toml
+
+        jabas profile all -c jabas.toml --server node1 --gbs-max 1024
+    """
+    from jabascli.profiler.suite import failure_error, profile_all
+
+    loaded = load_config(config, check_profiles=False)
+    with _reporting("All profiles", json_out) as reporter:
+        run = profile_all(
+            loaded, server=server, lbs=lbs, gbs_max=gbs_max, iters=iters, sizes=sizes, force=force, reporter=reporter
+        )
+    failure = failure_error(run)
+    if json_out:
+        print_json(
+            {
+                "gbs_max": run.gbs_max,
+                "stages": [{"name": s.name, "ok": s.ok, "detail": s.detail} for s in run.stages],
+                "commands": run.commands,
+            }
+        )
+    else:
+        table = Table(title="Profiles" + (f" (up to GBS {run.gbs_max})" if run.gbs_max else ""))
+        for column in ("profile", "", "result"):
+            table.add_column(column)
+        for s in run.stages:
+            table.add_row(s.name, "ok" if s.ok else "[red]failed[/red]", escape(s.detail))
+        console.print(table)
+        if run.commands:
+            console.print("inter-node all-reduce: run these at the same time, one on each server:")
+            for command in run.commands:
+                console.print(f"  {command}", highlight=False, markup=False, soft_wrap=True)
+        elif failure is None:
+            console.print(f"ready: `jabas solve -c {config} --gbs N`, or `jabas run -c {config} --gbs N`")
+    if failure is not None:
+        raise failure
 
 
 @app.command()

@@ -100,9 +100,19 @@ def run(
     checkpoint_every: CheckpointEveryOption = None,
     max_steps: MaxStepsOption = None,
     bucket_cap_mb: BucketCapOption = None,
+    gbs: Annotated[
+        int | None,
+        typer.Option(
+            "--gbs", min=1, help="Solve the plan for this GBS from the profiles (default: \\[batching] initial_gbs)."
+        ),
+    ] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Train the whole job on this machine: one trainer process per device (or emulated device).
+
+    Without a plan file, given a GBS (--gbs or [batching] initial_gbs) and the
+    profiles (`jabas profile all`), it trains the solver's plan for that GBS and
+    ends with the predicted beside the measured iteration time.
 
     Shows progress (epoch, step, GBS, samples/s, loss), a line per GBS change of
     an adaptive job ([batching] metric), and a validation table; metrics also go
@@ -112,10 +122,15 @@ def run(
     Example:
 
         jabas run -c examples/quickstart.toml
+
+        jabas run -c examples/two_servers.toml --gbs 256
     """
+    from jabascli.cli.run_plan import report_predicted, solve_own_plan
     from jabascli.engine.launch import run_local
 
     loaded = load_config(config)
+    own = solve_own_plan(loaded, gbs, plan, quiet=json_out)
+    plan = own.path if own is not None else plan
     options = TrainOptions(
         plan=plan, resume=resume, checkpoint_every=checkpoint_every, max_steps=max_steps, bucket_cap_mb=bucket_cap_mb
     )
@@ -128,6 +143,8 @@ def run(
         print_json(results)
         return
     _print_results(loaded.config.job.name, display.start, results)
+    if own is not None:
+        report_predicted(loaded, own, display.start)
 
 
 class _RunDisplay:
@@ -137,6 +154,7 @@ class _RunDisplay:
         self.disable = disable
         self.start: dict[str, Any] = {}
         self.adjustments: list[dict[str, Any]] = []
+        self.notes: list[str] = []
         self.progress = Progress(
             TextColumn("[bold]{task.fields[epoch]}"),
             BarColumn(),
@@ -172,6 +190,8 @@ class _RunDisplay:
                     f"loader workers {event.get('loader_workers', 0)}"
                 )
                 console.print(f"[bold]{escape(event['job'])}[/bold]: {escape(details)}", highlight=False)
+                for note in self.notes:
+                    console.print(f"  note: {note}", highlight=False, markup=False)
             total = event["steps_per_epoch"]
             self.progress.update(self.task, total=total, completed=event["position"] // event["gbs"])
             self.progress.update(self.task, epoch=f"epoch {event['epoch'] + 1}/{event['epochs']}", gbs=event["gbs"])
@@ -186,6 +206,8 @@ class _RunDisplay:
                 rate=f"{event['samples_per_s']:.0f}",
                 loss=f"{event['loss']:.4f}",
             )
+        elif kind == "note":  # before the trainers start: shown with the start line
+            self.notes.append(event["message"])
         elif kind == "epoch" and not self.disable:
             self.progress.console.print(_epoch_line(event), highlight=False, markup=False)
         elif kind == "adjustment":

@@ -33,6 +33,7 @@ from typing import Any
 
 from jabascli.adaptive.checks import check_batching
 from jabascli.config import LoadedConfig
+from jabascli.devices import trainer_threads
 from jabascli.engine.events import EVENT_FD_ENV
 from jabascli.engine.layout import run_folder
 from jabascli.engine.options import TrainOptions
@@ -81,7 +82,14 @@ def run_local(
         job = loaded.config.job
         check_resumable(options.resume, load_workload(job.workload, job.options, job.data))
     logs = run_folder(loaded) / "logs"
-    return launch_local(loaded.path, plan, options.train_args(), logs, on_event, env)
+    from jabascli.engine.conditions import profile_notes
+
+    notes = profile_notes(loaded, plan, trainer_threads(plan.world_size))
+    if on_event is not None:
+        for server, note in notes.items():
+            on_event({"event": "note", "server": server, "message": note})
+    rank_notes = {r.rank: notes[r.server] for r in plan.ranks if r.server in notes}
+    return launch_local(loaded.path, plan, options.train_args(), logs, on_event, env, rank_notes)
 
 
 def launch_local(
@@ -91,13 +99,15 @@ def launch_local(
     logs: Path,
     on_event: Callable[[dict[str, Any]], None] | None = None,
     env: dict[str, str] | None = None,
+    notes: dict[int, str] | None = None,
 ) -> LaunchResult:
     """Run ``jabas train -c config *train_args`` as every rank of ``plan`` and wait for them.
 
     Retries with another port when the rendezvous port was taken before rank 0 bound it.
+    ``notes``: a line to write at the top of a rank's log, by rank.
     """
     for attempt in range(PORT_ATTEMPTS):
-        run = _LocalRun(config, plan, train_args, logs, on_event, env)
+        run = _LocalRun(config, plan, train_args, logs, on_event, env, notes or {})
         try:
             return run.wait()
         except _PortTaken:
@@ -119,6 +129,7 @@ class _LocalRun:
         logs: Path,
         on_event: Callable[[dict[str, Any]], None] | None,
         env: dict[str, str] | None,
+        notes: dict[int, str],
     ) -> None:
         self.on_event = on_event
         self.events: list[dict[str, Any]] = []
@@ -130,7 +141,7 @@ class _LocalRun:
         self.read_fd = read_fd
         self.buffer = b""
         base = {**os.environ, **(env or {})}
-        threads = max(1, (os.cpu_count() or 1) // plan.world_size)
+        threads = trainer_threads(plan.world_size)
         port = free_port()
         command = [sys.executable, "-m", "jabascli", "train", "-c", str(config), *train_args]
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -148,6 +159,9 @@ class _LocalRun:
                 }
                 child_env.setdefault("OMP_NUM_THREADS", str(threads))
                 with self.logs[rank].open("wb") as log:
+                    if rank in notes:
+                        log.write(f"note: {notes[rank]}\n".encode())
+                        log.flush()
                     self.procs.append(
                         subprocess.Popen(
                             command,

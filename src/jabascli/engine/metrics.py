@@ -122,3 +122,28 @@ class MetricsWriter:
             self._adjustments[0].close()
         if self._tb is not None:
             self._tb.close()
+
+
+def median_iteration_s(steps_csv: Path, first_step: int = 0, warmup: int = 5) -> tuple[float, int] | None:
+    """Median iteration time (s) of a run in ``steps.csv``, and how many iterations it covers.
+
+    The run began after step ``first_step`` (a resumed run appends to the
+    file); its first ``warmup`` iterations are left out. Each row's
+    ``iteration_s`` (the median of the iterations since the row before)
+    counts once per iteration it covers. None when no row is left.
+    """
+    import statistics
+
+    times: list[float] = []
+    previous = 0
+    try:
+        with steps_csv.open(encoding="utf-8", newline="") as f:
+            for row in csv.DictReader(f):
+                step = int(row["step"])
+                covered, first = step - previous, previous + 1
+                previous = step
+                if first > first_step + warmup and covered > 0 and row.get("iteration_s"):
+                    times += [float(row["iteration_s"])] * covered
+    except (OSError, ValueError, KeyError):
+        return None
+    return (statistics.median(times), len(times)) if times else None

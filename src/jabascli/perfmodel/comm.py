@@ -19,12 +19,19 @@ computed the way the profile's own ``ideal_ms`` was:
   bandwidth and world size produced its ``ideal_ms``, so this abscissa can be on
   another scale than the profile's; that is the seed's known flaw, which the
   meta file fixes.
+
+When the profile's meta file records ``after_wait_ms`` (all-reduces that the
+last rank entered while the others already waited, blocked, as in training),
+the median excess over the plain all-reduce (``wake``) is added to the last
+bucket's all-reduce: the ranks that finished their backward first wait in it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from jabascli.errors import InputError
 from jabascli.perfmodel.fit import LinearFit
@@ -49,11 +56,18 @@ class AllReduceFit:
     line: LinearFit
     bandwidth: float | None
     """Bytes/s behind the profile's ``ideal_ms`` (its meta file); None for seed profiles."""
+    wake_s: float = 0.0
+    """What an all-reduce costs more when the other ranks entered it first and wait, blocked: the median
+    over sizes of ``after_wait_ms - measured_ms`` (meta file; 0 when not measured, as in seed profiles)."""
 
     @classmethod
     def from_profile(cls, profile: CommProfile) -> AllReduceFit:
         bandwidth = profile.meta.bandwidth if profile.meta is not None else None
-        return cls(profile.kind, LinearFit.least_squares(profile.ideal_ms, profile.measured_ms), bandwidth)
+        wake = 0.0
+        after = profile.meta.after_wait_ms if profile.meta is not None else None
+        if after and len(after) == len(profile.measured_ms):
+            wake = max(0.0, float(np.median(np.subtract(after, profile.measured_ms)))) * MS
+        return cls(profile.kind, LinearFit.least_squares(profile.ideal_ms, profile.measured_ms), bandwidth, wake)
 
     def ideal_ms(self, size_bytes: float, world_size: int, config_bandwidth: float) -> float:
         if self.bandwidth is not None:
@@ -119,7 +133,17 @@ class CommModel:
         fit = self.fits.get(kind)
         if fit is None:
             where = comm_profile_path(self.folders.get("communication", Path("comm_profile_data")), kind)
-            what = "one server" if kind == "intra" else "several servers"
-            raise InputError.at(where, None, f"no {kind}-node all-reduce profile, needed for {what}")
-        times = tuple(fit.time_s(mib * BUCKET_MB, world_size, config_bandwidth) for mib in self.bucket_mib)
-        return BucketTimes(times, self.last_share())
+            if kind == "intra":
+                how = "`jabas profile all -c CONFIG`, or `jabas profile comm -c CONFIG --nprocs N` on that server"
+                what = "one server"
+            else:
+                how = (
+                    "`jabas profile all -c CONFIG` when the servers are on this machine, or "
+                    "`jabas profile comm -c CONFIG --server NAME --rank R --world W --master ADDR:PORT` "
+                    "on every server at once (`jabas profile all --server NAME` prints them)"
+                )
+                what = "several servers"
+            raise InputError.at(where, None, f"no {kind}-node all-reduce profile, needed for {what}: run {how}")
+        times = [fit.time_s(mib * BUCKET_MB, world_size, config_bandwidth) for mib in self.bucket_mib]
+        times[-1] += fit.wake_s  # the last bucket's all-reduce is where ranks that finished first wait
+        return BucketTimes(tuple(times), self.last_share())

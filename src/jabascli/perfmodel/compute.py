@@ -16,7 +16,12 @@ one profiled server; every time here is in seconds.
   over every measured point (0 for seed profiles, which do not measure it);
 * overlap update: what ``overlap`` weight sync's per-bucket optimizer steps
   add to an iteration, the mean ``overlap_update_time`` over the points that
-  measured it (None for seed profiles).
+  measured it (None for seed profiles);
+* spread: the standard deviation of one iteration's time at ``v`` VSWs,
+  ``(p75 - p25) / 1.349`` of the measured iterations' totals (a normal
+  distribution's interquartile range is 1.349 of its standard deviation),
+  through the measured VSW counts (0 for seed profiles, which have no
+  quartiles). The iteration model turns it into the synchronisation wait.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from jabascli.perfmodel.fit import FloatArray, VswCurve
 from jabascli.profiles import CompProfile, ProfileSet
 
 MS = 1e-3
+IQR_PER_SIGMA = 1.349  # interquartile range of a normal distribution, in standard deviations
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,13 @@ class DeviceModel:
     overlap_update_s: float | None = None
     """What ``overlap`` weight sync's per-bucket optimizer steps add to an iteration, as measured (None:
     not measured, as in seed profiles; the model then assumes all but the last bucket's share is hidden)."""
+    spread: VswCurve | None = None
+    """Standard deviation (seconds) of one iteration of ``v`` VSWs; None when the profiles have no quartiles."""
+
+    def spread_s(self, vsw: ArrayLike) -> FloatArray:
+        if self.spread is None:
+            return np.zeros(np.shape(vsw))
+        return self.spread(vsw)
 
     def phases(self, vsw: ArrayLike) -> tuple[FloatArray, FloatArray, FloatArray]:
         """Data, forward and backward time of one micro-step of ``vsw`` VSWs."""
@@ -97,6 +110,11 @@ def build_device_model(
     def curve(field: str) -> VswCurve:
         return VswCurve.through((n, getattr(p, field) * MS) for n, p in points.items())
 
+    quartiles = {n: (p.spread or {}).get("total_time") for n, p in points.items()}
+    spread = None
+    if all(q is not None and len(q) == 2 for q in quartiles.values()):
+        spread = VswCurve.through((n, max(q[1] - q[0], 0.0) / IQR_PER_SIGMA * MS) for n, q in quartiles.items())  # type: ignore[index]
+
     return DeviceModel(
         server=server,
         device_type=first.gpu_type,
@@ -110,4 +128,5 @@ def build_device_model(
         bn_sync_s=bn_sync,
         overhead_s=overhead,
         overlap_update_s=overlap_update,
+        spread=spread,
     )

@@ -11,16 +11,29 @@ For a GPU running ``v`` VSWs with ``g`` extra GA micro-steps (seconds; see
             = (U + C * (v - 1)) * share_last                (overlap, seed profiles)
     bn_sync = bn * v
     overhead = O                         # the engine's own work, once per iteration
-    T(v, g) = data + forward + backward + comm + update + bn_sync + overhead
+    sync_wait = S(v) * sqrt(g + 1) / sqrt(pi)   (with other ranks; 0 alone)
+    T(v, g) = data + forward + backward + comm + update + bn_sync + overhead + sync_wait
 
 ``A_overlapped`` is the all-reduce time of every bucket but the last (it runs
 during the last micro-step's backward), ``A_last`` that of the last bucket,
 ``share_last`` the last bucket's share of the gradient bytes. The cluster's
 iteration time is the largest ``T`` over its GPUs.
+
+``sync_wait``: a synchronous iteration ends when the slowest rank *of that
+iteration* is done, and ranks' times vary from one iteration to the next, so
+its expected time is the expected maximum of the ranks' times, above the
+largest mean. For two ranks of equal mean and standard deviation ``s`` that
+excess is ``s / sqrt(pi)``; each rank is charged it with its own ``s``:
+``S(v)``, the standard deviation of one iteration of ``v`` VSWs from the
+profile's quartiles, grown as ``sqrt(g + 1)`` for ``g + 1`` independent
+micro-step rounds. Being a per-rank term, it keeps the cluster time the
+largest ``T`` (the solver stays exact); a plan bound by one rank is then
+over-predicted by at most that rank's ``S / sqrt(pi)``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -34,6 +47,7 @@ from jabascli.perfmodel.fit import FloatArray
 
 WeightSyncMethod = Literal["sequential", "overlap"]
 WEIGHT_SYNC_METHODS: tuple[WeightSyncMethod, ...] = ("sequential", "overlap")
+SYNC_WAIT_PER_SIGMA = 1.0 / math.sqrt(math.pi)  # E[max(X, Y)] - mean, for X, Y ~ N(mean, s^2): s / sqrt(pi)
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,7 @@ class Breakdown:
     update_s: float
     bn_sync_s: float
     overhead_s: float = 0.0
+    sync_wait_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -101,13 +116,14 @@ class Breakdown:
             self.update_s,
             self.bn_sync_s,
             self.overhead_s,
+            self.sync_wait_s,
         )
 
 
-def _total(data, forward, backward, comm, update, bn_sync, overhead):  # type: ignore[no-untyped-def]
+def _total(data, forward, backward, comm, update, bn_sync, overhead, sync_wait):  # type: ignore[no-untyped-def]
     # One summation order for scalars and arrays, so that the solver's tables and
     # a single prediction give bit-identical times.
-    return data + forward + backward + comm + update + bn_sync + overhead
+    return data + forward + backward + comm + update + bn_sync + overhead + sync_wait
 
 
 def _components(
@@ -126,7 +142,9 @@ def _components(
     elif weight_sync != "sequential":
         raise ValueError(f"weight sync must be 'sequential' or 'overlap', got {weight_sync!r}")
     overhead = np.full(np.broadcast(v, steps).shape, device.overhead_s)
-    return steps * d, steps * f, steps * b, comm, update, device.bn_sync_s * v, overhead
+    synchronised = len(buckets.per_bucket_s) > 0  # other ranks to wait for
+    sync_wait = device.spread_s(v) * np.sqrt(steps) * SYNC_WAIT_PER_SIGMA if synchronised else overhead * 0.0
+    return steps * d, steps * f, steps * b, comm, update, device.bn_sync_s * v, overhead, sync_wait
 
 
 def iteration_times(

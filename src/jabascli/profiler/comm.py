@@ -44,6 +44,9 @@ from jabascli.profiles.formats import (
 )
 
 WORKER_MODULE = "jabascli.profiler.comm_worker"
+PORT_ATTEMPTS = 3
+AFTER_WAIT_MS = 2.0
+"""gloo: also time all-reduces that the last rank enters this long after the others, who wait blocked."""
 
 
 @dataclass
@@ -102,14 +105,25 @@ def profile_comm(
     timeout: float = 3600.0,
     rendezvous_timeout: float = 300.0,
     reporter: Reporter | None = None,
+    loopback_nodes: int | None = None,
 ) -> CommRun:
-    """Measure all-reduce time for every size and write the intra- or inter-node profile."""
+    """Measure all-reduce time for every size and write the intra- or inter-node profile.
+
+    ``loopback_nodes``: an inter-node profile of that many "nodes" on this
+    machine, one process each, all started here and meeting on 127.0.0.1
+    (``jabas profile all`` for a config whose servers all run here). A port
+    taken before the rendezvous binds it is replaced by another.
+    """
     reporter = reporter or Reporter()
     sizes_mb = parse_sizes(sizes)
     target = resolve_target(loaded, server, threads=1)
-    inter = any(v is not None for v in (rank, world, master))
+    inter = loopback_nodes is not None or any(v is not None for v in (rank, world, master))
     kind: CommKind = "inter" if inter else "intra"
-    if inter:
+    if loopback_nodes is not None:
+        if loopback_nodes < 2:
+            raise InputError.at(None, "servers", f"an inter-node profile needs at least 2 nodes, got {loopback_nodes}")
+        addr, port, rank, nodes, nprocs = "127.0.0.1", _free_port(), 0, loopback_nodes, 1
+    elif inter:
         if rank is None or world is None or master is None:
             raise InputError.at(None, "--rank/--world/--master", "an inter-node profile needs all three")
         if world < 2:
@@ -155,8 +169,10 @@ def profile_comm(
         "max_reps": 200,
         "threads": 1,
         "timeout": rendezvous_timeout,
+        "after_wait_ms": AFTER_WAIT_MS if backend == "gloo" else None,
     }
-    specs = [{**base, "rank": rank * local + i, "local_rank": i} for i in range(local)]
+    here = range(world_size) if loopback_nodes is not None else range(rank * local, rank * local + local)
+    specs = [{**base, "rank": r, "local_rank": r - here[0]} for r in here]
 
     def on_progress(fields: dict[str, Any]) -> None:
         done = int(fields.get("done", 0))
@@ -165,15 +181,32 @@ def profile_comm(
         reporter.progress(done, len(sizes_bytes), f"{kind}: {size:g} MB all-reduce took {took:.2f} ms")
 
     reporter.progress(0, len(sizes_bytes), f"{kind}: {world_size} processes ({backend}) meeting at {addr}:{port}")
-    try:
-        results = run_children(WORKER_MODULE, specs, on_progress, timeout=timeout)
-    except ChildCrashed as crash:
-        raise RuntimeFailure([f"all-reduce measurement ({kind}, {backend}) failed: {crash.describe()}"]) from None
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            results = run_children(WORKER_MODULE, specs, on_progress, timeout=timeout)
+            break
+        except ChildCrashed as crash:
+            taken = "address already in use" in crash.describe().lower()
+            ours = addr == "127.0.0.1" and (loopback_nodes is not None or not inter)  # we picked the port
+            if taken and ours and attempt < PORT_ATTEMPTS - 1:
+                port = _free_port()  # taken by another program since it was picked: pick another
+                reporter.note(f"{kind}: port in use, meeting at {addr}:{port} instead")
+                specs = [{**spec, "master_port": port} for spec in specs]
+                continue
+            where = f" (port {port} on {addr} is in use: give another with --master)" if taken else ""
+            raise RuntimeFailure(
+                [f"all-reduce measurement ({kind}, {backend}) failed: {crash.describe()}{where}"]
+            ) from None
     rows = results[0]["rows"]
     ideal = [ring_allreduce_ideal_ms(row["size_bytes"], bandwidth, world_size) for row in rows]
     measured = [row["median"] for row in rows]
+    after_wait = [row["after_wait"] for row in rows] if all("after_wait" in row for row in rows) else None
     meta = CommMeta(
-        bandwidth=bandwidth, world_size=world_size, backend=backend, sizes_bytes=[row["size_bytes"] for row in rows]
+        bandwidth=bandwidth,
+        world_size=world_size,
+        backend=backend,
+        sizes_bytes=[row["size_bytes"] for row in rows],
+        after_wait_ms=after_wait,
     )
     profile = CommProfile(kind=kind, ideal_ms=ideal, measured_ms=measured, meta=meta)
     written = write_comm_profile(folder, profile)

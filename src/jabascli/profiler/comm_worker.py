@@ -65,12 +65,37 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             slowest = torch.tensor(times, dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             row = summarize(slowest.cpu().tolist())
+            if spec.get("after_wait_ms"):
+                row["after_wait"] = _after_wait(tensor, device, rank, world, float(spec["after_wait_ms"]), len(times))
             rows.append({"size_bytes": tensor.numel() * 4, "reps": len(times), **row})
             if rank == 0:
                 emit_progress(done=index + 1, total=len(sizes), size_bytes=size, median_ms=row["median"])
         return {"status": "ok", "rows": rows}
     finally:
         dist.destroy_process_group()
+
+
+def _after_wait(tensor: Any, device: Any, rank: int, world: int, wait_ms: float, reps: int) -> float:
+    """Median ms of an all-reduce entered by the last rank ``wait_ms`` after the others, timed on the last rank.
+
+    So it runs in training: the ranks that finished their backward first wait,
+    blocked, inside the all-reduce, and the last to arrive pays for waking them.
+    """
+    import torch
+    import torch.distributed as dist
+
+    last = world - 1
+    times = []
+    for _ in range(max(5, reps // 2)):
+        dist.barrier()
+        if rank == last:
+            time.sleep(wait_ms / 1e3)
+        t0 = time.perf_counter()
+        dist.all_reduce(tensor)
+        times.append((time.perf_counter() - t0) * 1e3)
+    median = torch.tensor([summarize(times)["median"] if rank == last else 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return float(median.item())
 
 
 def _timed_allreduce(tensor: Any, device: Any) -> float:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from jabascli.config.loader import LoadedConfig
 from jabascli.config.models import ServerConfig
-from jabascli.devices import NodeDevices, detect_devices
+from jabascli.devices import NodeDevices, detect_devices, is_this_host, trainer_threads
 from jabascli.errors import InputError
 from jabascli.workload import Workload, load_workload
 
@@ -107,9 +107,21 @@ def resolve_target(
         if server.memory_bytes is not None and (not memory or server.memory_bytes < memory):
             memory = server.memory_bytes
     if kind != "cuda" and threads is None:
-        # One device of a CPU server is one trainer process: it gets its share of the cores.
-        threads = max(1, (os.cpu_count() or 1) // server.devices)
+        threads = trainer_threads(trainers_sharing_cores(loaded, server))
     return Target(server, kind, int(memory), float(slowdown), threads)
+
+
+def trainers_sharing_cores(loaded: LoadedConfig, server: ServerConfig) -> int:
+    """How many trainer processes will share this machine's cores with each of ``server``'s.
+
+    When every server of the job is on this machine, ``jabas run`` starts them
+    all here (one trainer per device of every available server); otherwise the
+    server is a node of its own, whose trainers are one per device.
+    """
+    servers = loaded.config.available() or [server]
+    if all(is_this_host(s.host) for s in servers):
+        return sum(s.devices for s in servers)
+    return server.devices
 
 
 def ensure_writable(folder: Path) -> Path:
@@ -131,14 +143,15 @@ def positive(value: int | float, option: str) -> None:
         raise InputError.at(None, option, f"must be positive, got {value}")
 
 
-def measured_with(precision: str, threads: int | None) -> dict[str, Any]:
-    """What a profile records about how it was measured: precision, torch version, threads."""
+def measured_with(precision: str, threads: int | None, device: str | None = None) -> dict[str, Any]:
+    """What a profile records about how it was measured: precision, torch version, threads, device."""
     import torch
 
     return {
         "precision": precision,
         "torch_version": torch.__version__,
         "threads": threads if threads is not None else torch.get_num_threads(),
+        "device": device,
     }
 
 

@@ -224,6 +224,6 @@ def _profile(result: dict[str, Any], model: str, target: Target, lbs: int, n: in
         timer=result["timer"],
         slowdown=target.slowdown,
         vsw_strategy=result.get("vsw_strategy"),
-        **measured_with(precision, target.threads),
+        **measured_with(precision, target.threads, target.kind),
         overlap_update_time=result.get("overlap_update"),
     )

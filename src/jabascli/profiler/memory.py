@@ -126,8 +126,15 @@ def profile_memory(
     force: bool = False,
     trial_timeout: float | None = 1800.0,
     reporter: Reporter | None = None,
+    gbs_max: int | None = None,
 ) -> MemoryRun:
-    """Run the memory search on this node and write one profile per LBS that fits."""
+    """Run the memory search on this node and write one profile per LBS that fits.
+
+    ``gbs_max``: the largest GBS the job may train. A device never runs more
+    VSWs than the job has workers, ``GBS / LBS``, so no count above
+    ``gbs_max // LBS`` is tried: it could never be chosen (the profile then
+    says ``vsw_bound``, and more may fit).
+    """
     reporter = reporter or Reporter()
     if search not in ("dynamic", "static"):
         raise InputError.at(None, "--search", f"expected 'dynamic' or 'static', got {search!r}")
@@ -165,8 +172,17 @@ def profile_memory(
             n = known.max_num_models
             reporter.note(f"LBS {batch}: at most {n} VSW{'s' if n != 1 else ''} fit (already profiled, {path})")
         else:
-            results.append(_search_lbs(target, workload_spec, folder, batch, cap, iterations, trial_timeout, step_of))
+            bound = cap if gbs_max is None else min(cap, max(1, gbs_max // batch))
+            bounded = bound < cap
+            results.append(
+                _search_lbs(target, workload_spec, folder, batch, bound, iterations, trial_timeout, step_of, bounded)
+            )
             reporter.note(_describe(results[-1], target))
+            if bound < cap and results[-1].max_num_models == bound:
+                reporter.note(
+                    f"LBS {batch}: more than {bound} VSW{'s' if bound != 1 else ''} not tried: "
+                    f"{bound} x LBS {batch} already reaches GBS {gbs_max}, the most the job trains"
+                )
         reporter.progress(index + 1, len(sequence), f"LBS {batch}: done")
         cap = min(cap, results[-1].max_num_models)
         if cap < 1:
@@ -184,6 +200,7 @@ def _search_lbs(
     iterations: int,
     timeout: float | None,
     on_trial: Callable[[int, int, int], None],
+    bounded: bool = False,
 ) -> LbsResult:
     """Search one LBS; write its profile when at least one VSW fits."""
     trials: list[MemoryTrial] = []
@@ -203,7 +220,8 @@ def _search_lbs(
             lbs=lbs,
             max_num_models=best,
             trials=trials,
-            **measured_with(workload_spec["precision"], target.threads),
+            vsw_bound=cap if bounded and best == cap else None,
+            **measured_with(workload_spec["precision"], target.threads, target.kind),
         )
         written = _write(folder, target.server.name, profile)
     return LbsResult(lbs, best, trials, written)

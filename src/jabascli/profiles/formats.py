@@ -48,6 +48,8 @@ class _Measured(_Format):
     torch_version: str | None = None
     threads: int | None = None
     """torch intra-op threads of the measuring process."""
+    device: str | None = None
+    """Where it was measured: ``cpu``, ``cuda`` or ``emulated`` (on the CPU, slowed by ``slowdown``)."""
 
     @property
     def measured_precision(self) -> str:
@@ -71,6 +73,9 @@ class MemoryProfile(_Measured):
     lbs: PositiveInt
     max_num_models: int = Field(ge=0)
     trials: list[MemoryTrial] | None = None
+    vsw_bound: PositiveInt | None = None
+    """Set when the search stopped at this count because no more VSWs could be used at the job's
+    largest GBS (``jabas profile all``): ``max_num_models`` is then a lower bound of what fits."""
 
 
 class CompProfile(_Measured):
@@ -122,6 +127,9 @@ class CommMeta(_Format):
     backend: str | None = None
     sizes_bytes: list[PositiveInt] | None = None
     """The all-reduce message size of each line of the profile."""
+    after_wait_ms: list[NonNegativeFloat] | None = None
+    """Per line: the median all-reduce time of the last rank to enter it, when the others entered
+    first and waited blocked (gloo; as in training, where ranks finish their backward apart)."""
 
 
 class CommProfile(BaseModel):

@@ -1,0 +1,235 @@
+"""``jabas profile all``: every profile the solver needs, in one run.
+
+On one machine whose config lists only servers on this host (loopback,
+emulated or not), in this order:
+
+1. the gradient buckets (:mod:`.bucket`), which also size the all-reduce
+   messages worth measuring (from half the smallest bucket to twice all the
+   gradients);
+2. per server: memory (:mod:`.memory`), then computation (:mod:`.comp`). The
+   memory search never tries more VSWs than ``GBS_max // LBS`` (no device can
+   run more VSWs than the job has workers) nor an LBS above ``GBS_max``, where
+   ``GBS_max`` is ``[batching] gbs_max``, else ``initial_gbs``, else
+   ``--gbs-max``; the computation profiler measures 1, the middle and the most
+   VSWs allowed, with the thread count ``jabas run`` gives that server's
+   trainers here;
+3. the intra-node all-reduce (:mod:`.comm`, as many processes as the largest
+   server has devices, at least 2);
+4. with several servers, the inter-node all-reduce over loopback, one process
+   per server, as ``jabas run``'s trainers of different servers reach each
+   other.
+
+A server whose profile fails does not stop the others: the failure is kept
+and named at the end. On a real cluster (``server`` given), this node's
+server is profiled (steps 1-3) and the inter-node profile is left to every
+node at once: :attr:`SuiteRun.commands` lists the ``jabas profile comm``
+command each node runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from jabascli.config.loader import LoadedConfig
+from jabascli.config.models import ServerConfig
+from jabascli.devices import is_this_host
+from jabascli.errors import InputError, JabasError, RuntimeFailure
+from jabascli.profiler.common import Reporter, pick_server
+
+INTER_PORT = 29510
+
+# Rough seconds per stage on a small workload: only for the progress bar's share of each stage.
+WEIGHTS = {"bucket": 3.0, "mem": 15.0, "comp": 40.0, "intra": 8.0, "inter": 8.0}
+
+
+@dataclass
+class StageResult:
+    name: str
+    """``bucket``, ``mem fast``, ``comp fast``, ``intra``, ``inter``."""
+    ok: bool
+    detail: str
+
+
+@dataclass
+class SuiteRun:
+    stages: list[StageResult] = field(default_factory=list)
+    commands: list[str] = field(default_factory=list)
+    """Commands to run on every node for the inter-node profile (a real cluster)."""
+    gbs_max: int | None = None
+
+    @property
+    def failures(self) -> list[StageResult]:
+        return [s for s in self.stages if not s.ok]
+
+
+class _StageReporter(Reporter):
+    """One stage's progress as its share of the whole run's."""
+
+    def __init__(self, outer: Reporter, before: float, weight: float, total: float, label: str) -> None:
+        self.outer, self.before, self.weight, self.total, self.label = outer, before, weight, total, label
+
+    def progress(self, completed: float, total: float | None, what: str) -> None:
+        share = min(completed / total, 1.0) if total else 0.0
+        self.outer.progress(self.before + self.weight * share, self.total, f"{self.label}: {what}")
+
+    def note(self, message: str) -> None:
+        self.outer.note(f"{self.label}: {message}")
+
+
+def servers_here(loaded: LoadedConfig) -> tuple[list[ServerConfig], list[ServerConfig]]:
+    """The job's servers on this machine, and those elsewhere."""
+    servers = loaded.config.available()
+    return [s for s in servers if is_this_host(s.host)], [s for s in servers if not is_this_host(s.host)]
+
+
+def gbs_bound(loaded: LoadedConfig, gbs_max: int | None) -> int | None:
+    """The largest GBS the job trains: ``--gbs-max``, else ``[batching] gbs_max``, else ``initial_gbs``."""
+    batching = loaded.config.batching
+    return gbs_max or batching.gbs_max or batching.initial_gbs
+
+
+def comm_sizes(bucket_mib: list[float]) -> str:
+    """All-reduce sizes (MB) worth measuring: from half the smallest bucket to twice all the gradients."""
+    positive = [b for b in bucket_mib if b > 0] or [1.0]
+    lo = 2.0 ** math.floor(math.log2(min(positive) / 2))
+    hi = max(2 * sum(positive), 4 * lo)
+    return f"{lo:g}:{hi:.4g}"
+
+
+def inter_commands(loaded: LoadedConfig, port: int = INTER_PORT) -> list[str]:
+    """The command each server runs, at the same time, for the inter-node profile of a cluster."""
+    servers = loaded.config.available()
+    master = f"{servers[0].host}:{port}"
+    return [
+        f"jabas profile comm -c {loaded.path} --server {s.name} --nprocs {s.devices} "
+        f"--rank {rank} --world {len(servers)} --master {master}"
+        for rank, s in enumerate(servers)
+    ]
+
+
+def profile_all(
+    loaded: LoadedConfig,
+    *,
+    server: str | None = None,
+    lbs: int = 32,
+    gbs_max: int | None = None,
+    iters: int = 20,
+    sizes: str | None = None,
+    force: bool = False,
+    reporter: Reporter | None = None,
+) -> SuiteRun:
+    """Measure every profile the solver needs for ``loaded``'s job on this machine."""
+    from jabascli.profiler.bucket import profile_buckets
+    from jabascli.profiler.comm import profile_comm
+    from jabascli.profiler.comp import profile_comp
+    from jabascli.profiler.memory import profile_memory
+
+    reporter = reporter or Reporter()
+    if not loaded.config.available():
+        raise InputError.at(loaded.path, "cluster.servers", "no servers: add a [[cluster.servers]] entry per node")
+    if server is not None:
+        mine = [pick_server(loaded, server)]
+        many = len(loaded.config.available()) > 1
+    else:
+        mine, elsewhere = servers_here(loaded)
+        if elsewhere:
+            names = ", ".join(f"{s.name} ({s.host})" for s in elsewhere)
+            raise InputError.at(
+                loaded.path,
+                "cluster.servers",
+                f"servers not on this machine: {names}; on each of them run "
+                f"`jabas profile all -c {loaded.path} --server NAME`",
+            )
+        many = len(mine) > 1
+    bound = gbs_bound(loaded, gbs_max)
+    run = SuiteRun(gbs_max=bound)
+    intra_procs = max(2, max(s.devices for s in mine))
+    inter_here = many and server is None
+    need_intra = server is None or mine[0].devices > 1
+    plan: list[tuple[str, float]] = [("bucket", WEIGHTS["bucket"])]
+    for s in mine:
+        plan += [(f"mem {s.name}", WEIGHTS["mem"]), (f"comp {s.name}", WEIGHTS["comp"])]
+    if need_intra:
+        plan.append(("intra", WEIGHTS["intra"]))
+    if inter_here:
+        plan.append(("inter", WEIGHTS["inter"]))
+    total = sum(w for _, w in plan)
+    done = 0.0
+
+    def stage(name: str, weight: float, work: Callable[[Reporter], str]) -> bool:
+        nonlocal done
+        sub = _StageReporter(reporter, done, weight, total, name)
+        sub.progress(0, 1, "starting")
+        try:
+            run.stages.append(StageResult(name, True, work(sub)))
+        except (RuntimeFailure, InputError) as exc:
+            run.stages.append(StageResult(name, False, "; ".join(exc.lines())))
+            reporter.note(f"{name}: failed: {'; '.join(exc.lines())}")
+        done += weight
+        reporter.progress(done, total, f"{name}: done")
+        return run.stages[-1].ok
+
+    bucket_mib: list[float] = []
+
+    def bucket(sub: Reporter) -> str:
+        result = profile_buckets(loaded, force=force, reporter=sub)
+        bucket_mib.extend(result.profile.bucket_size_distribution)
+        count = f"{len(bucket_mib)} bucket{'s' if len(bucket_mib) != 1 else ''}"
+        return f"{count}, {sum(bucket_mib):.3g} MB" + (" (on disk)" if result.skipped else "")
+
+    stage("bucket", WEIGHTS["bucket"], bucket)
+    for s in mine:
+
+        def mem(sub: Reporter, s: ServerConfig = s) -> str:
+            max_lbs = max(lbs, bound) if bound is not None else None
+            result = profile_memory(
+                loaded, server=s.name, lbs=lbs, max_lbs=max_lbs, force=force, reporter=sub, gbs_max=bound
+            )
+            fits = [f"LBS {r.lbs}: {r.max_num_models}" for r in result.results if r.max_num_models > 0]
+            return "most VSWs " + ", ".join(fits) if fits else "nothing fits"
+
+        def comp(sub: Reporter, s: ServerConfig = s) -> str:
+            result = profile_comp(loaded, server=s.name, iters=iters, force=force, reporter=sub)
+            measured = sum(not r.skipped for r in result.results)
+            threads = result.target.threads
+            each = f", {threads} thread{'s' if threads != 1 else ''} each" if threads is not None else ""
+            return f"{len(result.results)} points ({measured} measured now){each}"
+
+        if stage(f"mem {s.name}", WEIGHTS["mem"], mem):
+            stage(f"comp {s.name}", WEIGHTS["comp"], comp)
+        else:
+            done += WEIGHTS["comp"]
+            run.stages.append(StageResult(f"comp {s.name}", False, "not measured: its memory profile failed"))
+    message_sizes = sizes or comm_sizes(bucket_mib)
+
+    def comm(sub: Reporter, kind: str) -> str:
+        if kind == "intra":
+            result = profile_comm(
+                loaded, server=mine[0].name, sizes=message_sizes, nprocs=intra_procs, force=force, reporter=sub
+            )
+        else:
+            result = profile_comm(
+                loaded, server=mine[0].name, sizes=message_sizes, loopback_nodes=len(mine), force=force, reporter=sub
+            )
+        meta = result.profile.meta
+        procs = f"{meta.world_size} processes, " if meta is not None else ""
+        return f"{procs}{len(result.profile.measured_ms)} sizes ({message_sizes} MB)" + (
+            " (on disk)" if result.skipped else ""
+        )
+
+    if need_intra:
+        stage("intra", WEIGHTS["intra"], lambda sub: comm(sub, "intra"))
+    if inter_here:
+        stage("inter", WEIGHTS["inter"], lambda sub: comm(sub, "inter"))
+    if server is not None and many:
+        run.commands = inter_commands(loaded)
+    return run
+
+
+def failure_error(run: SuiteRun) -> JabasError | None:
+    """The run's failures as one error (exit code 1), or None."""
+    if not run.failures:
+        return None
+    return RuntimeFailure([f"{s.name} failed: {s.detail}" for s in run.failures])
