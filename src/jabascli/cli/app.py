@@ -41,6 +41,8 @@ app.command("sync")(sync.sync)
 app.command("solve")(solve.solve)
 app.command("schedule")(elastic.schedule)
 app.command("worker")(elastic.worker)
+app.command("token")(elastic.token)
+app.add_typer(elastic.job_app, name="job")
 app.command("train")(train.train)
 app.command("run")(train.run)
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from jabascli.config import LoadedConfig
 from jabascli.engine.buffers import BufferSync, allreduce_sum
 from jabascli.engine.checkpoint import Progress, read_checkpoint, restore_checkpoint, save_checkpoint
+from jabascli.engine.control import StopControl
 from jabascli.engine.data import BatchLoader, batch_len
 from jabascli.engine.distributed import DistEnv, choose_device, init_process_group, wrap_ddp
 from jabascli.engine.events import EventSink
@@ -165,6 +166,9 @@ class Trainer:
             riders=self.buffers.take_riders,
         ).register(self.ddp)
         self.buffers.carried = True  # the statistics and loss ride on the last bucket's all-reduce
+        dtype = next(model.parameters()).dtype  # the loss's: the flag rides in the same all-reduce
+        self.control = StopControl.from_environment(rank, dtype, device, self.emit)  # an outside stop request
+        self.buffers.riders.append(self.control.flag)
         load = BatchLoader(self.train_set, device, self.workload.collate)
         self.worker_step = WorkerStep(self.workload.loss, load, plan.workers, self.buffers, self.emulation)
         self.timer = PhaseTimer()
@@ -209,6 +213,7 @@ class Trainer:
         steps = 0
         epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for iteration in self.sampler.rank_iterations(epoch, self.progress.position, self.plan, self.rank):
+            self.control.before_iteration()
             loss = self.train_step(iteration)
             self.progress.position = iteration.position + gbs
             self.progress.step += 1
@@ -216,6 +221,7 @@ class Trainer:
             epoch_loss += loss
             log.step(loss)
             epoch_end = self.sampler.iterations_left(self.progress.position, gbs) == 0
+            self.control.after_iteration(self.progress.step, epoch_end)
             if self._stop():
                 break
             if self._checkpoint_due() and not epoch_end:
@@ -322,7 +328,8 @@ class Trainer:
         return choice.method, f"recommended: {choice.reason}"
 
     def _stop(self) -> bool:
-        return self.options.max_steps is not None and self.progress.step >= self.options.max_steps
+        at_max = self.options.max_steps is not None and self.progress.step >= self.options.max_steps
+        return at_max or self.control.stop
 
     def _checkpoint_due(self) -> bool:
         every = self.options.checkpoint_every

@@ -1,0 +1,347 @@
+"""The worker agent (``jabas worker``): one per node, it runs the trainers the scheduler asks for.
+
+Loop: read the trainers' progress events (a pipe, as ``jabas run`` does), reap
+exited trainers, and every ``heartbeat_interval_s`` (at once when a trainer
+exited) send a :class:`Heartbeat`; its reply's commands are applied:
+
+* ``start``: write the plan file, then one ``jabas train`` process per rank, as
+  an argument list (never a shell), with the torch.distributed environment
+  (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
+  in a session of its own, killed by the kernel if this agent dies
+  (``PR_SET_PDEATHSIG``), and without the token in its environment;
+* ``stop`` ``epoch``/``now``: write the request into rank 0's control file
+  (:mod:`jabascli.engine.control`): the trainers checkpoint and exit 0;
+* ``stop`` ``kill``: SIGTERM the process groups this agent started (never
+  anything found by name), SIGKILL after :data:`GRACE_S`.
+
+Every exit is reported with its code and the tail of the trainer's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jabascli.atomic import atomic_write_json, atomic_write_text
+from jabascli.config import LoadedConfig
+from jabascli.devices import detect_devices
+from jabascli.elastic.client import Rejected, SchedulerClient, Unreachable
+from jabascli.elastic.protocol import (
+    Commands,
+    DeviceInfo,
+    Heartbeat,
+    Registration,
+    StartCommand,
+    StopCommand,
+    TrainerEvent,
+    TrainerExit,
+)
+from jabascli.elastic.token import TOKEN_ENV
+from jabascli.engine.control import CONTROL_FILE_ENV
+from jabascli.engine.events import EVENT_FD_ENV
+from jabascli.engine.layout import checkpoint_path, run_folder
+from jabascli.errors import InputError, RuntimeFailure
+
+GRACE_S = 5.0
+LOG_TAIL = 4000
+BACKOFF_S = (0.2, 5.0)
+"""First and largest wait between attempts to reach the scheduler."""
+
+
+def check_writable(folder: Path) -> None:
+    """InputError unless a file can be created in ``folder`` (made if missing)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".jabas-probe-"):
+            pass
+    except OSError as exc:
+        raise InputError.at(folder, None, f"checkpoint folder is not writable: {exc.strerror or exc}") from None
+
+
+@dataclass
+class Trainer:
+    generation: int
+    rank: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    kill_at: float | None = None
+    reported: bool = False
+
+
+@dataclass
+class Run:
+    """The trainers of one generation on this node, and their event pipe."""
+
+    generation: int
+    trainers: list[Trainer]
+    read_fd: int
+    control: Path | None
+    buffer: bytes = b""
+    events: list[dict[str, object]] = field(default_factory=list)
+
+
+class WorkerAgent:
+    def __init__(
+        self,
+        loaded: LoadedConfig,
+        rank: int,
+        client: SchedulerClient,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.loaded, self.rank, self.client, self.clock = loaded, rank, client, clock
+        cfg = loaded.config.scheduler
+        self.interval, self.connect_timeout = cfg.heartbeat_interval_s, cfg.connect_timeout_s
+        self.folder = run_folder(loaded) / "elastic" / f"worker{rank}"
+        self.runs: list[Run] = []
+        self.pending_events: list[TrainerEvent] = []
+        self.pending_exits: list[TrainerExit] = []
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Register, then follow the scheduler until it says the job is over."""
+        servers = self.loaded.config.cluster.servers
+        if not 0 <= self.rank < len(servers):
+            raise InputError.at(
+                self.loaded.path, "cluster.servers", f"--rank {self.rank}: the config has {len(servers)} servers"
+            )
+        check_writable(checkpoint_path(self.loaded).parent)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._retrying(self._register)
+        last_ok = self.clock()
+        next_beat = 0.0
+        try:
+            while True:
+                self._read_events(max(0.0, min(next_beat - self.clock(), self.interval)))
+                exited = self._reap()
+                if self.clock() < next_beat and not exited:
+                    continue
+                try:
+                    reply = self.client.heartbeat(self.rank, self._beat())
+                except Unreachable:
+                    if self.clock() - last_ok > self.connect_timeout:
+                        raise RuntimeFailure.at(
+                            None, None, f"scheduler {self.client.address} unreachable for {self.connect_timeout:g} s"
+                        ) from None
+                    next_beat = self.clock() + self.interval
+                    continue
+                except Rejected as exc:
+                    if exc.status != 409:
+                        raise
+                    # Declared lost (we were silent too long): our ranks were restarted elsewhere.
+                    self._kill_all()
+                    self.runs, self.pending_events, self.pending_exits = [], [], []
+                    self._retrying(self._register)
+                    continue
+                last_ok = self.clock()
+                self.pending_events, self.pending_exits = [], []
+                next_beat = last_ok + self.interval
+                self._apply(reply)
+                if reply.shutdown:
+                    return
+        finally:
+            self._kill_all()
+
+    def _register(self) -> None:
+        found = detect_devices()
+        devices = DeviceInfo(
+            backend=found.backend, device_type=found.device_type, count=found.count, memory_bytes=found.memory_bytes
+        )
+        registered = self.client.register(
+            Registration(rank=self.rank, host=socket.gethostname() or "?", devices=devices, pid=os.getpid())
+        )
+        self.server = registered.server
+        self.interval = registered.heartbeat_interval_s
+
+    def _retrying(self, call: Callable[[], None]) -> None:
+        """Retry an unreachable scheduler with exponential backoff, for ``connect_timeout_s``."""
+        deadline = self.clock() + self.connect_timeout
+        wait = BACKOFF_S[0]
+        while True:
+            try:
+                return call()
+            except Unreachable:
+                if self.clock() + wait > deadline:
+                    raise RuntimeFailure.at(
+                        None, None, f"scheduler {self.client.address} unreachable for {self.connect_timeout:g} s"
+                    ) from None
+                time.sleep(wait)
+                wait = min(wait * 2, BACKOFF_S[1])
+
+    def _beat(self) -> Heartbeat:
+        running = [t.rank for r in self.runs for t in r.trainers if t.proc.poll() is None]
+        return Heartbeat(running=running, events=list(self.pending_events), exits=list(self.pending_exits))
+
+    # -- commands ----------------------------------------------------------------------------------
+
+    def _apply(self, reply: Commands) -> None:
+        for command in reply.commands:
+            if isinstance(command, StartCommand):
+                self._start(command)
+            elif isinstance(command, StopCommand):
+                self._stop(command)
+
+    def _start(self, command: StartCommand) -> None:
+        gen = command.generation
+        plan_file = self.folder / f"plan-g{gen}.json"
+        atomic_write_json(plan_file, command.plan, indent=2)
+        control = self.folder / f"control-g{gen}" if 0 in command.ranks else None
+        logs = run_folder(self.loaded) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        args = [sys.executable, "-m", "jabascli", "train", "-c", str(self.loaded.path), "--plan", str(plan_file)]
+        if command.resume:
+            args += ["--resume", str(checkpoint_path(self.loaded))]
+        if command.checkpoint_every is not None:
+            args += ["--checkpoint-every", str(command.checkpoint_every)]
+        base = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}  # trainers never need the secret
+        threads = max(1, (os.cpu_count() or 1) // len(command.ranks))
+        read_fd, write_fd = os.pipe()
+        trainers: list[Trainer] = []
+        try:
+            for local, rank in enumerate(command.ranks):
+                env = {
+                    **base,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(command.world_size),
+                    "LOCAL_RANK": str(local),
+                    "LOCAL_WORLD_SIZE": str(len(command.ranks)),
+                    "MASTER_ADDR": command.master_addr,
+                    "MASTER_PORT": str(command.master_port),
+                    EVENT_FD_ENV: str(write_fd),
+                }
+                env.setdefault("OMP_NUM_THREADS", str(threads))
+                if rank == 0 and control is not None:
+                    env[CONTROL_FILE_ENV] = str(control)
+                log = logs / f"g{gen}-rank{rank}.log"
+                with log.open("wb") as out:
+                    proc = subprocess.Popen(
+                        args,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        pass_fds=(write_fd,),
+                        start_new_session=True,
+                        preexec_fn=_die_with_parent,
+                    )
+                trainers.append(Trainer(gen, rank, proc, log))
+        except OSError as exc:
+            for t in trainers:
+                _signal_group(t.proc, signal.SIGKILL)
+            os.close(read_fd)
+            raise RuntimeFailure.at(None, None, f"cannot start a trainer: {exc}") from None
+        finally:
+            os.close(write_fd)
+        self.runs.append(Run(gen, trainers, read_fd, control))
+
+    def _stop(self, command: StopCommand) -> None:
+        for run in self.runs:
+            if run.generation != command.generation:
+                continue
+            if command.when == "kill":
+                deadline = self.clock() + GRACE_S
+                for t in run.trainers:
+                    if t.proc.poll() is None:
+                        _signal_group(t.proc, signal.SIGTERM)
+                        t.kill_at = deadline
+            elif run.control is not None:
+                atomic_write_text(run.control, command.when)
+
+    # -- trainers ----------------------------------------------------------------------------------
+
+    def _read_events(self, timeout: float) -> None:
+        fds = [r.read_fd for r in self.runs if r.read_fd >= 0]
+        if not fds:
+            time.sleep(timeout)
+            return
+        ready, _, _ = select.select(fds, [], [], timeout)
+        for run in self.runs:
+            if run.read_fd in ready:
+                chunk = os.read(run.read_fd, 65536)
+                if not chunk:  # every trainer of the run closed its end
+                    os.close(run.read_fd)
+                    run.read_fd = -1
+                    continue
+                run.buffer += chunk
+                *lines, run.buffer = run.buffer.split(b"\n")
+                for line in lines:
+                    with contextlib.suppress(ValueError):
+                        event = json.loads(line)
+                        if isinstance(event, dict):
+                            self.pending_events.append(TrainerEvent(generation=run.generation, event=event))
+
+    def _reap(self) -> bool:
+        """Report trainers that exited; SIGKILL those past their grace period. True if any exited."""
+        exited = False
+        now = self.clock()
+        for run in self.runs:
+            for t in run.trainers:
+                code = t.proc.poll()
+                if code is None:
+                    if t.kill_at is not None and now >= t.kill_at:
+                        _signal_group(t.proc, signal.SIGKILL)
+                    continue
+                if not t.reported:
+                    t.reported = exited = True
+                    self.pending_exits.append(
+                        TrainerExit(generation=t.generation, rank=t.rank, code=code, log_tail=_tail(t.log))
+                    )
+        if exited:
+            self._read_events(0)  # a failing trainer's error event precedes its exit
+        self.runs = [r for r in self.runs if not all(t.reported for t in r.trainers) or r.read_fd >= 0]
+        return exited
+
+    def _kill_all(self) -> None:
+        live = [t for r in self.runs for t in r.trainers if t.proc.poll() is None]
+        for t in live:
+            _signal_group(t.proc, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for t in live:
+            try:
+                t.proc.wait(max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                _signal_group(t.proc, signal.SIGKILL)
+                t.proc.wait()
+        for r in self.runs:
+            if r.read_fd >= 0:
+                os.close(r.read_fd)
+                r.read_fd = -1
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Signal the process group of a trainer this agent started (its own session: pgid == pid).
+
+    Only while it has not been reaped, so the id cannot belong to another process yet.
+    """
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the kernel SIGKILLs the trainer when its agent dies, so none outlives it."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _tail(path: Path) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(path.stat().st_size - LOG_TAIL, 0))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
