@@ -14,7 +14,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from jabascli.atomic import atomic_write_bytes
+from jabascli.atomic import atomic_write
 from jabascli.config import LoadedConfig
 from jabascli.errors import InputError
 
@@ -29,7 +29,8 @@ def new_token() -> str:
 def write_token(path: Path) -> str:
     """Write a fresh token to ``path`` (mode 0600, atomically) and return it."""
     token = new_token()
-    atomic_write_bytes(path, (token + "\n").encode(), mode=0o600)
+    data = (token + "\n").encode()
+    atomic_write(path, lambda f: f.write(data), mode=0o600)  # private from its first byte: never chmod later
     return token
 
 
