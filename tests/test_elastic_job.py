@@ -112,7 +112,7 @@ def test_a_silent_worker_is_declared_lost_and_the_job_restarts_on_the_others(tmp
     register(s, 1)
     commands(s, 0), commands(s, 1)
     clock.now = 3.0
-    commands(s, 0, running=[0])
+    commands(s, 0)
     clock.now = 6.0  # B silent for 6 s > 5 s
     s.check_heartbeats()
     assert s.state == "restarting"

@@ -43,6 +43,7 @@ from jabascli.elastic.protocol import (
     DeviceInfo,
     Heartbeat,
     Registration,
+    RunningTrainer,
     StartCommand,
     StopCommand,
     TrainerEvent,
@@ -181,7 +182,12 @@ class WorkerAgent:
                 wait = min(wait * 2, BACKOFF_S[1])
 
     def _beat(self) -> Heartbeat:
-        running = [t.rank for r in self.runs for t in r.trainers if t.proc.poll() is None]
+        running = [
+            RunningTrainer(generation=t.generation, rank=t.rank, pid=t.proc.pid)
+            for r in self.runs
+            for t in r.trainers
+            if t.proc.poll() is None
+        ]
         return Heartbeat(running=running, events=list(self.pending_events), exits=list(self.pending_exits))
 
     # -- commands ----------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from jabascli.elastic.protocol import (
     MoveRecord,
     Registered,
     Registration,
+    RunningTrainer,
     StartCommand,
     StopCommand,
     When,
@@ -78,6 +79,7 @@ class Generation:
     done: dict[str, Any] | None = None
     """Rank 0's ``done`` event."""
     stop_sent: str | None = None
+    running: dict[int, RunningTrainer] = field(default_factory=dict)
     last_iteration: tuple[int | None, float | None] = (None, None)
     """Rank 0's ``stopping`` event: the step and wall time of its last iteration."""
 
@@ -121,7 +123,10 @@ class Scheduler:
         self.max_restarts = cfg.scheduler.max_restarts
         self.checkpoint: Path | None = None
         """The job's checkpoint, once a trainer of this scheduler reported writing it."""
-        self.epoch, self.step, self.loss = 0, 0, None
+        self.epoch, self.step = 0, 0
+        self.loss: float | None = None
+        self.initial_loss: float | None = None
+        self.checkpoint_step: int | None = None
         self.gbs: int | None = None
         self.message = ""
         self.moves: list[MoveRecord] = []
@@ -151,12 +156,17 @@ class Scheduler:
             raise Conflict(f"worker rank {rank} is not registered (or was declared lost): register again")
         worker.last_seen = self.clock()
         gen = self.generation
+        if gen is not None:
+            for t in beat.running:
+                if t.generation == gen.number and t.rank in gen.ranks_on.get(worker.server, []):
+                    gen.running[t.rank] = t
         for item in beat.events:
             if gen is not None and item.generation == gen.number:
                 self._on_event(gen, item.event)
         for ex in beat.exits:
             if gen is not None and ex.generation == gen.number and ex.rank not in gen.exits:
                 gen.exits[ex.rank] = ex.code
+                gen.running.pop(ex.rank, None)
                 if ex.code != 0:
                     tail = ex.log_tail.strip().splitlines()
                     self._fail(f"trainer rank {ex.rank} on {worker.server} exited with code {ex.code}", tail)
@@ -231,12 +241,19 @@ class Scheduler:
 
     def _on_event(self, gen: Generation, event: dict[str, Any]) -> None:
         kind = event.get("event")
+        record = self.moves[-1] if self.moves and self.moves[-1].generation == gen.number else None
         if kind == "start":
             self.gbs = _int(event.get("gbs"))
             self.epoch, self.step = _int(event.get("epoch")) or 0, _int(event.get("step")) or 0
+            if record is not None:
+                record.resumed_step = self.step
         elif kind == "step":
             self.step = _int(event.get("step")) or self.step
             self.loss = _float(event.get("loss"))
+            if self.initial_loss is None:
+                self.initial_loss = self.loss
+            if record is not None and record.loss_after is None:
+                record.loss_after = self.loss
         elif kind == "epoch":
             self.epoch = (_int(event.get("epoch")) or 0) + 1
             self.epoch_history.append(
@@ -253,14 +270,15 @@ class Scheduler:
             )
         elif kind == "checkpoint":
             self.checkpoint = checkpoint_path(self.loaded)
+            self.checkpoint_step = _int(event.get("step"))
         elif kind == "done":
             gen.done = event
             self.step = _int(event.get("step")) or self.step
             self.checkpoint = checkpoint_path(self.loaded)  # written on every exit
+            self.checkpoint_step = self.step
         elif kind == "stopping":
             gen.last_iteration = (_int(event.get("step")), _float(event.get("time")))
-        elif kind == "first_step" and self.moves and self.moves[-1].generation == gen.number:
-            record = self.moves[-1]
+        elif kind == "first_step" and record is not None:
             record.first_iteration_at = _float(event.get("time"))
             if record.first_iteration_at is not None and record.last_iteration_at is not None:
                 record.downtime_s = record.first_iteration_at - record.last_iteration_at
@@ -352,7 +370,7 @@ class Scheduler:
                 )
             )
         if reason is not None and previous is not None:
-            last = previous.last_iteration if reason == "move" else (None, None)
+            last = previous.last_iteration if reason == "move" else (self.step, None)
             self.moves.append(
                 MoveRecord(
                     generation=gen.number,
@@ -362,6 +380,7 @@ class Scheduler:
                     reason="move" if reason == "move" else "restart",
                     stopped_step=last[0],
                     last_iteration_at=last[1],
+                    loss_before=self.loss,
                 )
             )
         self.generation, self.allocation, self.pending = gen, list(servers), None
@@ -403,7 +422,10 @@ class Scheduler:
             restarts=self.restarts,
             max_restarts=self.max_restarts,
             checkpoint=str(self.checkpoint) if self.checkpoint else None,
+            checkpoint_step=self.checkpoint_step,
+            initial_loss=self.initial_loss,
             message=self.message,
+            trainers=sorted(gen.running.values(), key=lambda t: t.rank) if gen else [],
             workers=workers,
             moves=[m.model_copy() for m in self.moves],
             epoch_history=[e.model_copy() for e in self.epoch_history],

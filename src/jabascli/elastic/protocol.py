@@ -75,9 +75,15 @@ class TrainerEvent(Message):
     event: dict[str, Any]
 
 
+class RunningTrainer(Message):
+    generation: NonNegativeInt
+    rank: NonNegativeInt
+    pid: NonNegativeInt
+
+
 class Heartbeat(Message):
-    running: list[NonNegativeInt] = Field(default_factory=list, max_length=10_000)
-    """Global ranks of the current generation still running on this node."""
+    running: list[RunningTrainer] = Field(default_factory=list, max_length=10_000)
+    """The trainers still running on this node."""
     events: list[TrainerEvent] = Field(default_factory=list, max_length=10_000)
     exits: list[TrainerExit] = Field(default_factory=list, max_length=10_000)
 
@@ -142,6 +148,12 @@ class MoveRecord(Message):
     when: When
     reason: Literal["move", "restart"]
     stopped_step: int | None = None
+    """The last step before: where the trainers stopped (a move), or the last one reported (a failure)."""
+    resumed_step: int | None = None
+    """The step the new generation resumed at: its checkpoint's."""
+    loss_before: float | None = None
+    loss_after: float | None = None
+    """The training loss last reported before, and first reported after."""
     last_iteration_at: float | None = None
     first_iteration_at: float | None = None
     downtime_s: float | None = None
@@ -175,7 +187,11 @@ class JobStatus(Message):
     restarts: int
     max_restarts: int
     checkpoint: str | None
+    checkpoint_step: int | None = None
+    initial_loss: float | None = None
+    """The first training loss reported: how far a move must not fall back."""
     message: str = ""
+    trainers: list[RunningTrainer] = Field(default_factory=list)
     workers: list[WorkerStatus] = Field(default_factory=list)
     moves: list[MoveRecord] = Field(default_factory=list)
     epoch_history: list[EpochRecord] = Field(default_factory=list)

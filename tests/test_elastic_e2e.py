@@ -1,0 +1,161 @@
+"""The elastic runtime end to end: a real scheduler and two real worker agents on loopback HTTP.
+
+Two emulated CPU servers, A (VSW 2) and B (VSW 1, slower); digits. Each run is
+tens of seconds on two busy cores (most of it starting Python and torch in new
+trainer processes), so they are few and marked slow.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from jabascli.elastic.job import TERMINAL
+from jabascli.engine.layout import checkpoint_path
+from tests.elastic_support import auth, jabas, load, used_samples, wait_status, write_config
+
+EPOCHS = 3
+N = 1438  # digits' training samples (sklearn's 1797, less the 20 % validation split)
+
+
+class Cluster:
+    """`jabas schedule` and one `jabas worker` per server, as real processes."""
+
+    def __init__(self, folder: Path, config: Path) -> None:
+        self.folder, self.config = folder, config
+        self.loaded = load(config)
+        self.url = f"http://127.0.0.1:{self.loaded.config.scheduler.port}"
+        self.scheduler = jabas("schedule", "-c", str(config), log=folder / "scheduler.log")
+        self.workers = [
+            jabas("worker", "-c", str(config), "--rank", str(r), log=folder / f"worker{r}.log") for r in (0, 1)
+        ]
+
+    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, headers=auth(), timeout=10)
+
+    def wait(self, until: Any, timeout: float = 180) -> dict[str, Any]:
+        return wait_status(self.url, until, timeout)
+
+    def finish(self, timeout: float = 240) -> dict[str, Any]:
+        status = self.wait(lambda s: s["state"] in TERMINAL, timeout)
+        assert self.scheduler.wait(30) == (0 if status["state"] != "failed" else 1), self.logs()
+        for w in self.workers:
+            if w.poll() is None or w.returncode != -signal.SIGKILL:
+                assert w.wait(30) == 0, self.logs()
+        return status
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.folder.glob("*.log")))
+
+    def kill(self) -> None:
+        for p in [self.scheduler, *self.workers]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path: Path):  # type: ignore[no-untyped-def]
+    made: list[Cluster] = []
+
+    def make(**kwargs: Any) -> Cluster:
+        cluster = Cluster(tmp_path, write_config(tmp_path, record=True, **kwargs))
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for c in made:
+        c.kill()
+
+
+def _check_epochs(folder: Path, status: dict[str, Any], epochs: int) -> None:
+    """Each epoch used every sample at most once, and exactly N minus the remainder its last GBS left."""
+    history = torch.load(checkpoint_path(load(folder / "job.toml")), weights_only=True)["progress"]["gbs_history"]
+    counts = used_samples(folder, N, epochs)
+    for epoch in range(epochs):
+        assert max(counts[epoch].values()) == 1, f"epoch {epoch}: a sample was used twice"
+        last = [h for h in history if h["epoch"] <= epoch][-1]
+        start = last["position"] if last["epoch"] == epoch else 0
+        expected = N - (N - start) % last["gbs"]
+        assert sum(counts[epoch].values()) == expected, (epoch, history)
+
+
+@pytest.mark.slow
+def test_a_job_moves_from_a_to_a_and_b_to_b_and_continues_where_it_was(cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster: Cluster = cluster_factory(available=["A"], epochs=EPOCHS)
+    # Asked as soon as the job runs on A (its trainers are still starting): it moves at the first epoch end.
+    cluster.wait(lambda s: s["state"] == "running")
+    assert cluster.post("/v1/job/move", {"servers": ["A", "B"]}).status_code == 200
+    # As soon as A+B starts: its trainers find the request before their first iteration (they take
+    # seconds to start), so this move lands early in the second epoch whatever the machine's speed.
+    cluster.wait(lambda s: s["generation"] == 2 and s["state"] == "running")
+    r = cluster.post("/v1/job/move", {"servers": ["B"], "when": "now"})
+    assert r.status_code == 200, r.text
+    status = cluster.finish()
+
+    assert status["state"] == "succeeded", cluster.logs()
+    assert [(m["reason"], m["to_servers"], m["when"]) for m in status["moves"]] == [
+        ("move", ["A", "B"], "epoch"),
+        ("move", ["B"], "now"),
+    ]
+    gbs = [e["gbs"] for e in status["epoch_history"]]
+    assert gbs[0] == 32 and gbs[-1] == 16  # A: 16 x 2 VSW; B: 16 x 1
+    first, second = status["moves"]
+    assert first["resumed_step"] == first["stopped_step"] == N // 32  # the first epoch's end
+    assert second["resumed_step"] == second["stopped_step"] == first["resumed_step"] + 2  # mid-epoch
+    for move in status["moves"]:
+        assert move["downtime_s"] is not None and move["downtime_s"] > 0
+        # The loss carries on from before the move instead of falling back towards the start.
+        halfway = (status["initial_loss"] + move["loss_before"]) / 2
+        assert move["loss_after"] < halfway, (status["initial_loss"], move)
+    # ... which means something: the loss had fallen well below where it started.
+    assert status["initial_loss"] > 1.5 * max(m["loss_before"] for m in status["moves"])
+    _check_epochs(cluster.folder, status, epochs=EPOCHS)
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_is_restarted_from_the_last_checkpoint(cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    every = 4
+    cluster: Cluster = cluster_factory(available=["A", "B"], epochs=1, scheduler={"checkpoint_every": every})
+    status = cluster.wait(lambda s: len(s["trainers"]) == 2 and (s["checkpoint_step"] or 0) >= every + 1)
+    os.kill(status["trainers"][1]["pid"], signal.SIGKILL)  # rank 1, on B, mid-epoch
+    status = cluster.finish()
+
+    assert status["state"] == "succeeded" and status["restarts"] == 1, cluster.logs()
+    [restart] = status["moves"]
+    assert restart["reason"] == "restart" and restart["to_servers"] == ["A", "B"]
+    assert restart["resumed_step"] % every == 0 and restart["resumed_step"] >= status["checkpoint_step"] - N // 48
+    # Count the iterations trained twice: every micro-batch was recorded (3 workers per iteration).
+    recorded = sum(len(p.read_text().splitlines()) for p in (cluster.folder / "samples").glob("*.txt"))
+    repeated = recorded // 3 - status["step"]
+    assert 0 <= repeated <= every, repeated
+    assert status["step"] == N // 48
+
+
+@pytest.mark.slow
+def test_a_killed_worker_agent_loses_its_server_and_the_job_finishes_on_the_other(cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster: Cluster = cluster_factory(available=["A", "B"], epochs=1, scheduler={"checkpoint_every": 4})
+    status = cluster.wait(lambda s: len(s["trainers"]) == 2 and s["step"] >= 5)
+    b_trainer = status["trainers"][1]["pid"]
+    cluster.workers[1].kill()  # kill -9 the agent of B ...
+    os.kill(b_trainer, signal.SIGKILL) if _alive(b_trainer) else None  # ... and its trainer
+    status = cluster.finish()
+    assert status["state"] == "succeeded", cluster.logs()
+    assert status["moves"][-1]["reason"] == "restart" and status["allocation"] == ["A"]
+    assert [w["alive"] for w in status["workers"]] == [True, False]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    time.sleep(0)
+    return True
