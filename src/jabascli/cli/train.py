@@ -101,6 +101,15 @@ def run(
     checkpoint_every: CheckpointEveryOption = None,
     max_steps: MaxStepsOption = None,
     bucket_cap_mb: BucketCapOption = None,
+    max_restarts: Annotated[
+        int,
+        typer.Option(
+            "--max-restarts",
+            min=0,
+            help="Restart the trainers after a crash, at most N times, from the latest checkpoint "
+            "(e.g. --max-restarts 3 --checkpoint-every 100).",
+        ),
+    ] = 0,
     json_out: JsonOption = False,
 ) -> None:
     """Train the whole job on this machine: one trainer process per device (or emulated device).
@@ -120,7 +129,7 @@ def run(
         plan=plan, resume=resume, checkpoint_every=checkpoint_every, max_steps=max_steps, bucket_cap_mb=bucket_cap_mb
     )
     with _RunDisplay(disable=json_out) as display:
-        result = run_local(loaded, options, on_event=display)
+        result = run_local(loaded, options, on_event=display, max_restarts=max_restarts)
     results = result.done["results"]
     if json_out:
         print_json(results)
@@ -184,6 +193,10 @@ class _RunDisplay:
             )
         elif kind == "epoch" and not self.disable:
             self.progress.console.print(_epoch_line(event), highlight=False, markup=False)
+        elif kind == "restart":
+            where = "its latest checkpoint" if event["resume"] != "None" else "the start"
+            line = f"restart {event['restarts']} from {where}: {event['reason']}"
+            self.progress.console.print(line, highlight=False, markup=False)
 
 
 def _print_results(job: str, start: dict[str, Any], results: list[dict[str, Any]]) -> None:
