@@ -7,9 +7,12 @@ trainer processes), so they are few and marked slow.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -162,3 +165,22 @@ def _alive(pid: int) -> bool:
         return False
     time.sleep(0)
     return True
+
+
+@pytest.mark.slow
+def test_jabas_run_elastic_runs_the_scheduler_and_an_agent_per_server_on_this_machine(tmp_path: Path) -> None:
+    config = write_config(tmp_path, available=["A", "B"], epochs=1)
+    env = {k: v for k, v in os.environ.items() if k != "JABAS_TOKEN"}  # it makes its own
+    run = subprocess.run(
+        [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--elastic", "--json"],
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    status = json.loads(run.stdout)
+    assert status["state"] == "succeeded" and status["allocation"] == ["A", "B"]
+    assert [e["step"] for e in status["epoch_history"]] == [N // 48]  # GBS 16 x (2 + 1)
+    logs = tmp_path / "runs" / "digits" / "logs"
+    assert {p.name for p in logs.glob("*.log")} >= {"scheduler.log", "worker-A.log", "worker-B.log"}

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, err_console, print_json
 from jabascli.config import LoadedConfig, load_config
+from jabascli.errors import InputError
+
+if TYPE_CHECKING:
+    from jabascli.elastic.protocol import JobStatus
 
 SchedulerOption = Annotated[
     str | None, typer.Option("--scheduler", help="ADDR:PORT of the scheduler (default: \\[scheduler] address:port).")
@@ -31,6 +35,9 @@ def schedule(
     new_token: Annotated[
         Path | None, typer.Option("--new-token", help="First write a fresh token (mode 0600) to this file, and use it.")
     ] = None,
+    loopback_trainers: Annotated[
+        bool, typer.Option("--loopback-trainers", hidden=True, help="Rendezvous on 127.0.0.1 (jabas run --elastic).")
+    ] = False,
 ) -> None:
     """Run the elastic scheduler on the main node until the job is over.
 
@@ -59,7 +66,10 @@ def schedule(
     cfg = loaded.config.scheduler
     host, bind_port = address or cfg.address, port or cfg.port
     err_console.print(f"scheduler of {loaded.config.job.name!r} listening on {host}:{bind_port}", highlight=False)
-    status = serve(Scheduler(loaded), token, host, bind_port)
+    scheduler = Scheduler(loaded)
+    if loopback_trainers:
+        scheduler.master_addr = "127.0.0.1"  # every server's agent runs on this machine
+    status = serve(scheduler, token, host, bind_port)
     console.print(f"job {status.job}: {status.state}: {status.message}", highlight=False, markup=False)
     if status.state == "failed":
         raise typer.Exit(1)
@@ -187,3 +197,49 @@ def job_stop(
     with _client(config, scheduler) as client:
         status = client.stop("epoch" if at_epoch_end else "now")
     console.print(f"{status.state}: {status.message}", highlight=False, markup=False)
+
+
+def run_elastic_here(loaded: LoadedConfig, json_out: bool, **unsupported: object) -> None:
+    """``jabas run --elastic``: the scheduler and an agent per server on this machine, with a progress bar."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from jabascli.elastic.local import run_elastic
+
+    given = [f"--{name.replace('_', '-')}" for name, value in unsupported.items() if value is not None]
+    if given:
+        raise InputError.at(
+            None, given[0], "is not used with --elastic: the scheduler plans and resumes from [storage] checkpoint_dir"
+        )
+    progress = Progress(
+        TextColumn("[bold]{task.fields[state]}"),
+        BarColumn(),
+        TextColumn("epoch {task.fields[epoch]}  step {task.fields[step]}  on {task.fields[servers]}"),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=json_out,
+        transient=True,
+    )
+    epochs = loaded.config.job.epochs
+    with progress:
+        task = progress.add_task("job", total=epochs, state="starting", epoch="-", step=0, servers="-", loss="-")
+
+        def show(status: JobStatus) -> None:
+            loss = "-" if status.loss is None else f"{status.loss:.4f}"
+            progress.update(
+                task,
+                completed=status.epoch,
+                state=status.state,
+                epoch=f"{min(status.epoch + 1, epochs)}/{epochs}",
+                step=status.step,
+                servers=",".join(status.allocation),
+                loss=loss,
+            )
+
+        status = run_elastic(loaded, show)
+    if json_out:
+        print_json(status.model_dump(mode="json"))
+    else:
+        console.print(f"{status.job}: {status.state}: {status.message}", highlight=False, markup=False)
+    if status.state == "failed":
+        raise typer.Exit(1)

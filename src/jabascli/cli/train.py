@@ -110,6 +110,14 @@ def run(
             "(e.g. --max-restarts 3 --checkpoint-every 100).",
         ),
     ] = 0,
+    elastic: Annotated[
+        bool,
+        typer.Option(
+            "--elastic",
+            help="Run under a local scheduler and one worker agent per server (as on real nodes), so "
+            "`jabas job move` can move the job between servers; also with \\[scaling] enabled = true.",
+        ),
+    ] = False,
     json_out: JsonOption = False,
 ) -> None:
     """Train the whole job on this machine: one trainer process per device (or emulated device).
@@ -125,6 +133,11 @@ def run(
 
     loaded = load_config(config)
     _note_unbuilt(loaded)
+    if elastic or loaded.config.scaling.enabled:
+        from jabascli.cli.elastic import run_elastic_here
+
+        run_elastic_here(loaded, json_out, plan=plan, resume=resume, max_steps=max_steps)
+        return
     options = TrainOptions(
         plan=plan, resume=resume, checkpoint_every=checkpoint_every, max_steps=max_steps, bucket_cap_mb=bucket_cap_mb
     )

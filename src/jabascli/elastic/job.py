@@ -132,6 +132,8 @@ class Scheduler:
         self.moves: list[MoveRecord] = []
         self.epoch_history: list[EpochRecord] = []
         self.stopping: When | None = None
+        self.master_addr: str | None = None
+        """Where trainers rendezvous; None: the host of the allocation's first server."""
         self.finished_at: float | None = None
 
     # -- workers -----------------------------------------------------------------------------------
@@ -362,7 +364,7 @@ class Scheduler:
                     generation=gen.number,
                     ranks=ranks,
                     world_size=plan.world_size,
-                    master_addr=first.host,
+                    master_addr=self.master_addr or first.host,
                     master_port=port,
                     plan=plan.to_dict(),
                     resume=resume,
@@ -380,6 +382,7 @@ class Scheduler:
                     reason="move" if reason == "move" else "restart",
                     stopped_step=last[0],
                     last_iteration_at=last[1],
+                    launched_at=time.time(),
                     loss_before=self.loss,
                 )
             )

@@ -155,6 +155,8 @@ class MoveRecord(Message):
     loss_after: float | None = None
     """The training loss last reported before, and first reported after."""
     last_iteration_at: float | None = None
+    launched_at: float | None = None
+    """When the scheduler sent the new generation's start commands (wall clock, like the two around it)."""
     first_iteration_at: float | None = None
     downtime_s: float | None = None
     """Wall time from the last iteration before to the first iteration after."""
