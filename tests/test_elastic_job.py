@@ -123,3 +123,30 @@ def test_a_silent_worker_is_declared_lost_and_the_job_restarts_on_the_others(tmp
     with pytest.raises(Conflict, match="not registered"):
         commands(s, 1)
     register(s, 1)  # a lost worker may come back
+
+
+def test_a_move_keeps_the_gbs_with_the_solvers_plan_when_profiles_exist(tmp_path: Path, reference_dir: Path) -> None:
+    from jabascli.elastic.job import plan_for
+
+    config = tmp_path / "jabas.toml"
+    profiles = "".join(
+        f'{key} = "{reference_dir / folder}"\n'
+        for key, folder in (
+            ("memory", "cluster_mem_profile_data"),
+            ("computation", "cluster_comp_profile_data"),
+            ("communication", "comm_profile_data"),
+            ("bucket", "bucket_profile_data"),
+        )
+    )
+    servers = "".join(
+        f'[[cluster.servers]]\nname = "{name}"\ndevice_type = "{kind}"\ndevices = 4\n\n'
+        for name, kind in (("node0", "Tesla V100-PCIE-16GB"), ("node1", "Tesla P100-PCIE-16GB"))
+    )
+    config.write_text(f'[job]\nworkload = "resnet50"\nlbs = 32\n\n[profiles]\n{profiles}\n{servers}')
+    loaded = load(config)
+    for servers_ in (["node0", "node1"], ["node1"]):
+        plan, source = plan_for(loaded, servers_, gbs=512)
+        assert plan.gbs == 512 and source == "solver plan at GBS 512"
+        assert {r.server for r in plan.ranks} <= set(servers_)
+    plan, source = plan_for(loaded, ["node1"], gbs=7)  # no plan reaches it: the configured VSW/GA
+    assert plan.gbs == 32 * 4 and source.startswith("configured VSW/GA")

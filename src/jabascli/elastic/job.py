@@ -47,7 +47,7 @@ from jabascli.elastic.protocol import (
     WorkerStatus,
 )
 from jabascli.engine.layout import checkpoint_path
-from jabascli.engine.plan import TrainingPlan, plan_from_config
+from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_config, plan_from_solver
 from jabascli.errors import InputError, Problem
 
 TERMINAL: tuple[JobState, ...] = ("succeeded", "failed", "stopped")
@@ -88,14 +88,26 @@ class Generation:
         return len(self.exits) == self.plan.world_size
 
 
-def plan_for(loaded: LoadedConfig, servers: list[str]) -> TrainingPlan:
-    """The plan on ``servers``: each server's devices, with its configured VSW and GA, at ``[job] lbs``.
+def plan_for(loaded: LoadedConfig, servers: list[str], gbs: int | None = None) -> tuple[TrainingPlan, str]:
+    """The plan on ``servers``, and where it came from.
 
-    (The solver's plan at the current GBS, from profiles, is the next step: see docs/elastic.md.)
+    With ``gbs`` (the job's current GBS) and the job's profiles, the solver's fastest
+    plan for these servers at that GBS, so that a move keeps the GBS; otherwise (no
+    profiles, or no plan reaches that GBS there) each server's devices with its
+    configured VSW and GA at ``[job] lbs``, whose GBS follows the allocation.
     """
+    why = "no GBS to keep"
+    if gbs is not None:
+        try:
+            from jabascli.solver import solver_from_config  # numpy; reads the profiles
+
+            solved = solver_from_config(loaded, ",".join(servers)).solve(gbs)
+            return plan_from_solver(solved, "solver", loaded), f"solver plan at GBS {gbs}"
+        except InputError as exc:
+            why = exc.lines()[0] if exc.lines() else "no solver plan"
     config = loaded.config.model_copy(deep=True)
     config.cluster.available_servers = list(servers)
-    return plan_from_config(dataclasses.replace(loaded, config=config))
+    return plan_from_config(dataclasses.replace(loaded, config=config)), f"configured VSW/GA ({why})"
 
 
 def free_port() -> int:
@@ -206,7 +218,7 @@ class Scheduler:
             raise InputError.at(None, "servers", "a server is named twice")
         if self.state in TERMINAL or self.stopping is not None:
             raise Conflict(f"the job is {self.state}")
-        plan_for(self.loaded, servers)  # fails (InputError) before anything changes
+        plan_for(self.loaded, servers)  # a server that cannot run it fails here, before anything changes
         self.pending, self.pending_when = list(servers), when
         self.message = f"moving to {', '.join(servers)} at the next {'epoch end' if when == 'epoch' else 'iteration'}"
         gen = self.generation
@@ -346,7 +358,10 @@ class Scheduler:
 
     def _launch(self, servers: list[str], reason: str | None) -> None:
         previous = self.generation
-        plan = plan_for(self.loaded, servers)
+        if previous is None and self.loaded.config.job.plan is not None and servers == self.allocation:
+            plan, source = load_plan(self.loaded), "the [job] plan file"
+        else:
+            plan, source = plan_for(self.loaded, servers, self.gbs if previous is not None else None)
         ranks_on: dict[str, list[int]] = {}
         for r in plan.ranks:
             ranks_on.setdefault(r.server, []).append(r.rank)
@@ -389,7 +404,7 @@ class Scheduler:
         self.generation, self.allocation, self.pending = gen, list(servers), None
         self.state = "running"
         self.gbs = plan.gbs
-        self.message = f"generation {gen.number} on {', '.join(servers)}: {plan.describe()}"
+        self.message = f"generation {gen.number} on {', '.join(servers)}: {plan.describe()}, {source}"
 
     def _send_stop(self, gen: Generation, when: str) -> None:
         gen.stop_sent = when
