@@ -131,7 +131,10 @@ def test_a_killed_trainer_is_restarted_from_the_last_checkpoint(cluster_factory)
     every = 4
     cluster: Cluster = cluster_factory(available=["A", "B"], epochs=1, scheduler={"checkpoint_every": every})
     status = cluster.wait(lambda s: len(s["trainers"]) == 2 and (s["checkpoint_step"] or 0) >= every + 1)
-    os.kill(status["trainers"][1]["pid"], signal.SIGKILL)  # rank 1, on B, mid-epoch
+    victim = status["trainers"][1]["pid"]
+    # The agents' warm spares became the trainers (elastic/spare.py).
+    assert b"jabascli.elastic.spare" in Path(f"/proc/{victim}/cmdline").read_bytes()
+    os.kill(victim, signal.SIGKILL)  # rank 1, on B, mid-epoch
     status = cluster.finish()
 
     assert status["state"] == "succeeded" and status["restarts"] == 1, cluster.logs()

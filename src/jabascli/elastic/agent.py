@@ -4,11 +4,14 @@ Loop: read the trainers' progress events (a pipe, as ``jabas run`` does), reap
 exited trainers, and every ``heartbeat_interval_s`` (at once when a trainer
 exited) send a :class:`Heartbeat`; its reply's commands are applied:
 
-* ``start``: write the plan file, then one ``jabas train`` process per rank, as
-  an argument list (never a shell), with the torch.distributed environment
+* ``start``: write the plan file, then one ``jabas train`` per rank, as an
+  argument list (never a shell), with the torch.distributed environment
   (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
   in a session of its own, killed by the kernel if this agent dies
-  (``PR_SET_PDEATHSIG``), and without the token in its environment;
+  (``PR_SET_PDEATHSIG``), and without the token in its environment. A warm
+  spare (:mod:`jabascli.elastic.spare`, one per device, started a few seconds
+  after each generation) becomes the trainer when there is one, so a move does
+  not wait for a new interpreter to import torch;
 * ``stop`` ``epoch``/``now``: write the request into rank 0's control file
   (:mod:`jabascli.engine.control`): the trainers checkpoint and exit 0;
 * ``stop`` ``kill``: SIGTERM the process groups this agent started (never
@@ -31,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from jabascli.atomic import atomic_write_json, atomic_write_text
@@ -56,6 +59,8 @@ from jabascli.engine.layout import checkpoint_path, run_folder
 from jabascli.errors import InputError, RuntimeFailure
 
 GRACE_S = 5.0
+SPARE_DELAY_S = 5.0
+"""Spares are started this long after a generation, not to slow its own start."""
 LOG_TAIL = 4000
 BACKOFF_S = (0.2, 5.0)
 """First and largest wait between attempts to reach the scheduler."""
@@ -72,25 +77,34 @@ def check_writable(folder: Path) -> None:
 
 
 @dataclass
+class Process:
+    """A child this agent started (a spare, then a trainer) and the read end of its event pipe."""
+
+    proc: subprocess.Popen[bytes]
+    read_fd: int
+    child_fd: int
+    """The pipe's write end, as numbered in the child (``JABAS_EVENT_FD``)."""
+
+
+@dataclass
 class Trainer:
     generation: int
     rank: int
     proc: subprocess.Popen[bytes]
     log: Path
+    read_fd: int
+    buffer: bytes = b""
     kill_at: float | None = None
     reported: bool = False
 
 
 @dataclass
 class Run:
-    """The trainers of one generation on this node, and their event pipe."""
+    """The trainers of one generation on this node."""
 
     generation: int
     trainers: list[Trainer]
-    read_fd: int
     control: Path | None
-    buffer: bytes = b""
-    events: list[dict[str, object]] = field(default_factory=list)
 
 
 class WorkerAgent:
@@ -108,6 +122,9 @@ class WorkerAgent:
         self.runs: list[Run] = []
         self.pending_events: list[TrainerEvent] = []
         self.pending_exits: list[TrainerExit] = []
+        self.spares: list[Process] = []
+        self.last_start = -SPARE_DELAY_S
+        self.devices = loaded.config.cluster.servers[rank].devices if rank < len(loaded.config.cluster.servers) else 0
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -127,6 +144,7 @@ class WorkerAgent:
             while True:
                 self._read_events(max(0.0, min(next_beat - self.clock(), self.interval)))
                 exited = self._reap()
+                self._keep_spares()
                 if self.clock() < next_beat and not exited:
                     continue
                 try:
@@ -201,56 +219,93 @@ class WorkerAgent:
 
     def _start(self, command: StartCommand) -> None:
         gen = command.generation
+        self.last_start = self.clock()
         plan_file = self.folder / f"plan-g{gen}.json"
         atomic_write_json(plan_file, command.plan, indent=2)
         control = self.folder / f"control-g{gen}" if 0 in command.ranks else None
         logs = run_folder(self.loaded) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        args = [sys.executable, "-m", "jabascli", "train", "-c", str(self.loaded.path), "--plan", str(plan_file)]
+        argv = ["train", "-c", str(self.loaded.path), "--plan", str(plan_file)]
         if command.resume:
-            args += ["--resume", str(checkpoint_path(self.loaded))]
+            argv += ["--resume", str(checkpoint_path(self.loaded))]
         if command.checkpoint_every is not None:
-            args += ["--checkpoint-every", str(command.checkpoint_every)]
-        base = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}  # trainers never need the secret
+            argv += ["--checkpoint-every", str(command.checkpoint_every)]
         threads = max(1, (os.cpu_count() or 1) // len(command.ranks))
-        read_fd, write_fd = os.pipe()
         trainers: list[Trainer] = []
         try:
             for local, rank in enumerate(command.ranks):
                 env = {
-                    **base,
+                    **_environment(),
                     "RANK": str(rank),
                     "WORLD_SIZE": str(command.world_size),
                     "LOCAL_RANK": str(local),
                     "LOCAL_WORLD_SIZE": str(len(command.ranks)),
                     "MASTER_ADDR": command.master_addr,
                     "MASTER_PORT": str(command.master_port),
-                    EVENT_FD_ENV: str(write_fd),
                 }
                 env.setdefault("OMP_NUM_THREADS", str(threads))
                 if rank == 0 and control is not None:
                     env[CONTROL_FILE_ENV] = str(control)
                 log = logs / f"g{gen}-rank{rank}.log"
-                with log.open("wb") as out:
-                    proc = subprocess.Popen(
-                        args,
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        pass_fds=(write_fd,),
-                        start_new_session=True,
-                        preexec_fn=_die_with_parent,
-                    )
-                trainers.append(Trainer(gen, rank, proc, log))
+                child = self._take_spare(argv, env, log) or self._spawn(
+                    [sys.executable, "-m", "jabascli", *argv], env, log
+                )
+                trainers.append(Trainer(gen, rank, child.proc, log, child.read_fd))
         except OSError as exc:
             for t in trainers:
                 _signal_group(t.proc, signal.SIGKILL)
-            os.close(read_fd)
             raise RuntimeFailure.at(None, None, f"cannot start a trainer: {exc}") from None
+        self.runs.append(Run(gen, trainers, control))
+
+    def _spawn(self, args: list[str], env: dict[str, str], log: Path | None) -> Process:
+        """A child in its own session, killed with this agent, with an event pipe; never through a shell."""
+        read_fd, write_fd = os.pipe()
+        env = {**env, EVENT_FD_ENV: str(write_fd)}
+        try:
+            with contextlib.ExitStack() as stack:
+                out = stack.enter_context(log.open("wb")) if log is not None else subprocess.DEVNULL
+                proc = subprocess.Popen(
+                    args,
+                    env=env,
+                    stdin=subprocess.DEVNULL if log is not None else subprocess.PIPE,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
+                    pass_fds=(write_fd,),
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+        except BaseException:
+            os.close(read_fd)
+            raise
         finally:
-            os.close(write_fd)
-        self.runs.append(Run(gen, trainers, read_fd, control))
+            os.close(write_fd)  # the child holds it: EOF once it is gone
+        return Process(proc, read_fd, write_fd)
+
+    def _keep_spares(self) -> None:
+        """Keep one warm spare per device of this node (:mod:`jabascli.elastic.spare`)."""
+        self.spares = [p for p in self.spares if p.proc.poll() is None or _close(p)]
+        if self.clock() - self.last_start < SPARE_DELAY_S:
+            return
+        while len(self.spares) < self.devices:
+            args = [sys.executable, "-m", "jabascli.elastic.spare", str(self.loaded.path)]
+            self.spares.append(self._spawn(args, _environment(), None))
+
+    def _take_spare(self, argv: list[str], env: dict[str, str], log: Path) -> Process | None:
+        while self.spares:
+            spare = self.spares.pop(0)
+            if spare.proc.poll() is not None or spare.proc.stdin is None:
+                _close(spare)
+                continue
+            order = {"argv": argv, "env": {**env, EVENT_FD_ENV: str(spare.child_fd)}, "log": str(log)}
+            try:
+                spare.proc.stdin.write((json.dumps(order) + "\n").encode())
+                spare.proc.stdin.close()
+            except OSError:
+                _signal_group(spare.proc, signal.SIGKILL)
+                _close(spare)
+                continue
+            return spare
+        return None
 
     def _stop(self, command: StopCommand) -> None:
         for run in self.runs:
@@ -268,25 +323,25 @@ class WorkerAgent:
     # -- trainers ----------------------------------------------------------------------------------
 
     def _read_events(self, timeout: float) -> None:
-        fds = [r.read_fd for r in self.runs if r.read_fd >= 0]
-        if not fds:
+        trainers = {t.read_fd: (run, t) for run in self.runs for t in run.trainers if t.read_fd >= 0}
+        if not trainers:
             time.sleep(timeout)
             return
-        ready, _, _ = select.select(fds, [], [], timeout)
-        for run in self.runs:
-            if run.read_fd in ready:
-                chunk = os.read(run.read_fd, 65536)
-                if not chunk:  # every trainer of the run closed its end
-                    os.close(run.read_fd)
-                    run.read_fd = -1
-                    continue
-                run.buffer += chunk
-                *lines, run.buffer = run.buffer.split(b"\n")
-                for line in lines:
-                    with contextlib.suppress(ValueError):
-                        event = json.loads(line)
-                        if isinstance(event, dict):
-                            self.pending_events.append(TrainerEvent(generation=run.generation, event=event))
+        ready, _, _ = select.select(list(trainers), [], [], timeout)
+        for fd in ready:
+            run, t = trainers[fd]
+            chunk = os.read(fd, 65536)
+            if not chunk:  # the trainer closed its end: it is gone
+                os.close(fd)
+                t.read_fd = -1
+                continue
+            t.buffer += chunk
+            *lines, t.buffer = t.buffer.split(b"\n")
+            for line in lines:
+                with contextlib.suppress(ValueError):
+                    event = json.loads(line)
+                    if isinstance(event, dict):
+                        self.pending_events.append(TrainerEvent(generation=run.generation, event=event))
 
     def _reap(self) -> bool:
         """Report trainers that exited; SIGKILL those past their grace period. True if any exited."""
@@ -306,24 +361,44 @@ class WorkerAgent:
                     )
         if exited:
             self._read_events(0)  # a failing trainer's error event precedes its exit
-        self.runs = [r for r in self.runs if not all(t.reported for t in r.trainers) or r.read_fd >= 0]
+        self.runs = [r for r in self.runs if not all(t.reported and t.read_fd < 0 for t in r.trainers)]
         return exited
 
     def _kill_all(self) -> None:
-        live = [t for r in self.runs for t in r.trainers if t.proc.poll() is None]
-        for t in live:
-            _signal_group(t.proc, signal.SIGTERM)
+        live = [t.proc for r in self.runs for t in r.trainers if t.proc.poll() is None]
+        live += [s.proc for s in self.spares if s.proc.poll() is None]
+        for proc in live:
+            _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
-        for t in live:
+        for proc in live:
             try:
-                t.proc.wait(max(deadline - time.monotonic(), 0))
+                proc.wait(max(deadline - time.monotonic(), 0))
             except subprocess.TimeoutExpired:
-                _signal_group(t.proc, signal.SIGKILL)
-                t.proc.wait()
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
         for r in self.runs:
-            if r.read_fd >= 0:
-                os.close(r.read_fd)
-                r.read_fd = -1
+            for t in r.trainers:
+                if t.read_fd >= 0:
+                    os.close(t.read_fd)
+                    t.read_fd = -1
+        for spare in self.spares:
+            _close(spare)
+        self.spares = []
+
+
+def _environment() -> dict[str, str]:
+    """This agent's environment without the token: trainers never need the secret."""
+    return {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+
+
+def _close(process: Process) -> bool:
+    if process.read_fd >= 0:
+        os.close(process.read_fd)
+        process.read_fd = -1
+    with contextlib.suppress(OSError):
+        if process.proc.stdin is not None:
+            process.proc.stdin.close()
+    return False
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:

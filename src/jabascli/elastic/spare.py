@@ -1,0 +1,71 @@
+"""A warm trainer process: imports torch, jabas and the job's workload ahead of time, then waits.
+
+A worker agent keeps one spare per device of its node. When the scheduler
+starts a generation, the agent hands each spare what a fresh ``jabas train``
+process would get, as one JSON line on its stdin (from the agent only: a pipe
+between parent and child, never the network)::
+
+    {"argv": ["train", "-c", ...], "env": {...}, "log": "/path/to/rank.log"}
+
+and the spare becomes that trainer: output to the log, the environment
+replaced, the CPU thread count applied, then the ``jabas`` command line runs in
+this process. What a move then waits for is the job's own start (rendezvous,
+data, checkpoint), not a new interpreter importing torch. Run as
+``python -m jabascli.elastic.spare CONFIG``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+
+def warm_up(config: str) -> None:
+    """Import what a trainer imports, and the workload's module (with its own imports)."""
+    import torch  # noqa: F401
+
+    import jabascli.cli.app
+    import jabascli.engine.trainer  # noqa: F401
+    from jabascli.config import load_config
+    from jabascli.workload import load_workload
+
+    with contextlib.suppress(Exception):  # a broken config or workload fails in the trainer, where it is reported
+        job = load_config(config).config.job
+        load_workload(job.workload, job.options, job.data)
+
+
+def become(order: dict[str, object]) -> None:
+    log, env, argv = order["log"], order["env"], order["argv"]
+    assert isinstance(log, str) and isinstance(env, dict) and isinstance(argv, list)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update({str(k): str(v) for k, v in env.items()})
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit():
+        import torch
+
+        torch.set_num_threads(int(threads))  # torch read OMP_NUM_THREADS at import, before it was set
+    sys.argv = ["jabas", *[str(a) for a in argv]]
+    from jabascli.cli.app import main
+
+    main()
+
+
+def serve(config: str) -> None:
+    warm_up(config)
+    line = sys.stdin.readline()
+    if not line:
+        return  # the agent let us go unused
+    order = json.loads(line)
+    if not isinstance(order, dict):
+        raise SystemExit(2)
+    become(order)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
