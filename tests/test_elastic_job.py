@@ -150,3 +150,21 @@ def test_a_move_keeps_the_gbs_with_the_solvers_plan_when_profiles_exist(tmp_path
         assert {r.server for r in plan.ranks} <= set(servers_)
     plan, source = plan_for(loaded, ["node1"], gbs=7)  # no plan reaches it: the configured VSW/GA
     assert plan.gbs == 32 * 4 and source.startswith("configured VSW/GA")
+
+
+def test_a_planner_is_consulted_at_every_epoch_end_and_its_move_is_made(tmp_path: Path) -> None:
+    seen: list[list[int | None]] = []
+
+    def planner(status):  # type: ignore[no-untyped-def]
+        seen.append([e.gbs for e in status.epoch_history])
+        return (["A", "B"], "now") if len(status.epoch_history) == 1 else None
+
+    clock = Clock()
+    s = Scheduler(load(write_config(tmp_path, epochs=3)), clock, planner)
+    register(s, 0)
+    register(s, 1)
+    commands(s, 0)
+    epoch = {"event": "epoch", "epoch": 0, "step": 44, "train_loss": 0.7, "samples_per_s": 1.0, "time_s": 1.0}
+    [stop] = commands(s, 0, events=[{"generation": 1, "event": epoch}])
+    assert seen == [[32]] and s.state == "moving" and s.pending == ["A", "B"]
+    assert isinstance(stop, StopCommand) and stop.when == "now"

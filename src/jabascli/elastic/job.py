@@ -53,6 +53,11 @@ from jabascli.errors import InputError, Problem
 TERMINAL: tuple[JobState, ...] = ("succeeded", "failed", "stopped")
 
 
+Planner = Callable[[JobStatus], "tuple[list[str], When] | None"]
+"""Called at every epoch end with the job's status (``epoch_history`` holds every epoch's GBS, servers and
+throughput); returns the allocation to move to and when, or None to stay. An auto-scaling planner plugs in here."""
+
+
 class Conflict(Exception):
     """A request that contradicts the scheduler's state (HTTP 409)."""
 
@@ -119,8 +124,10 @@ def free_port() -> int:
 class Scheduler:
     """Tracks the workers and the job; every public method is one step of the state machine."""
 
-    def __init__(self, loaded: LoadedConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.loaded, self.clock = loaded, clock
+    def __init__(
+        self, loaded: LoadedConfig, clock: Callable[[], float] = time.monotonic, planner: Planner | None = None
+    ) -> None:
+        self.loaded, self.clock, self.planner = loaded, clock, planner
         cfg = loaded.config
         self.servers = [s.name for s in cfg.cluster.servers]
         self.lock = threading.RLock()
@@ -282,6 +289,7 @@ class Scheduler:
                     time_s=_float(event.get("time_s")) or 0.0,
                 )
             )
+            self._consult_planner()
         elif kind == "checkpoint":
             self.checkpoint = checkpoint_path(self.loaded)
             self.checkpoint_step = _int(event.get("step"))
@@ -296,6 +304,16 @@ class Scheduler:
             record.first_iteration_at = _float(event.get("time"))
             if record.first_iteration_at is not None and record.last_iteration_at is not None:
                 record.downtime_s = record.first_iteration_at - record.last_iteration_at
+
+    def _consult_planner(self) -> None:
+        if self.planner is None or self.state != "running" or self.epoch >= self.loaded.config.job.epochs:
+            return
+        decision = self.planner(self.status())
+        if decision is not None and decision[0] != self.allocation:
+            try:
+                self.move(*decision)
+            except (InputError, Conflict) as exc:
+                self.message = f"the planner's move was refused: {exc}"
 
     def _fail(self, why: str, tail: list[str]) -> None:
         if self.state in TERMINAL:
