@@ -35,6 +35,10 @@ def schedule(
     new_token: Annotated[
         Path | None, typer.Option("--new-token", help="First write a fresh token (mode 0600) to this file, and use it.")
     ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option("--resume", help="Start from the job's checkpoint in \\[storage] checkpoint_dir (if there is one)."),
+    ] = False,
     loopback_trainers: Annotated[
         bool, typer.Option("--loopback-trainers", hidden=True, help="Rendezvous on 127.0.0.1 (jabas run --elastic).")
     ] = False,
@@ -66,7 +70,7 @@ def schedule(
     cfg = loaded.config.scheduler
     host, bind_port = address or cfg.address, port or cfg.port
     err_console.print(f"scheduler of {loaded.config.job.name!r} listening on {host}:{bind_port}", highlight=False)
-    scheduler = Scheduler(loaded)
+    scheduler = Scheduler(loaded, resume=resume)
     if loopback_trainers:
         scheduler.master_addr = "127.0.0.1"  # every server's agent runs on this machine
     status = serve(scheduler, token, host, bind_port)

@@ -125,8 +125,13 @@ class Scheduler:
     """Tracks the workers and the job; every public method is one step of the state machine."""
 
     def __init__(
-        self, loaded: LoadedConfig, clock: Callable[[], float] = time.monotonic, planner: Planner | None = None
+        self,
+        loaded: LoadedConfig,
+        clock: Callable[[], float] = time.monotonic,
+        planner: Planner | None = None,
+        resume: bool = False,
     ) -> None:
+        """``resume``: start from the job's existing checkpoint (after the scheduler itself was lost)."""
         self.loaded, self.clock, self.planner = loaded, clock, planner
         cfg = loaded.config
         self.servers = [s.name for s in cfg.cluster.servers]
@@ -140,8 +145,8 @@ class Scheduler:
         self.generations = 0
         self.restarts = 0
         self.max_restarts = cfg.scheduler.max_restarts
-        self.checkpoint: Path | None = None
-        """The job's checkpoint, once a trainer of this scheduler reported writing it."""
+        self.checkpoint: Path | None = checkpoint_path(loaded) if resume else None
+        """The job's checkpoint, once a trainer of this scheduler reported writing it (or, resuming, at once)."""
         self.epoch, self.step = 0, 0
         self.loss: float | None = None
         self.initial_loss: float | None = None
