@@ -168,3 +168,15 @@ def test_a_planner_is_consulted_at_every_epoch_end_and_its_move_is_made(tmp_path
     [stop] = commands(s, 0, events=[{"generation": 1, "event": epoch}])
     assert seen == [[32]] and s.state == "moving" and s.pending == ["A", "B"]
     assert isinstance(stop, StopCommand) and stop.when == "now"
+
+
+def test_a_new_scheduler_resumes_from_the_checkpoint_only_when_asked(tmp_path: Path) -> None:
+    loaded = load(write_config(tmp_path))
+    checkpoint = checkpoint_path(loaded)
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_bytes(b"left by an earlier scheduler")
+    for resume in (False, True):
+        s = Scheduler(loaded, resume=resume)
+        register(s, 0)
+        [start] = commands(s, 0)
+        assert isinstance(start, StartCommand) and start.resume is resume

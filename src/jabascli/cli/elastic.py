@@ -37,7 +37,7 @@ def schedule(
     ] = None,
     resume: Annotated[
         bool,
-        typer.Option("--resume", help="Start from the job's checkpoint in \\[storage] checkpoint_dir (if there is one)."),
+        typer.Option("--resume", help="Start from the job's checkpoint in \\[storage] checkpoint_dir, if any."),
     ] = False,
     loopback_trainers: Annotated[
         bool, typer.Option("--loopback-trainers", hidden=True, help="Rendezvous on 127.0.0.1 (jabas run --elastic).")
