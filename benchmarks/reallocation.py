@@ -42,6 +42,7 @@ from jabascli.engine.layout import checkpoint_path
 from jabascli.workload import load_workload
 
 TOKEN = "benchmark-token-0123456789"
+WARM_S = 12.0
 WORKLOADS: dict[str, dict[str, Any]] = {
     "digits": {"workload": "digits", "options": {"lr": 0.05}, "lbs": 16},
     "resnet_tiny": {"workload": "resnet", "options": {"variant": "tiny", "synthetic_size": 512}, "lbs": 16},
@@ -95,7 +96,7 @@ def measure_moves(folder: Path, name: str) -> tuple[list[dict[str, Any]], Path]:
     try:
         for target in (["A", "B"], ["A"]):
             before = len(wait(url, lambda s: s["state"] == "running" and s["loss"] is not None)["moves"])
-            time.sleep(1.0)  # a few iterations in
+            time.sleep(WARM_S)  # as between the (rare) moves of a real job: the agents' spares are warm
             httpx.post(url + "/v1/job/move", json={"servers": target, "when": "now"}, headers=headers, timeout=10)
             wait(url, lambda s, n=before: len(s["moves"]) > n and s["moves"][-1]["downtime_s"] is not None)
         moves = status(url)["moves"]

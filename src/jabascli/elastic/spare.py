@@ -23,7 +23,11 @@ import sys
 
 
 def warm_up(config: str) -> None:
-    """Import what a trainer imports, and the workload's module (with its own imports)."""
+    """Import what a trainer imports and the workload's module, and load its datasets once.
+
+    The datasets are dropped: loading them again in the trainer is then mostly
+    warm caches (imported readers, files in the page cache).
+    """
     import torch  # noqa: F401
 
     import jabascli.cli.app
@@ -33,7 +37,9 @@ def warm_up(config: str) -> None:
 
     with contextlib.suppress(Exception):  # a broken config or workload fails in the trainer, where it is reported
         job = load_config(config).config.job
-        load_workload(job.workload, job.options, job.data)
+        workload = load_workload(job.workload, job.options, job.data)
+        workload.train_dataset()
+        workload.val_dataset()
 
 
 def become(order: dict[str, object]) -> None:
@@ -53,7 +59,16 @@ def become(order: dict[str, object]) -> None:
     sys.argv = ["jabas", *[str(a) for a in argv]]
     from jabascli.cli.app import main
 
-    main()
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    # The trainer has closed its files, written its checkpoint (atomically, fsynced) and left the
+    # process group: skip the interpreter's teardown of torch, which takes a second or more.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve(config: str) -> None:
