@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -66,3 +67,19 @@ def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_anything_s
         assert result.exit_code == 2, (args, result.output)
         assert "checkpoint folder is not writable" in _one_line_error(result.output)
     assert not (tmp_path / "runs").exists()
+
+
+def test_job_status_and_stop_talk_to_the_scheduler(tmp_path: Path, cli: CliRunner) -> None:
+    config = write_config(tmp_path)
+    with serving(load(config)) as (url, scheduler):
+        address = url.removeprefix("http://")
+        env = {"JABAS_TOKEN": TOKEN, "COLUMNS": "200"}
+        result = cli.invoke(app, ["job", "status", "-c", str(config), "--scheduler", address, "--json"], env=env)
+        assert result.exit_code == 0, result.output
+        status = json.loads(result.stdout)
+        assert (status["state"], status["allocation"], status["epochs"]) == ("waiting", ["A"], 2)
+        result = cli.invoke(app, ["job", "status", "-c", str(config), "--scheduler", address], env=env)
+        assert result.exit_code == 0 and "digits: waiting, epoch 0/2" in result.output
+        result = cli.invoke(app, ["job", "stop", "-c", str(config), "--scheduler", address], env=env)
+        assert result.exit_code == 0 and result.output.startswith("stopped")
+        assert scheduler.state == "stopped"
