@@ -135,7 +135,7 @@ class SchedulerConfig(Section):
     port: int = Field(40000, ge=1, le=65535)
     token_file: Path | None = None
     """The shared secret (mode 0600); ``JABAS_TOKEN`` overrides it."""
-    heartbeat_interval_s: float = Field(0.5, gt=0)
+    heartbeat_interval_s: float = Field(0.25, gt=0)
     """How often a worker agent reports to the scheduler."""
     heartbeat_timeout_s: float = Field(10.0, gt=0)
     """A worker silent this long is lost: its trainers are restarted elsewhere."""

@@ -59,6 +59,8 @@ from jabascli.engine.layout import checkpoint_path, run_folder
 from jabascli.errors import InputError, RuntimeFailure
 
 GRACE_S = 5.0
+EXITING_S = 0.5
+"""How long to wait for a trainer that closed its event pipe to exit."""
 SPARE_DELAY_S = 5.0
 """Spares are started this long after a generation, not to slow its own start."""
 LOG_TAIL = 4000
@@ -331,9 +333,11 @@ class WorkerAgent:
         for fd in ready:
             run, t = trainers[fd]
             chunk = os.read(fd, 65536)
-            if not chunk:  # the trainer closed its end: it is gone
+            if not chunk:  # the trainer closed its end: it is exiting; report it at once
                 os.close(fd)
                 t.read_fd = -1
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    t.proc.wait(EXITING_S)
                 continue
             t.buffer += chunk
             *lines, t.buffer = t.buffer.split(b"\n")
