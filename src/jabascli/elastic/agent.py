@@ -125,6 +125,8 @@ class WorkerAgent:
         self.pending_events: list[TrainerEvent] = []
         self.pending_exits: list[TrainerExit] = []
         self.spares: list[Process] = []
+        self.cpu = False
+        """Trainers here compute on the CPU: spares also warm the data and the CPU kernels."""
         self.last_start = -SPARE_DELAY_S
         self.devices = loaded.config.cluster.servers[rank].devices if rank < len(loaded.config.cluster.servers) else 0
 
@@ -184,6 +186,7 @@ class WorkerAgent:
             Registration(rank=self.rank, host=socket.gethostname() or "?", devices=devices, pid=os.getpid())
         )
         self.server = registered.server
+        self.cpu = found.backend == "cpu"
         self.interval = registered.heartbeat_interval_s
 
     def _retrying(self, call: Callable[[], None]) -> None:
@@ -290,6 +293,8 @@ class WorkerAgent:
             return
         while len(self.spares) < self.devices:
             args = [sys.executable, "-m", "jabascli.elastic.spare", str(self.loaded.path)]
+            if self.cpu or self.loaded.config.cluster.servers[self.rank].emulate is not None:
+                args.append("cpu")
             self.spares.append(self._spawn(args, _environment(), None))
 
     def _take_spare(self, argv: list[str], env: dict[str, str], log: Path) -> Process | None:

@@ -11,7 +11,7 @@ and the spare becomes that trainer: output to the log, the environment
 replaced, the CPU thread count applied, then the ``jabas`` command line runs in
 this process. What a move then waits for is the job's own start (rendezvous,
 data, checkpoint), not a new interpreter importing torch. Run as
-``python -m jabascli.elastic.spare CONFIG``.
+``python -m jabascli.elastic.spare CONFIG [cpu]``.
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ import os
 import sys
 
 
-def warm_up(config: str) -> None:
-    """Import what a trainer imports and the workload's module; load its datasets and build its model once.
+def warm_up(config: str, cpu: bool) -> None:
+    """Import what a trainer imports and the workload's module; build its model and optimizer once.
 
-    All of it is dropped: building them again in the trainer is then mostly warm
-    caches (imported readers, files in the page cache, torch's lazily imported
-    modules, where a first optimizer alone costs over a second, and the CPU kernels'
-    first-call set-up).
+    All of it is dropped: building them again in the trainer then finds torch's
+    lazily imported modules loaded (a first optimizer alone costs over a second).
+    On a CPU node (``cpu``: trainers compute on the CPU, as emulated servers do)
+    also load the datasets and run one forward and backward at the job's LBS, for
+    warm file caches and the CPU kernels' first-call set-up; on a GPU node that
+    would only take CPU time and I/O from the trainers running beside it.
     """
     import torch  # noqa: F401
 
@@ -40,16 +42,16 @@ def warm_up(config: str) -> None:
     with contextlib.suppress(Exception):  # a broken config or workload fails in the trainer, where it is reported
         job = load_config(config).config.job
         workload = load_workload(job.workload, job.options, job.data)
-        workload.train_dataset()
-        workload.val_dataset()
         model = workload.build_model()
         optimizer = workload.optimizer(model.parameters())
         workload.lr_scheduler(optimizer)
-        # One forward and backward at the job's LBS: the CPU kernels' first-call set-up (oneDNN).
-        # The trainer seeds every generator itself, so these random numbers change nothing.
-        inputs, target = workload.synthetic_batch(job.lbs or 2)
-        output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-        workload.loss(output, target).backward()
+        if cpu:
+            workload.train_dataset()
+            workload.val_dataset()
+            # The trainer seeds every generator itself, so these random numbers change nothing.
+            inputs, target = workload.synthetic_batch(job.lbs or 2)
+            output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            workload.loss(output, target).backward()
 
 
 def become(order: dict[str, object]) -> None:
@@ -81,8 +83,8 @@ def become(order: dict[str, object]) -> None:
     os._exit(code)
 
 
-def serve(config: str) -> None:
-    warm_up(config)
+def serve(config: str, cpu: bool) -> None:
+    warm_up(config, cpu)
     line = sys.stdin.readline()
     if not line:
         return  # the agent let us go unused
@@ -93,4 +95,4 @@ def serve(config: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2:] == ["cpu"])
