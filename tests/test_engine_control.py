@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from jabascli.engine.control import CONTROL_FILE_ENV, StopControl, read_request
@@ -26,6 +27,7 @@ def _job(folder: Path, ranks: list[tuple[int, int]]) -> Path:
     return write_job(folder, ranks, lbs=LBS, options=options, epochs=2, weight_sync="sequential")
 
 
+@pytest.mark.slow
 def test_a_now_request_stops_every_rank_after_the_same_iteration_and_training_resumes_exactly(tmp_path: Path) -> None:
     loaded = load(_job(tmp_path, TWO))
     control = tmp_path / "control"

@@ -43,6 +43,7 @@ def _job(folder: Path, crash_at: int) -> Path:
     return write_job(folder, TWO, lbs=LBS, options=options, epochs=2)
 
 
+@pytest.mark.slow
 def test_a_crashed_trainer_restarts_from_the_latest_checkpoint_and_ends_as_an_uninterrupted_run(
     tmp_path: Path,
 ) -> None:
