@@ -70,6 +70,7 @@ def write_config(
     options: dict[str, Any] | None = None,
     record: bool = False,
     lbs: int = 16,
+    slowdown: tuple[float, float] = (2.0, 3.0),
 ) -> Path:
     """Digits on two one-device emulated servers: A (VSW 2, 2x slower than the CPU) and B (VSW 1, 3x).
 
@@ -93,14 +94,14 @@ def write_config(
                     "device_type": "cpu",
                     "devices": 1,
                     "vsw": 2,
-                    "emulate": {"slowdown": 2.0, "memory_bytes": 2_000_000_000},
+                    "emulate": {"slowdown": slowdown[0], "memory_bytes": 2_000_000_000},
                 },
                 {
                     "name": "B",
                     "device_type": "cpu",
                     "devices": 1,
                     "vsw": 1,
-                    "emulate": {"slowdown": 3.0, "memory_bytes": 2_000_000_000},
+                    "emulate": {"slowdown": slowdown[1], "memory_bytes": 2_000_000_000},
                 },
             ],
         },
