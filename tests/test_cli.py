@@ -25,6 +25,10 @@ COMMANDS = [
     ["solve"],
     ["schedule"],
     ["worker"],
+    ["token"],
+    ["job", "status"],
+    ["job", "move"],
+    ["job", "stop"],
     ["train"],
     ["run"],
 ]

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import IO, Any
 
 
-def atomic_write(path: Path | str, write: Callable[[IO[bytes]], Any]) -> Path:
-    """Call ``write(f)`` on a temporary file, then move it to ``path``."""
+def atomic_write(path: Path | str, write: Callable[[IO[bytes]], Any], *, mode: int | None = None) -> Path:
+    """Call ``write(f)`` on a temporary file, then move it to ``path`` (with ``mode``, else a plain open()'s)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         # mkstemp creates 0600; give the file the mode a plain open() would (or the old file's).
-        os.fchmod(fd, _mode_for(path))
+        os.fchmod(fd, _mode_for(path) if mode is None else mode)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

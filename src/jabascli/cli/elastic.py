@@ -1,12 +1,30 @@
-"""``jabas schedule`` and ``jabas worker``: the elastic scheduler and its node agents."""
+"""``jabas schedule``, ``jabas worker``, ``jabas token`` and ``jabas job``: the elastic runtime."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.table import Table
 
-from jabascli.cli.common import ConfigOption, cli_command, not_implemented
+from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, err_console, print_json
+from jabascli.config import LoadedConfig, load_config
+from jabascli.errors import InputError
+
+if TYPE_CHECKING:
+    from jabascli.elastic.protocol import JobStatus
+
+SchedulerOption = Annotated[
+    str | None, typer.Option("--scheduler", help="ADDR:PORT of the scheduler (default: \\[scheduler] address:port).")
+]
+
+
+def _address(loaded: LoadedConfig, scheduler: str | None) -> str:
+    if scheduler:
+        return scheduler
+    cfg = loaded.config.scheduler
+    return f"{cfg.address}:{cfg.port}"
 
 
 @cli_command
@@ -14,32 +32,218 @@ def schedule(
     config: ConfigOption,
     address: Annotated[str | None, typer.Option(help="Address to bind (default: \\[scheduler] address).")] = None,
     port: Annotated[int | None, typer.Option(help="Port to bind (default: \\[scheduler] port).")] = None,
+    new_token: Annotated[
+        Path | None, typer.Option("--new-token", help="First write a fresh token (mode 0600) to this file, and use it.")
+    ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option("--resume", help="Start from the job's checkpoint in \\[storage] checkpoint_dir, if any."),
+    ] = False,
+    loopback_trainers: Annotated[
+        bool, typer.Option("--loopback-trainers", hidden=True, help="Rendezvous on 127.0.0.1 (jabas run --elastic).")
+    ] = False,
 ) -> None:
-    """Run the elastic scheduler on the main node.
+    """Run the elastic scheduler on the main node until the job is over.
 
-    It decides, at epoch ends, which servers the job runs on, and tells the
-    workers to stop and start trainers. It binds to loopback unless configured
-    and requires the token in [scheduler] token_file.
+    It starts the job once the workers of its servers have registered, moves it
+    when asked (`jabas job move`), and restarts it from its checkpoint when a
+    trainer or a node fails. It binds to loopback unless configured, and every
+    request must carry the token of \\[scheduler] token_file (or JABAS_TOKEN).
 
     Example:
 
-        jabas schedule -c jabas.toml
+        jabas schedule -c jabas.toml --new-token ~/.jabas/token
     """
-    not_implemented("schedule")
+    from jabascli.elastic.agent import check_writable
+    from jabascli.elastic.job import Scheduler
+    from jabascli.elastic.service import serve
+    from jabascli.elastic.token import load_token, read_token_file, write_token
+    from jabascli.engine.layout import checkpoint_path
+
+    loaded = load_config(config)
+    if new_token is not None:
+        write_token(new_token)
+        token = read_token_file(new_token)
+    else:
+        token = load_token(loaded)
+    check_writable(checkpoint_path(loaded).parent)
+    cfg = loaded.config.scheduler
+    host, bind_port = address or cfg.address, port or cfg.port
+    err_console.print(f"scheduler of {loaded.config.job.name!r} listening on {host}:{bind_port}", highlight=False)
+    scheduler = Scheduler(loaded, resume=resume)
+    if loopback_trainers:
+        scheduler.master_addr = "127.0.0.1"  # every server's agent runs on this machine
+    status = serve(scheduler, token, host, bind_port)
+    console.print(f"job {status.job}: {status.state}: {status.message}", highlight=False, markup=False)
+    if status.state == "failed":
+        raise typer.Exit(1)
 
 
 @cli_command
 def worker(
     config: ConfigOption,
-    rank: Annotated[int, typer.Option(help="This node's rank among the workers.")],
-    scheduler: Annotated[
-        str | None, typer.Option(help="ADDR:PORT of the scheduler (default: from the config).")
-    ] = None,
+    rank: Annotated[int, typer.Option(min=0, help="This node's rank: its server's index in \\[\\[cluster.servers]].")],
+    scheduler: SchedulerOption = None,
 ) -> None:
     """Run the agent of one node: register with the scheduler, start and stop trainers.
 
+    Retries an unreachable scheduler for \\[scheduler] connect_timeout_s, then exits 1.
+
     Example:
 
-        jabas worker -c jabas.toml --rank 1
+        jabas worker -c jabas.toml --rank 1 --scheduler 10.0.0.1:40000
     """
-    not_implemented("worker")
+    from jabascli.elastic.agent import WorkerAgent
+    from jabascli.elastic.client import SchedulerClient
+    from jabascli.elastic.token import load_token
+
+    loaded = load_config(config)
+    token = load_token(loaded)
+    with SchedulerClient(_address(loaded, scheduler), token) as client:
+        WorkerAgent(loaded, rank, client).run()
+
+
+@cli_command
+def token(
+    file: Annotated[Path, typer.Argument(help="Where to write the token (mode 0600); replaced atomically.")],
+) -> None:
+    """Write a fresh random token for the scheduler and its workers.
+
+    Copy it to every node (mode 0600) and name it in \\[scheduler] token_file, or
+    pass it in JABAS_TOKEN.
+
+    Example:
+
+        jabas token ~/.jabas/token
+    """
+    from jabascli.elastic.token import write_token
+
+    write_token(file)
+    console.print(f"wrote a new token to {file} (mode 0600)", highlight=False)
+
+
+job_app = typer.Typer(help="Look at and steer a job run by `jabas schedule`.", no_args_is_help=True)
+
+
+def _client(config: Path, scheduler: str | None):  # type: ignore[no-untyped-def]
+    from jabascli.elastic.client import SchedulerClient
+    from jabascli.elastic.token import load_token
+
+    loaded = load_config(config)
+    return SchedulerClient(_address(loaded, scheduler), load_token(loaded))
+
+
+@job_app.command("status")
+@cli_command
+def job_status(config: ConfigOption, scheduler: SchedulerOption = None, json_out: JsonOption = False) -> None:
+    """Show the job: state, allocation, plan, progress, restarts, moves and their downtime.
+
+    Example:
+
+        jabas job status -c jabas.toml
+    """
+    with _client(config, scheduler) as client:
+        status = client.status()
+    if json_out:
+        print_json(status.model_dump(mode="json"))
+        return
+    loss = "-" if status.loss is None else f"{status.loss:.4f}"
+    console.print(
+        f"[bold]{status.job}[/bold]: {status.state}, epoch {status.epoch}/{status.epochs}, step {status.step}, "
+        f"loss {loss}, GBS {status.gbs or '-'}, restarts {status.restarts}/{status.max_restarts}",
+        highlight=False,
+    )
+    console.print(f"on {', '.join(status.allocation)}: {status.plan or '-'}", highlight=False, markup=False)
+    if status.message:
+        console.print(status.message, highlight=False, markup=False)
+    if status.moves:
+        table = Table(title="moves and restarts")
+        for column in ("generation", "why", "from", "to", "downtime s"):
+            table.add_column(column)
+        for m in status.moves:
+            downtime = "-" if m.downtime_s is None else f"{m.downtime_s:.2f}"
+            table.add_row(str(m.generation), m.reason, ",".join(m.from_servers), ",".join(m.to_servers), downtime)
+        console.print(table)
+
+
+@job_app.command("move")
+@cli_command
+def job_move(
+    config: ConfigOption,
+    servers: Annotated[list[str], typer.Argument(help="The servers to move to (names of \\[\\[cluster.servers]]).")],
+    now: Annotated[bool, typer.Option("--now", help="At the next iteration, not the next epoch end.")] = False,
+    scheduler: SchedulerOption = None,
+) -> None:
+    """Move the job to other servers at the next epoch end (or iteration, with --now).
+
+    Example:
+
+        jabas job move -c jabas.toml node0 node1
+    """
+    with _client(config, scheduler) as client:
+        status = client.move(servers, "now" if now else "epoch")
+    console.print(f"{status.state}: {status.message}", highlight=False, markup=False)
+
+
+@job_app.command("stop")
+@cli_command
+def job_stop(
+    config: ConfigOption,
+    at_epoch_end: Annotated[bool, typer.Option("--at-epoch-end", help="Wait for the epoch to end.")] = False,
+    scheduler: SchedulerOption = None,
+) -> None:
+    """Stop the job: its trainers write a checkpoint and exit, then the scheduler and workers end.
+
+    Example:
+
+        jabas job stop -c jabas.toml
+    """
+    with _client(config, scheduler) as client:
+        status = client.stop("epoch" if at_epoch_end else "now")
+    console.print(f"{status.state}: {status.message}", highlight=False, markup=False)
+
+
+def run_elastic_here(loaded: LoadedConfig, json_out: bool, **unsupported: object) -> None:
+    """``jabas run --elastic``: the scheduler and an agent per server on this machine, with a progress bar."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from jabascli.elastic.local import run_elastic
+
+    given = [f"--{name.replace('_', '-')}" for name, value in unsupported.items() if value is not None]
+    if given:
+        raise InputError.at(
+            None, given[0], "is not used with --elastic: the scheduler plans and resumes from [storage] checkpoint_dir"
+        )
+    progress = Progress(
+        TextColumn("[bold]{task.fields[state]}"),
+        BarColumn(),
+        TextColumn("epoch {task.fields[epoch]}  step {task.fields[step]}  on {task.fields[servers]}"),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=json_out,
+        transient=True,
+    )
+    epochs = loaded.config.job.epochs
+    with progress:
+        task = progress.add_task("job", total=epochs, state="starting", epoch="-", step=0, servers="-", loss="-")
+
+        def show(status: JobStatus) -> None:
+            loss = "-" if status.loss is None else f"{status.loss:.4f}"
+            progress.update(
+                task,
+                completed=status.epoch,
+                state=status.state,
+                epoch=f"{min(status.epoch + 1, epochs)}/{epochs}",
+                step=status.step,
+                servers=",".join(status.allocation),
+                loss=loss,
+            )
+
+        status = run_elastic(loaded, show)
+    if json_out:
+        print_json(status.model_dump(mode="json"))
+    else:
+        console.print(f"{status.job}: {status.state}: {status.message}", highlight=False, markup=False)
+    if status.state == "failed":
+        raise typer.Exit(1)

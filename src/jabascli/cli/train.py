@@ -106,6 +106,23 @@ def run(
             "--gbs", min=1, help="Solve the plan for this GBS from the profiles (default: \\[batching] initial_gbs)."
         ),
     ] = None,
+    max_restarts: Annotated[
+        int,
+        typer.Option(
+            "--max-restarts",
+            min=0,
+            help="Restart the trainers after a crash, at most N times, from the latest checkpoint "
+            "(e.g. --max-restarts 3 --checkpoint-every 100).",
+        ),
+    ] = 0,
+    elastic: Annotated[
+        bool,
+        typer.Option(
+            "--elastic",
+            help="Run under a local scheduler and one worker agent per server (as on real nodes), so "
+            "`jabas job move` can move the job between servers; also with \\[scaling] enabled = true.",
+        ),
+    ] = False,
     json_out: JsonOption = False,
 ) -> None:
     """Train the whole job on this machine: one trainer process per device (or emulated device).
@@ -131,11 +148,16 @@ def run(
     loaded = load_config(config)
     own = solve_own_plan(loaded, gbs, plan, quiet=json_out)
     plan = own.path if own is not None else plan
+    if elastic or loaded.config.scaling.enabled:
+        from jabascli.cli.elastic import run_elastic_here
+
+        run_elastic_here(loaded, json_out, plan=plan, resume=resume, max_steps=max_steps)
+        return
     options = TrainOptions(
         plan=plan, resume=resume, checkpoint_every=checkpoint_every, max_steps=max_steps, bucket_cap_mb=bucket_cap_mb
     )
     with _RunDisplay(disable=json_out) as display:
-        result = run_local(loaded, options, on_event=display)
+        result = run_local(loaded, options, on_event=display, max_restarts=max_restarts)
     results = result.done["results"]
     if json_out:
         for r in results:  # adaptive jobs: each epoch lists its GBS adjustments
@@ -214,6 +236,11 @@ class _RunDisplay:
             self.adjustments.append(event)
             if not self.disable and (event["changed"] or event["reason"].startswith("keep: no plan")):
                 self.progress.console.print(_adjustment_line(event), highlight=False, markup=False)
+
+        elif kind == "restart":
+            where = "its latest checkpoint" if event["resume"] != "None" else "the start"
+            line = f"restart {event['restarts']} from {where}: {event['reason']}"
+            self.progress.console.print(line, highlight=False, markup=False)
 
 
 def _adjustment_line(e: dict[str, Any]) -> str:

@@ -153,9 +153,22 @@ class ScalingConfig(Section):
 
 
 class SchedulerConfig(Section):
+    """The elastic runtime: ``jabas schedule`` and its ``jabas worker`` agents (docs/elastic.md)."""
+
     address: str = "127.0.0.1"
     port: int = Field(40000, ge=1, le=65535)
     token_file: Path | None = None
+    """The shared secret (mode 0600); ``JABAS_TOKEN`` overrides it."""
+    heartbeat_interval_s: float = Field(0.25, gt=0)
+    """How often a worker agent reports to the scheduler."""
+    heartbeat_timeout_s: float = Field(10.0, gt=0)
+    """A worker silent this long is lost: its trainers are restarted elsewhere."""
+    max_restarts: NonNegativeInt = 3
+    """Restarts after failures before the job is given up (moves do not count)."""
+    checkpoint_every: PositiveInt | None = None
+    """Also checkpoint every this many iterations, so a crash loses at most that much work."""
+    connect_timeout_s: float = Field(60.0, gt=0)
+    """How long a worker agent retries an unreachable scheduler before it gives up."""
 
 
 class StorageConfig(Section):

@@ -77,6 +77,9 @@ class BufferSync:
         self._other = [[dict(r.named_buffers())[name] for name in other] for r in self.replicas]
         self._groups: list[_Group] = []
         self._pending: _PendingSum | None = None
+        self.riders: list[torch.Tensor] = []
+        """More tensors summed over ranks with every iteration's statistics (e.g. a stop flag,
+        :mod:`jabascli.engine.control`): they ride along for free."""
         self.carried = False
         """Set when a communication hook takes the sum along with the last gradient bucket
         (:meth:`take_riders`); otherwise :meth:`launch` starts an all-reduce of its own."""
@@ -118,7 +121,9 @@ class BufferSync:
             for acc in g.acc[1:]:
                 torch._foreach_add_(g.acc[0], acc)
         tensors = [t for g in self._groups for t in g.acc[0]]
-        self._pending = _PendingSum([*tensors, extra] if extra is not None else tensors, self.group)
+        if extra is not None:
+            tensors.append(extra)
+        self._pending = _PendingSum([*tensors, *self.riders], self.group)
         if not self.carried:
             self._pending.start()
 

@@ -18,6 +18,7 @@ process, which then stops them in order.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import select
@@ -64,10 +65,14 @@ def run_local(
     options: TrainOptions | None = None,
     on_event: Callable[[dict[str, Any]], None] | None = None,
     env: dict[str, str] | None = None,
+    max_restarts: int = 0,
 ) -> LaunchResult:
     """Train ``loaded``'s job on this machine: check the inputs, then one trainer per rank of its plan.
 
     Bad input (the plan, the checkpoint to resume) fails here, before any trainer starts.
+    When the trainers fail (not for bad input), they are all restarted, at most
+    ``max_restarts`` times, from the latest checkpoint this run wrote (as ``torchrun
+    --max-restarts``; see :func:`restarting`).
     """
     options = options or TrainOptions()
     plan = load_plan(loaded, options.plan)
@@ -89,7 +94,46 @@ def run_local(
         for server, note in notes.items():
             on_event({"event": "note", "server": server, "message": note})
     rank_notes = {r.rank: notes[r.server] for r in plan.ranks if r.server in notes}
-    return launch_local(loaded.path, plan, options.train_args(), logs, on_event, env, rank_notes)
+    if max_restarts == 0:
+        return launch_local(loaded.path, plan, options.train_args(), logs, on_event, env, rank_notes)
+    from jabascli.engine.layout import checkpoint_path
+
+    def attempt(resume: Path | None) -> LaunchResult:
+        opts = options if resume is None else dataclasses.replace(options, resume=resume)
+        return launch_local(loaded.path, plan, opts.train_args(), logs, on_event, env, rank_notes)
+
+    return restarting(attempt, checkpoint_path(loaded), max_restarts, on_event)
+
+
+def restarting(
+    attempt: Callable[[Path | None], LaunchResult],
+    checkpoint: Path,
+    max_restarts: int,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+) -> LaunchResult:
+    """Call ``attempt(resume)`` until it succeeds, at most ``1 + max_restarts`` times.
+
+    The first attempt resumes from what the options say; each restart from
+    ``checkpoint`` if an attempt of this run wrote it since (its modification time
+    says so), else again from the start. Bad input (:class:`InputError`) is never retried.
+    """
+    started = time.time()
+    resume: Path | None = None
+    for restarts in range(max_restarts + 1):
+        try:
+            return attempt(resume)
+        except InputError:
+            raise
+        except RuntimeFailure as exc:
+            if restarts == max_restarts:
+                raise RuntimeFailure([*exc.lines(), f"gave up after {max_restarts} restarts"]) from None
+            with contextlib.suppress(OSError):
+                if checkpoint.stat().st_mtime >= started:
+                    resume = checkpoint
+            if on_event is not None:
+                reason = exc.lines()[0] if exc.lines() else "failed"
+                on_event({"event": "restart", "restarts": restarts + 1, "reason": reason, "resume": str(resume)})
+    raise AssertionError("unreachable")
 
 
 def launch_local(

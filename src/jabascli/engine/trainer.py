@@ -37,6 +37,7 @@ from jabascli.adaptive.checks import check_batching
 from jabascli.config import LoadedConfig
 from jabascli.engine.buffers import BufferSync, allreduce_sum
 from jabascli.engine.checkpoint import Progress, read_checkpoint, restore_checkpoint, save_checkpoint
+from jabascli.engine.control import StopControl
 from jabascli.engine.data import BatchLoader, batch_len
 from jabascli.engine.distributed import DistEnv, choose_device, init_process_group, wrap_ddp
 from jabascli.engine.events import EventSink
@@ -191,6 +192,9 @@ class Trainer:
         )
         self.gradient_sync.register(self.ddp)
         self.buffers.carried = True  # the statistics and loss ride on the last bucket's all-reduce
+        dtype = next(model.parameters()).dtype  # the loss's: the flag rides in the same all-reduce
+        self.control = StopControl.from_environment(rank, dtype, device, self.emit)  # an outside stop request
+        self.buffers.riders.append(self.control.flag)
         load = BatchLoader(self.train_set, device, self.workload.collate)
         workers = default_loader_workers(cfg.job.loader_workers, device)  # 0: load in this process
         self.feed = MicroBatchFeed(self.train_set, self.workload.collate, device, workers) if workers else None
@@ -249,6 +253,7 @@ class Trainer:
         steps = samples = 0
         epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for iteration in self._iterations(epoch):
+            self.control.before_iteration()
             with self.memory_limit.watch():
                 loss = self.train_step(iteration)
             self.progress.position = iteration.position + self.plan.gbs
@@ -258,6 +263,7 @@ class Trainer:
             log.step(loss)
             self._adapt(metrics)  # may switch to another plan between this iteration and the next
             epoch_end = self.sampler.iterations_left(self.progress.position, self.plan.gbs) == 0
+            self.control.after_iteration(self.progress.step, epoch_end)
             if self._stop():
                 break
             if self._checkpoint_due() and not epoch_end:
@@ -355,8 +361,9 @@ class Trainer:
         if self.vsw_name == "streams" and len(self.vsw.replicas) != self.me.vsw:
             self.vsw = build_vsw_strategy(self.vsw_name, make_replicas(self.model, self.me.vsw), self.ddp)
             self.vsw.after_step()
+        riders = self.buffers.riders  # the stop flag (engine/control.py) rides on under the new plan too
         self.buffers = BufferSync(self.vsw.replicas, plan.workers)
-        self.buffers.carried = True
+        self.buffers.carried, self.buffers.riders = True, riders
         self.gradient_sync.replicas = [list(r) for r in self.vsw.replica_params()]
         self.gradient_sync.riders = self.buffers.take_riders
         self.worker_step.workers, self.worker_step.buffers = plan.workers, self.buffers
@@ -430,7 +437,8 @@ class Trainer:
         return choice.method, f"recommended: {choice.reason}"
 
     def _stop(self) -> bool:
-        return self.options.max_steps is not None and self.progress.step >= self.options.max_steps
+        at_max = self.options.max_steps is not None and self.progress.step >= self.options.max_steps
+        return at_max or self.control.stop
 
     def _checkpoint_due(self) -> bool:
         every = self.options.checkpoint_every

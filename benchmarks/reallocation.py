@@ -1,0 +1,183 @@
+"""Reallocation downtime: how long a move stops training, against writing and reading the checkpoint alone.
+
+For each workload (digits, the tiny ResNet), a real ``jabas schedule`` and two
+real ``jabas worker`` agents run on loopback with two one-device CPU servers,
+A and B. The job starts on A, is moved to A+B and back to A, each time with
+``when = now`` (at the next iteration). The scheduler records each move's
+downtime: from rank 0's last iteration before it to rank 0's first iteration
+after it (both wall clock, reported by the trainers), split into *stop* (last
+iteration -> the scheduler starts the new generation: checkpoint, exit, report)
+and *start* (-> first iteration: new processes, imports, rendezvous, resume).
+
+Then, in this process, the same model's checkpoint (the one the move wrote) is
+written and read back alone (save + read + restore), and::
+
+    ratio = downtime / (checkpoint write + read)
+
+Target (issue #12): ratio <= 3.
+
+Run: ``.venv/bin/python benchmarks/reallocation.py [--workloads digits resnet_tiny]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import tomli_w
+
+from jabascli.config import load_config
+from jabascli.elastic.job import TERMINAL, free_port
+from jabascli.engine.checkpoint import read_checkpoint, restore_checkpoint, save_checkpoint
+from jabascli.engine.layout import checkpoint_path
+from jabascli.workload import load_workload
+
+TOKEN = "benchmark-token-0123456789"
+WARM_S = 12.0
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "digits": {"workload": "digits", "options": {"lr": 0.05}, "lbs": 16},
+    "resnet_tiny": {"workload": "resnet", "options": {"variant": "tiny", "synthetic_size": 512}, "lbs": 16},
+}
+
+
+def write_config(folder: Path, name: str) -> Path:
+    spec = WORKLOADS[name]
+    server = {"device_type": "cpu", "devices": 1, "vsw": 1}
+    config = {
+        "job": {"name": name, "epochs": 1000, **spec},
+        "batching": {"metric": "fixed"},
+        "cluster": {"available_servers": ["A"], "servers": [{"name": "A", **server}, {"name": "B", **server}]},
+        "scheduler": {"port": free_port(), "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 30.0},
+        "storage": {"checkpoint_dir": str(folder / "checkpoints"), "run_dir": str(folder / "runs")},
+    }
+    path = folder / f"{name}.toml"
+    path.write_bytes(tomli_w.dumps(config).encode())
+    return path
+
+
+def status(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/v1/job", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
+
+
+def wait(url: str, until: Any, timeout: float = 300) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            s = status(url)
+            if until(s):
+                return s
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"timed out waiting at {url}")
+
+
+def measure_moves(folder: Path, name: str) -> tuple[list[dict[str, Any]], Path]:
+    config = write_config(folder, name)
+    loaded = load_config(config)
+    url = f"http://127.0.0.1:{loaded.config.scheduler.port}"
+    env = {**os.environ, "JABAS_TOKEN": TOKEN}
+    command = [sys.executable, "-m", "jabascli"]
+    logs = [(folder / f"{p}.log").open("wb") for p in ("scheduler", "worker0", "worker1")]
+    procs = [subprocess.Popen([*command, "schedule", "-c", str(config)], env=env, stdout=logs[0], stderr=logs[0])]
+    for rank in (0, 1):
+        args = [*command, "worker", "-c", str(config), "--rank", str(rank)]
+        procs.append(subprocess.Popen(args, env=env, stdout=logs[rank + 1], stderr=logs[rank + 1]))
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        for target in (["A", "B"], ["A"]):
+            before = len(wait(url, lambda s: s["state"] == "running" and s["loss"] is not None)["moves"])
+            time.sleep(WARM_S)  # as between the (rare) moves of a real job: the agents' spares are warm
+            httpx.post(url + "/v1/job/move", json={"servers": target, "when": "now"}, headers=headers, timeout=10)
+            wait(url, lambda s, n=before: len(s["moves"]) > n and s["moves"][-1]["downtime_s"] is not None)
+        moves = status(url)["moves"]
+        httpx.post(url + "/v1/job/stop", json={"when": "now"}, headers=headers, timeout=10)
+        wait(url, lambda s: s["state"] in TERMINAL)
+    finally:
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for log in logs:
+            log.close()
+    return moves, checkpoint_path(loaded)
+
+
+def checkpoint_alone(name: str, path: Path, repeats: int = 5) -> tuple[float, float]:
+    """Median seconds to write and to read back (read + restore) this workload's checkpoint."""
+    spec = WORKLOADS[name]
+    workload = load_workload(spec["workload"], spec["options"], None)
+    payload = read_checkpoint(path)
+    model = workload.build_model()
+    optimizer = workload.optimizer(model.parameters())
+    scheduler = workload.lr_scheduler(optimizer)
+    restore_checkpoint(payload, path, model=model, optimizer=optimizer, scheduler=scheduler)
+    from jabascli.engine.checkpoint import Progress
+
+    writes, reads = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "checkpoint.pt"
+        for _ in range(repeats):
+            start = time.perf_counter()
+            save_checkpoint(
+                target,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                progress=Progress(**payload["progress"]),
+                workload=workload.name,
+                config=payload["config"],
+                plan=payload["plan"],
+            )
+            writes.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            fresh = workload.build_model()
+            fresh_optimizer = workload.optimizer(fresh.parameters())
+            restore_checkpoint(
+                read_checkpoint(target),
+                target,
+                model=fresh,
+                optimizer=fresh_optimizer,
+                scheduler=workload.lr_scheduler(fresh_optimizer),
+            )
+            reads.append(time.perf_counter() - start)
+    return statistics.median(writes), statistics.median(reads)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--keep", action="store_true", help="Keep the run folders (logs) and print where.")
+    args = parser.parse_args()
+    for name in args.workloads:
+        folder = Path(tempfile.mkdtemp(prefix=f"jabas-realloc-{name}-"))
+        moves, path = measure_moves(folder, name)
+        write_s, read_s = checkpoint_alone(name, path)
+        size_mb = path.stat().st_size / 1e6
+        print(f"{name}: checkpoint {size_mb:.1f} MB, write {write_s * 1e3:.1f} ms, read+restore {read_s * 1e3:.1f} ms")
+        for m in moves:
+            stop = m["launched_at"] - m["last_iteration_at"]
+            start = m["first_iteration_at"] - m["launched_at"]
+            ratio = m["downtime_s"] / (write_s + read_s)
+            print(
+                f"  move {','.join(m['from_servers'])} -> {','.join(m['to_servers'])}: "
+                f"downtime {m['downtime_s']:.2f} s (stop {stop:.2f} s, start {start:.2f} s), ratio={ratio:.1f}"
+            )
+        if args.keep:
+            print(f"  logs in {folder}")
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,437 @@
+"""The worker agent (``jabas worker``): one per node, it runs the trainers the scheduler asks for.
+
+Loop: read the trainers' progress events (a pipe, as ``jabas run`` does), reap
+exited trainers, and every ``heartbeat_interval_s`` (at once when a trainer
+exited) send a :class:`Heartbeat`; its reply's commands are applied:
+
+* ``start``: write the plan file, then one ``jabas train`` per rank, as an
+  argument list (never a shell), with the torch.distributed environment
+  (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
+  in a session of its own, killed by the kernel if this agent dies
+  (``PR_SET_PDEATHSIG``), and without the token in its environment. A warm
+  spare (:mod:`jabascli.elastic.spare`, one per device, started a few seconds
+  after each generation) becomes the trainer when there is one, so a move does
+  not wait for a new interpreter to import torch;
+* ``stop`` ``epoch``/``now``: write the request into rank 0's control file
+  (:mod:`jabascli.engine.control`): the trainers checkpoint and exit 0;
+* ``stop`` ``kill``: SIGTERM the process groups this agent started (never
+  anything found by name), SIGKILL after :data:`GRACE_S`.
+
+Every exit is reported with its code and the tail of the trainer's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from jabascli.atomic import atomic_write_json, atomic_write_text
+from jabascli.config import LoadedConfig
+from jabascli.devices import detect_devices
+from jabascli.elastic.client import Rejected, SchedulerClient, Unreachable
+from jabascli.elastic.protocol import (
+    Commands,
+    DeviceInfo,
+    Heartbeat,
+    Registration,
+    RunningTrainer,
+    StartCommand,
+    StopCommand,
+    TrainerEvent,
+    TrainerExit,
+)
+from jabascli.elastic.token import TOKEN_ENV
+from jabascli.engine.control import CONTROL_FILE_ENV
+from jabascli.engine.events import EVENT_FD_ENV
+from jabascli.engine.layout import checkpoint_path, run_folder
+from jabascli.errors import InputError, RuntimeFailure
+
+GRACE_S = 5.0
+EXITING_S = 0.5
+"""How long to wait for a trainer that closed its event pipe to exit."""
+SPARE_DELAY_S = 5.0
+"""Spares are started this long after a generation, not to slow its own start."""
+LOG_TAIL = 4000
+BACKOFF_S = (0.2, 5.0)
+"""First and largest wait between attempts to reach the scheduler."""
+
+
+def check_writable(folder: Path) -> None:
+    """InputError unless a file can be created in ``folder`` (made if missing)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".jabas-probe-"):
+            pass
+    except OSError as exc:
+        raise InputError.at(folder, None, f"checkpoint folder is not writable: {exc.strerror or exc}") from None
+
+
+@dataclass
+class Process:
+    """A child this agent started (a spare, then a trainer) and the read end of its event pipe."""
+
+    proc: subprocess.Popen[bytes]
+    read_fd: int
+    child_fd: int
+    """The pipe's write end, as numbered in the child (``JABAS_EVENT_FD``)."""
+
+
+@dataclass
+class Trainer:
+    generation: int
+    rank: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    read_fd: int
+    buffer: bytes = b""
+    kill_at: float | None = None
+    reported: bool = False
+
+
+@dataclass
+class Run:
+    """The trainers of one generation on this node."""
+
+    generation: int
+    trainers: list[Trainer]
+    control: Path | None
+
+
+class WorkerAgent:
+    def __init__(
+        self,
+        loaded: LoadedConfig,
+        rank: int,
+        client: SchedulerClient,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.loaded, self.rank, self.client, self.clock = loaded, rank, client, clock
+        cfg = loaded.config.scheduler
+        self.interval, self.connect_timeout = cfg.heartbeat_interval_s, cfg.connect_timeout_s
+        self.folder = run_folder(loaded) / "elastic" / f"worker{rank}"
+        self.runs: list[Run] = []
+        self.pending_events: list[TrainerEvent] = []
+        self.pending_exits: list[TrainerExit] = []
+        self.spares: list[Process] = []
+        self.cpu = False
+        """Trainers here compute on the CPU: spares also warm the data and the CPU kernels."""
+        self.last_start = -SPARE_DELAY_S
+        self.devices = loaded.config.cluster.servers[rank].devices if rank < len(loaded.config.cluster.servers) else 0
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Register, then follow the scheduler until it says the job is over."""
+        servers = self.loaded.config.cluster.servers
+        if not 0 <= self.rank < len(servers):
+            raise InputError.at(
+                self.loaded.path, "cluster.servers", f"--rank {self.rank}: the config has {len(servers)} servers"
+            )
+        check_writable(checkpoint_path(self.loaded).parent)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._retrying(self._register)
+        last_ok = self.clock()
+        next_beat = 0.0
+        try:
+            while True:
+                self._read_events(max(0.0, min(next_beat - self.clock(), self.interval)))
+                exited = self._reap()
+                self._keep_spares()
+                if self.clock() < next_beat and not exited:
+                    continue
+                try:
+                    reply = self.client.heartbeat(self.rank, self._beat())
+                except Unreachable:
+                    if self.clock() - last_ok > self.connect_timeout:
+                        raise RuntimeFailure.at(
+                            None, None, f"scheduler {self.client.address} unreachable for {self.connect_timeout:g} s"
+                        ) from None
+                    next_beat = self.clock() + self.interval
+                    continue
+                except Rejected as exc:
+                    if exc.status != 409:
+                        raise
+                    # Declared lost (we were silent too long): our ranks were restarted elsewhere.
+                    self._kill_all()
+                    self.runs, self.pending_events, self.pending_exits = [], [], []
+                    self._retrying(self._register)
+                    continue
+                last_ok = self.clock()
+                self.pending_events, self.pending_exits = [], []
+                next_beat = last_ok + self.interval
+                self._apply(reply)
+                if reply.shutdown:
+                    return
+        finally:
+            self._kill_all()
+
+    def _register(self) -> None:
+        found = detect_devices()
+        devices = DeviceInfo(
+            backend=found.backend, device_type=found.device_type, count=found.count, memory_bytes=found.memory_bytes
+        )
+        registered = self.client.register(
+            Registration(rank=self.rank, host=socket.gethostname() or "?", devices=devices, pid=os.getpid())
+        )
+        self.server = registered.server
+        self.cpu = found.backend == "cpu"
+        self.interval = registered.heartbeat_interval_s
+
+    def _retrying(self, call: Callable[[], None]) -> None:
+        """Retry an unreachable scheduler with exponential backoff, for ``connect_timeout_s``."""
+        deadline = self.clock() + self.connect_timeout
+        wait = BACKOFF_S[0]
+        while True:
+            try:
+                return call()
+            except Unreachable:
+                if self.clock() + wait > deadline:
+                    raise RuntimeFailure.at(
+                        None, None, f"scheduler {self.client.address} unreachable for {self.connect_timeout:g} s"
+                    ) from None
+                time.sleep(wait)
+                wait = min(wait * 2, BACKOFF_S[1])
+
+    def _beat(self) -> Heartbeat:
+        running = [
+            RunningTrainer(generation=t.generation, rank=t.rank, pid=t.proc.pid)
+            for r in self.runs
+            for t in r.trainers
+            if t.proc.poll() is None
+        ]
+        return Heartbeat(running=running, events=list(self.pending_events), exits=list(self.pending_exits))
+
+    # -- commands ----------------------------------------------------------------------------------
+
+    def _apply(self, reply: Commands) -> None:
+        for command in reply.commands:
+            if isinstance(command, StartCommand):
+                self._start(command)
+            elif isinstance(command, StopCommand):
+                self._stop(command)
+
+    def _start(self, command: StartCommand) -> None:
+        gen = command.generation
+        self.last_start = self.clock()
+        plan_file = self.folder / f"plan-g{gen}.json"
+        atomic_write_json(plan_file, command.plan, indent=2)
+        control = self.folder / f"control-g{gen}" if 0 in command.ranks else None
+        logs = run_folder(self.loaded) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        argv = ["train", "-c", str(self.loaded.path), "--plan", str(plan_file)]
+        if command.resume:
+            argv += ["--resume", str(checkpoint_path(self.loaded))]
+        if command.checkpoint_every is not None:
+            argv += ["--checkpoint-every", str(command.checkpoint_every)]
+        threads = max(1, (os.cpu_count() or 1) // len(command.ranks))
+        trainers: list[Trainer] = []
+        try:
+            for local, rank in enumerate(command.ranks):
+                env = {
+                    **_environment(),
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(command.world_size),
+                    "LOCAL_RANK": str(local),
+                    "LOCAL_WORLD_SIZE": str(len(command.ranks)),
+                    "MASTER_ADDR": command.master_addr,
+                    "MASTER_PORT": str(command.master_port),
+                }
+                env.setdefault("OMP_NUM_THREADS", str(threads))
+                if rank == 0 and control is not None:
+                    env[CONTROL_FILE_ENV] = str(control)
+                log = logs / f"g{gen}-rank{rank}.log"
+                child = self._take_spare(argv, env, log) or self._spawn(
+                    [sys.executable, "-m", "jabascli", *argv], env, log
+                )
+                trainers.append(Trainer(gen, rank, child.proc, log, child.read_fd))
+        except OSError as exc:
+            for t in trainers:
+                _signal_group(t.proc, signal.SIGKILL)
+            raise RuntimeFailure.at(None, None, f"cannot start a trainer: {exc}") from None
+        self.runs.append(Run(gen, trainers, control))
+
+    def _spawn(self, args: list[str], env: dict[str, str], log: Path | None) -> Process:
+        """A child in its own session, killed with this agent, with an event pipe; never through a shell."""
+        read_fd, write_fd = os.pipe()
+        env = {**env, EVENT_FD_ENV: str(write_fd)}
+        try:
+            with contextlib.ExitStack() as stack:
+                out = stack.enter_context(log.open("wb")) if log is not None else subprocess.DEVNULL
+                proc = subprocess.Popen(
+                    args,
+                    env=env,
+                    stdin=subprocess.DEVNULL if log is not None else subprocess.PIPE,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
+                    pass_fds=(write_fd,),
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)  # the child holds it: EOF once it is gone
+        return Process(proc, read_fd, write_fd)
+
+    def _keep_spares(self) -> None:
+        """Keep one warm spare per device of this node (:mod:`jabascli.elastic.spare`)."""
+        self.spares = [p for p in self.spares if p.proc.poll() is None or _close(p)]
+        if self.clock() - self.last_start < SPARE_DELAY_S:
+            return
+        while len(self.spares) < self.devices:
+            args = [sys.executable, "-m", "jabascli.elastic.spare", str(self.loaded.path)]
+            if self.cpu or self.loaded.config.cluster.servers[self.rank].emulate is not None:
+                args.append("cpu")
+            self.spares.append(self._spawn(args, _environment(), None))
+
+    def _take_spare(self, argv: list[str], env: dict[str, str], log: Path) -> Process | None:
+        while self.spares:
+            spare = self.spares.pop(0)
+            if spare.proc.poll() is not None or spare.proc.stdin is None:
+                _close(spare)
+                continue
+            order = {"argv": argv, "env": {**env, EVENT_FD_ENV: str(spare.child_fd)}, "log": str(log)}
+            try:
+                spare.proc.stdin.write((json.dumps(order) + "\n").encode())
+                spare.proc.stdin.close()
+            except OSError:
+                _signal_group(spare.proc, signal.SIGKILL)
+                _close(spare)
+                continue
+            return spare
+        return None
+
+    def _stop(self, command: StopCommand) -> None:
+        for run in self.runs:
+            if run.generation != command.generation:
+                continue
+            if command.when == "kill":
+                deadline = self.clock() + GRACE_S
+                for t in run.trainers:
+                    if t.proc.poll() is None:
+                        _signal_group(t.proc, signal.SIGTERM)
+                        t.kill_at = deadline
+            elif run.control is not None:
+                atomic_write_text(run.control, command.when)
+
+    # -- trainers ----------------------------------------------------------------------------------
+
+    def _read_events(self, timeout: float) -> None:
+        trainers = {t.read_fd: (run, t) for run in self.runs for t in run.trainers if t.read_fd >= 0}
+        if not trainers:
+            time.sleep(timeout)
+            return
+        ready, _, _ = select.select(list(trainers), [], [], timeout)
+        for fd in ready:
+            run, t = trainers[fd]
+            chunk = os.read(fd, 65536)
+            if not chunk:  # the trainer closed its end: it is exiting; report it at once
+                os.close(fd)
+                t.read_fd = -1
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    t.proc.wait(EXITING_S)
+                continue
+            t.buffer += chunk
+            *lines, t.buffer = t.buffer.split(b"\n")
+            for line in lines:
+                with contextlib.suppress(ValueError):
+                    event = json.loads(line)
+                    if isinstance(event, dict):
+                        self.pending_events.append(TrainerEvent(generation=run.generation, event=event))
+
+    def _reap(self) -> bool:
+        """Report trainers that exited; SIGKILL those past their grace period. True if any exited."""
+        exited = False
+        now = self.clock()
+        for run in self.runs:
+            for t in run.trainers:
+                code = t.proc.poll()
+                if code is None:
+                    if t.kill_at is not None and now >= t.kill_at:
+                        _signal_group(t.proc, signal.SIGKILL)
+                    continue
+                if not t.reported:
+                    t.reported = exited = True
+                    self.pending_exits.append(
+                        TrainerExit(generation=t.generation, rank=t.rank, code=code, log_tail=_tail(t.log))
+                    )
+        if exited:
+            self._read_events(0)  # a failing trainer's error event precedes its exit
+        self.runs = [r for r in self.runs if not all(t.reported and t.read_fd < 0 for t in r.trainers)]
+        return exited
+
+    def _kill_all(self) -> None:
+        live = [t.proc for r in self.runs for t in r.trainers if t.proc.poll() is None]
+        live += [s.proc for s in self.spares if s.proc.poll() is None]
+        for proc in live:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for proc in live:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        for r in self.runs:
+            for t in r.trainers:
+                if t.read_fd >= 0:
+                    os.close(t.read_fd)
+                    t.read_fd = -1
+        for spare in self.spares:
+            _close(spare)
+        self.spares = []
+
+
+def _environment() -> dict[str, str]:
+    """This agent's environment without the token: trainers never need the secret."""
+    return {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+
+
+def _close(process: Process) -> bool:
+    if process.read_fd >= 0:
+        os.close(process.read_fd)
+        process.read_fd = -1
+    with contextlib.suppress(OSError):
+        if process.proc.stdin is not None:
+            process.proc.stdin.close()
+    return False
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Signal the process group of a trainer this agent started (its own session: pgid == pid).
+
+    Only while it has not been reaped, so the id cannot belong to another process yet.
+    """
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the kernel SIGKILLs the trainer when its agent dies, so none outlives it."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _tail(path: Path) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(path.stat().st_size - LOG_TAIL, 0))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""

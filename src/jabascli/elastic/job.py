@@ -1,0 +1,481 @@
+"""The scheduler's state: workers, the job, and the decisions that start, move and restart it.
+
+A job runs as a sequence of *generations*: one set of trainer ranks, on one
+allocation (a list of servers), with one plan, started from the job's latest
+checkpoint (or from scratch). A generation ends when all its ranks have exited;
+what follows depends on why::
+
+    waiting --(all servers of the allocation registered)--> running
+    running --move(servers, when)--> moving --(all ranks exit 0)--> running   (new generation)
+    running/moving --(a rank exits != 0, or its worker misses heartbeats)--> restarting
+    restarting --(every rank gone)--> running on the live servers, from the checkpoint
+                                      (failed after max_restarts)
+    running --(rank 0 done, every rank exit 0)--> succeeded
+    any --stop(when)--> stopping --(every rank gone)--> stopped
+
+Every method is called under :attr:`Scheduler.lock` (the HTTP handlers and the
+heartbeat watchdog run on different threads); time comes from ``clock`` so that
+the logic can be tested without waiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jabascli.config import LoadedConfig
+from jabascli.elastic.protocol import (
+    Command,
+    Commands,
+    EpochRecord,
+    Heartbeat,
+    JobState,
+    JobStatus,
+    MoveRecord,
+    Registered,
+    Registration,
+    RunningTrainer,
+    StartCommand,
+    StopCommand,
+    When,
+    WorkerStatus,
+)
+from jabascli.engine.layout import checkpoint_path
+from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_config, plan_from_solver
+from jabascli.errors import InputError, Problem
+
+TERMINAL: tuple[JobState, ...] = ("succeeded", "failed", "stopped")
+
+
+Planner = Callable[[JobStatus], "tuple[list[str], When] | None"]
+"""Called at every epoch end with the job's status (``epoch_history`` holds every epoch's GBS, servers and
+throughput); returns the allocation to move to and when, or None to stay. An auto-scaling planner plugs in here."""
+
+
+class Conflict(Exception):
+    """A request that contradicts the scheduler's state (HTTP 409)."""
+
+
+@dataclass
+class Worker:
+    rank: int
+    server: str
+    host: str
+    last_seen: float
+    alive: bool = True
+    commands: list[Command] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    number: int
+    servers: list[str]
+    plan: TrainingPlan
+    ranks_on: dict[str, list[int]]
+    """Server name -> the global ranks it runs."""
+    exits: dict[int, int] = field(default_factory=dict)
+    """Rank -> exit code (None never: a lost worker's ranks count as killed, -9)."""
+    done: dict[str, Any] | None = None
+    """Rank 0's ``done`` event."""
+    stop_sent: str | None = None
+    running: dict[int, RunningTrainer] = field(default_factory=dict)
+    last_iteration: tuple[int | None, float | None] = (None, None)
+    """Rank 0's ``stopping`` event: the step and wall time of its last iteration."""
+
+    @property
+    def all_exited(self) -> bool:
+        return len(self.exits) == self.plan.world_size
+
+
+def plan_for(loaded: LoadedConfig, servers: list[str], gbs: int | None = None) -> tuple[TrainingPlan, str]:
+    """The plan on ``servers``, and where it came from.
+
+    With ``gbs`` (the job's current GBS) and the job's profiles, the solver's fastest
+    plan for these servers at that GBS, so that a move keeps the GBS; otherwise (no
+    profiles, or no plan reaches that GBS there) each server's devices with its
+    configured VSW and GA at ``[job] lbs``, whose GBS follows the allocation.
+    """
+    why = "no GBS to keep"
+    if gbs is not None:
+        try:
+            from jabascli.solver import solver_from_config  # numpy; reads the profiles
+
+            solved = solver_from_config(loaded, ",".join(servers)).solve(gbs)
+            return plan_from_solver(solved, "solver", loaded), f"solver plan at GBS {gbs}"
+        except InputError as exc:
+            why = exc.lines()[0] if exc.lines() else "no solver plan"
+    config = loaded.config.model_copy(deep=True)
+    config.cluster.available_servers = list(servers)
+    return plan_from_config(dataclasses.replace(loaded, config=config)), f"configured VSW/GA ({why})"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Scheduler:
+    """Tracks the workers and the job; every public method is one step of the state machine."""
+
+    def __init__(
+        self,
+        loaded: LoadedConfig,
+        clock: Callable[[], float] = time.monotonic,
+        planner: Planner | None = None,
+        resume: bool = False,
+    ) -> None:
+        """``resume``: start from the job's existing checkpoint (after the scheduler itself was lost)."""
+        self.loaded, self.clock, self.planner = loaded, clock, planner
+        cfg = loaded.config
+        self.servers = [s.name for s in cfg.cluster.servers]
+        self.lock = threading.RLock()
+        self.workers: dict[int, Worker] = {}
+        self.state: JobState = "waiting"
+        self.allocation = [s.name for s in cfg.available()]
+        self.pending: list[str] | None = None
+        self.pending_when: When = "epoch"
+        self.generation: Generation | None = None
+        self.generations = 0
+        self.restarts = 0
+        self.max_restarts = cfg.scheduler.max_restarts
+        self.checkpoint: Path | None = checkpoint_path(loaded) if resume else None
+        """The job's checkpoint, once a trainer of this scheduler reported writing it (or, resuming, at once)."""
+        self.epoch, self.step = 0, 0
+        self.loss: float | None = None
+        self.initial_loss: float | None = None
+        self.checkpoint_step: int | None = None
+        self.gbs: int | None = None
+        self.message = ""
+        self.moves: list[MoveRecord] = []
+        self.epoch_history: list[EpochRecord] = []
+        self.stopping: When | None = None
+        self.master_addr: str | None = None
+        """Where trainers rendezvous; None: the host of the allocation's first server."""
+        self.finished_at: float | None = None
+
+    # -- workers -----------------------------------------------------------------------------------
+
+    def register(self, reg: Registration) -> Registered:
+        if reg.rank >= len(self.servers):
+            raise InputError.at(
+                None, "rank", f"rank {reg.rank} has no server: [[cluster.servers]] has {len(self.servers)} entries"
+            )
+        known = self.workers.get(reg.rank)
+        if known is not None and known.alive:
+            raise Conflict(f"worker rank {reg.rank} ({known.server}) is already registered from {known.host}")
+        server = self.servers[reg.rank]
+        self.workers[reg.rank] = Worker(reg.rank, server, reg.host, self.clock())
+        self.message = f"worker {reg.rank} ({server}) registered from {reg.host}"
+        self._advance()
+        return Registered(server=server, heartbeat_interval_s=self.loaded.config.scheduler.heartbeat_interval_s)
+
+    def heartbeat(self, rank: int, beat: Heartbeat) -> Commands:
+        worker = self.workers.get(rank)
+        if worker is None or not worker.alive:
+            raise Conflict(f"worker rank {rank} is not registered (or was declared lost): register again")
+        worker.last_seen = self.clock()
+        gen = self.generation
+        if gen is not None:
+            for t in beat.running:
+                if t.generation == gen.number and t.rank in gen.ranks_on.get(worker.server, []):
+                    gen.running[t.rank] = t
+        for item in beat.events:
+            if gen is not None and item.generation == gen.number:
+                self._on_event(gen, item.event)
+        for ex in beat.exits:
+            if gen is not None and ex.generation == gen.number and ex.rank not in gen.exits:
+                gen.exits[ex.rank] = ex.code
+                gen.running.pop(ex.rank, None)
+                if ex.code != 0:
+                    tail = ex.log_tail.strip().splitlines()
+                    self._fail(f"trainer rank {ex.rank} on {worker.server} exited with code {ex.code}", tail)
+        self._advance()
+        commands, worker.commands = worker.commands, []
+        return Commands(commands=commands, shutdown=self.state in TERMINAL)
+
+    def check_heartbeats(self) -> None:
+        """Declare lost every worker silent for ``heartbeat_timeout_s``; their ranks count as killed."""
+        timeout = self.loaded.config.scheduler.heartbeat_timeout_s
+        now = self.clock()
+        for worker in self.workers.values():
+            if worker.alive and now - worker.last_seen > timeout:
+                worker.alive = False
+                gen = self.generation
+                lost = gen.ranks_on.get(worker.server, []) if gen is not None else []
+                if gen is not None and any(r not in gen.exits for r in lost):
+                    for r in lost:
+                        gen.exits.setdefault(r, -9)
+                    self._fail(f"worker {worker.rank} ({worker.server}) missed heartbeats for {timeout:g} s", [])
+        self._advance()
+
+    # -- steering: the entry points of `jabas job` and of an auto-scaling planner --------------------
+
+    def move(self, servers: list[str], when: When = "epoch") -> JobStatus:
+        """Move the job to ``servers`` at the next epoch end (or iteration boundary, ``now``).
+
+        Unknown servers are an InputError naming them; the running job is not touched then.
+        """
+        unknown = [s for s in servers if s not in self.servers]
+        if unknown:
+            known = ", ".join(self.servers)
+            raise InputError([Problem(None, "servers", f"unknown server {s!r} (known: {known})") for s in unknown])
+        if len(set(servers)) != len(servers):
+            raise InputError.at(None, "servers", "a server is named twice")
+        if self.state in TERMINAL or self.stopping is not None:
+            raise Conflict(f"the job is {self.state}")
+        plan_for(self.loaded, servers)  # a server that cannot run it fails here, before anything changes
+        self.pending, self.pending_when = list(servers), when
+        self.message = f"moving to {', '.join(servers)} at the next {'epoch end' if when == 'epoch' else 'iteration'}"
+        gen = self.generation
+        if self.state == "running" and gen is not None:
+            if servers == gen.servers:
+                self.pending = None
+                self.message = "already there"
+            else:
+                self.state = "moving"
+                self._send_stop(gen, when)
+        elif self.state == "moving" and gen is not None and when == "now" and gen.stop_sent == "epoch":
+            self._send_stop(gen, when)
+        elif self.state == "waiting":
+            self.allocation, self.pending = list(servers), None
+        self._advance()
+        return self.status()
+
+    def stop(self, when: When = "now") -> JobStatus:
+        """Stop the job (its trainers checkpoint first); the scheduler then ends."""
+        if self.state in TERMINAL:
+            return self.status()
+        self.stopping = when
+        gen = self.generation
+        if gen is None or gen.all_exited:
+            self.state = "stopped"
+            self._finish()
+        else:
+            self.state = "stopping"
+            self._send_stop(gen, when)
+        self.message = "stop requested"
+        return self.status()
+
+    # -- what happens ------------------------------------------------------------------------------
+
+    def _on_event(self, gen: Generation, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        record = self.moves[-1] if self.moves and self.moves[-1].generation == gen.number else None
+        if kind == "start":
+            self.gbs = _int(event.get("gbs"))
+            self.epoch, self.step = _int(event.get("epoch")) or 0, _int(event.get("step")) or 0
+            if record is not None:
+                record.resumed_step = self.step
+        elif kind == "step":
+            self.step = _int(event.get("step")) or self.step
+            self.loss = _float(event.get("loss"))
+            if self.initial_loss is None:
+                self.initial_loss = self.loss
+            if record is not None and record.loss_after is None:
+                record.loss_after = self.loss
+        elif kind == "epoch":
+            self.epoch = (_int(event.get("epoch")) or 0) + 1
+            self.epoch_history.append(
+                EpochRecord(
+                    epoch=_int(event.get("epoch")) or 0,
+                    step=_int(event.get("step")) or 0,
+                    gbs=self.gbs,
+                    servers=list(gen.servers),
+                    train_loss=_float(event.get("train_loss")),
+                    val_loss=_float(event.get("val_loss")),
+                    samples_per_s=_float(event.get("samples_per_s")) or 0.0,
+                    time_s=_float(event.get("time_s")) or 0.0,
+                )
+            )
+            self._consult_planner()
+        elif kind == "checkpoint":
+            self.checkpoint = checkpoint_path(self.loaded)
+            self.checkpoint_step = _int(event.get("step"))
+        elif kind == "done":
+            gen.done = event
+            self.step = _int(event.get("step")) or self.step
+            self.checkpoint = checkpoint_path(self.loaded)  # written on every exit
+            self.checkpoint_step = self.step
+        elif kind == "stopping":
+            gen.last_iteration = (_int(event.get("step")), _float(event.get("time")))
+        elif kind == "first_step" and record is not None:
+            record.first_iteration_at = _float(event.get("time"))
+            if record.first_iteration_at is not None and record.last_iteration_at is not None:
+                record.downtime_s = record.first_iteration_at - record.last_iteration_at
+
+    def _consult_planner(self) -> None:
+        if self.planner is None or self.state != "running" or self.epoch >= self.loaded.config.job.epochs:
+            return
+        decision = self.planner(self.status())
+        if decision is not None and decision[0] != self.allocation:
+            try:
+                self.move(*decision)
+            except (InputError, Conflict) as exc:
+                self.message = f"the planner's move was refused: {exc}"
+
+    def _fail(self, why: str, tail: list[str]) -> None:
+        if self.state in TERMINAL:
+            return
+        detail = f": {tail[-1]}" if tail else ""
+        self.message = why + detail
+        if self.state == "restarting":
+            return  # already going down
+        gen = self.generation
+        if gen is not None:
+            self._send_stop(gen, "kill")  # the others would wait for the lost rank in their next collective
+        if self.state != "stopping":
+            self.state = "restarting"
+
+    def _advance(self) -> None:
+        """Take every step the current state allows."""
+        gen = self.generation
+        if self.state == "waiting":
+            if self._ready(self.allocation):
+                self._launch(self.allocation, reason=None)
+        elif self.state == "running" and gen is not None and gen.all_exited:
+            if gen.done is not None and not gen.done.get("stopped") and all(c == 0 for c in gen.exits.values()):
+                self.state = "succeeded"
+                self.message = f"finished {self.epoch} epochs at step {self.step}"
+                self._finish()
+            else:
+                self._fail("the trainers exited before the job was done", [])
+                self._advance()
+        elif self.state == "moving" and gen is not None and gen.all_exited:
+            if gen.done is not None and not gen.done.get("stopped"):
+                self.state = "succeeded"  # the last epoch ended before the move could happen
+                self.message = f"finished {self.epoch} epochs at step {self.step}"
+                self._finish()
+            elif self.pending is not None and self._ready(self.pending):
+                self._launch(self.pending, reason="move")
+        elif self.state == "restarting" and gen is not None and gen.all_exited:
+            if self.restarts >= self.max_restarts:
+                self.state = "failed"
+                self.message = f"gave up after {self.restarts} restarts: {self.message}"
+                self._finish()
+                return
+            wanted = self.pending or gen.servers
+            live = [s for s in wanted if self._alive(s)] or [s for s in self.servers if self._alive(s)]
+            if live:
+                self.restarts += 1
+                self._launch(live, reason="restart")
+        elif self.state == "stopping" and (gen is None or gen.all_exited):
+            self.state = "stopped"
+            self.message = f"stopped at step {self.step}; checkpoint {self.checkpoint}"
+            self._finish()
+
+    def _ready(self, servers: list[str]) -> bool:
+        return all(self._alive(s) for s in servers)
+
+    def _alive(self, server: str) -> bool:
+        return any(w.alive and w.server == server for w in self.workers.values())
+
+    def _worker_of(self, server: str) -> Worker | None:
+        return next((w for w in self.workers.values() if w.alive and w.server == server), None)
+
+    def _launch(self, servers: list[str], reason: str | None) -> None:
+        previous = self.generation
+        if previous is None and self.loaded.config.job.plan is not None and servers == self.allocation:
+            plan, source = load_plan(self.loaded), "the [job] plan file"
+        else:
+            plan, source = plan_for(self.loaded, servers, self.gbs if previous is not None else None)
+        ranks_on: dict[str, list[int]] = {}
+        for r in plan.ranks:
+            ranks_on.setdefault(r.server, []).append(r.rank)
+        self.generations += 1
+        gen = Generation(self.generations, list(servers), plan, ranks_on)
+        first = self.loaded.config.server(servers[0])
+        port = free_port()
+        resume = self.checkpoint is not None and self.checkpoint.is_file()
+        every = self.loaded.config.scheduler.checkpoint_every
+        for server, ranks in ranks_on.items():
+            worker = self._worker_of(server)
+            assert worker is not None
+            worker.commands.append(
+                StartCommand(
+                    generation=gen.number,
+                    ranks=ranks,
+                    world_size=plan.world_size,
+                    master_addr=self.master_addr or first.host,
+                    master_port=port,
+                    plan=plan.to_dict(),
+                    resume=resume,
+                    checkpoint_every=every,
+                )
+            )
+        if reason is not None and previous is not None:
+            last = previous.last_iteration if reason == "move" else (self.step, None)
+            self.moves.append(
+                MoveRecord(
+                    generation=gen.number,
+                    from_servers=previous.servers,
+                    to_servers=list(servers),
+                    when=self.pending_when,
+                    reason="move" if reason == "move" else "restart",
+                    stopped_step=last[0],
+                    last_iteration_at=last[1],
+                    launched_at=time.time(),
+                    loss_before=self.loss,
+                )
+            )
+        self.generation, self.allocation, self.pending = gen, list(servers), None
+        self.state = "running"
+        self.gbs = plan.gbs
+        self.message = f"generation {gen.number} on {', '.join(servers)}: {plan.describe()}, {source}"
+
+    def _send_stop(self, gen: Generation, when: str) -> None:
+        gen.stop_sent = when
+        for server in gen.ranks_on:
+            worker = self._worker_of(server)
+            if worker is not None:
+                worker.commands.append(StopCommand(generation=gen.number, when=when))  # type: ignore[arg-type]
+
+    def _finish(self) -> None:
+        self.finished_at = self.clock()
+
+    # -- reporting ---------------------------------------------------------------------------------
+
+    def status(self) -> JobStatus:
+        now = self.clock()
+        gen = self.generation
+        cfg = self.loaded.config
+        workers = [
+            WorkerStatus(rank=w.rank, server=w.server, host=w.host, alive=w.alive, seen_s_ago=now - w.last_seen)
+            for w in sorted(self.workers.values(), key=lambda w: w.rank)
+        ]
+        return JobStatus(
+            job=cfg.job.name,
+            state=self.state,
+            allocation=list(self.allocation),
+            generation=gen.number if gen else 0,
+            plan=gen.plan.describe() if gen else None,
+            gbs=self.gbs,
+            epoch=self.epoch,
+            epochs=cfg.job.epochs,
+            step=self.step,
+            loss=self.loss,
+            restarts=self.restarts,
+            max_restarts=self.max_restarts,
+            checkpoint=str(self.checkpoint) if self.checkpoint else None,
+            checkpoint_step=self.checkpoint_step,
+            initial_loss=self.initial_loss,
+            message=self.message,
+            trainers=sorted(gen.running.values(), key=lambda t: t.rank) if gen else [],
+            workers=workers,
+            moves=[m.model_copy() for m in self.moves],
+            epoch_history=[e.model_copy() for e in self.epoch_history],
+        )
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

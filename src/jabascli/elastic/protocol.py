@@ -1,0 +1,199 @@
+"""The messages between ``jabas schedule``, its ``jabas worker`` agents and ``jabas job``: JSON over HTTP.
+
+Workers pull: a worker registers once, then every heartbeat carries what
+happened on its node (trainer events and exits) and its reply carries the
+commands for the node (start these ranks, stop them). So only the scheduler
+listens on the network, and nothing received is ever executed as code: a
+command is a fixed set of typed fields that the worker turns into an argument
+list for ``jabas train``.
+
+===========================  ==========================================================
+``GET  /healthz``            open; ``{"ok": true}``
+``POST /v1/workers``         :class:`Registration` -> :class:`Registered` (409: rank taken)
+``POST /v1/workers/{rank}/heartbeat``  :class:`Heartbeat` -> :class:`Commands`
+``GET  /v1/job``             :class:`JobStatus`
+``POST /v1/job/move``        :class:`MoveRequest` -> :class:`JobStatus` (422: unknown server)
+``POST /v1/job/stop``        :class:`StopRequest` -> :class:`JobStatus`
+``GET  /openapi.json``       the schema
+===========================  ==========================================================
+
+Every route but ``/healthz`` needs ``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
+
+When = Literal["epoch", "now"]
+"""When a job moves or stops: at the next epoch end, or at the next iteration boundary."""
+JobState = Literal["waiting", "running", "moving", "restarting", "stopping", "succeeded", "failed", "stopped"]
+
+Name = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DeviceInfo(Message):
+    """What :func:`jabascli.devices.detect_devices` found on a node."""
+
+    backend: Literal["cuda", "cpu"]
+    device_type: Name
+    count: NonNegativeInt
+    memory_bytes: NonNegativeInt
+
+
+class Registration(Message):
+    rank: NonNegativeInt = Field(le=10_000)
+    """The worker's rank: the index of its server in ``[[cluster.servers]]``."""
+    host: Name
+    devices: DeviceInfo
+    pid: NonNegativeInt = 0
+
+
+class Registered(Message):
+    server: str
+    """The name of the server this worker stands for."""
+    heartbeat_interval_s: float
+
+
+class TrainerExit(Message):
+    generation: NonNegativeInt
+    rank: NonNegativeInt
+    code: int
+    """The exit status; negative: killed by that signal."""
+    log_tail: str = Field("", max_length=20_000)
+
+
+class TrainerEvent(Message):
+    """One progress event of a trainer (see :mod:`jabascli.engine.events`)."""
+
+    generation: NonNegativeInt
+    event: dict[str, Any]
+
+
+class RunningTrainer(Message):
+    generation: NonNegativeInt
+    rank: NonNegativeInt
+    pid: NonNegativeInt
+
+
+class Heartbeat(Message):
+    running: list[RunningTrainer] = Field(default_factory=list, max_length=10_000)
+    """The trainers still running on this node."""
+    events: list[TrainerEvent] = Field(default_factory=list, max_length=10_000)
+    exits: list[TrainerExit] = Field(default_factory=list, max_length=10_000)
+
+
+class StartCommand(Message):
+    """Start these ranks of a new generation of trainers."""
+
+    kind: Literal["start"] = "start"
+    generation: NonNegativeInt
+    ranks: list[NonNegativeInt]
+    world_size: PositiveInt
+    master_addr: Name
+    master_port: int = Field(ge=1, le=65535)
+    plan: dict[str, Any]
+    """The plan in the plan-file form (``jabas solve --out``); the trainer checks it."""
+    resume: bool
+    """Resume from the job's checkpoint (``[storage] checkpoint_dir``)."""
+    checkpoint_every: PositiveInt | None = None
+
+
+class StopCommand(Message):
+    """Stop a generation: ``epoch``/``now`` through the trainers' stop hook (they checkpoint), ``kill``
+    by signal."""
+
+    kind: Literal["stop"] = "stop"
+    generation: NonNegativeInt
+    when: Literal["epoch", "now", "kill"]
+
+
+Command = Annotated[StartCommand | StopCommand, Field(discriminator="kind")]
+
+
+class Commands(Message):
+    commands: list[Command] = Field(default_factory=list)
+    shutdown: bool = False
+    """The job is over: the worker exits."""
+
+
+class MoveRequest(Message):
+    servers: list[Name] = Field(min_length=1, max_length=10_000)
+    """The new allocation: names of ``[[cluster.servers]]``."""
+    when: When = "epoch"
+
+
+class StopRequest(Message):
+    when: When = "now"
+
+
+class WorkerStatus(Message):
+    rank: int
+    server: str
+    host: str
+    alive: bool
+    seen_s_ago: float
+
+
+class MoveRecord(Message):
+    generation: int
+    """The generation started by the move."""
+    from_servers: list[str]
+    to_servers: list[str]
+    when: When
+    reason: Literal["move", "restart"]
+    stopped_step: int | None = None
+    """The last step before: where the trainers stopped (a move), or the last one reported (a failure)."""
+    resumed_step: int | None = None
+    """The step the new generation resumed at: its checkpoint's."""
+    loss_before: float | None = None
+    loss_after: float | None = None
+    """The training loss last reported before, and first reported after."""
+    last_iteration_at: float | None = None
+    launched_at: float | None = None
+    """When the scheduler sent the new generation's start commands (wall clock, like the two around it)."""
+    first_iteration_at: float | None = None
+    downtime_s: float | None = None
+    """Wall time from the last iteration before to the first iteration after."""
+
+
+class EpochRecord(Message):
+    """One epoch end: what a planner needs (the GBS history)."""
+
+    epoch: int
+    step: int
+    gbs: int | None
+    servers: list[str]
+    train_loss: float | None
+    val_loss: float | None
+    samples_per_s: float
+    time_s: float
+
+
+class JobStatus(Message):
+    job: str
+    state: JobState
+    allocation: list[str]
+    generation: int
+    plan: str | None
+    gbs: int | None
+    epoch: int
+    epochs: int
+    step: int
+    loss: float | None
+    restarts: int
+    max_restarts: int
+    checkpoint: str | None
+    checkpoint_step: int | None = None
+    initial_loss: float | None = None
+    """The first training loss reported: how far a move must not fall back."""
+    message: str = ""
+    trainers: list[RunningTrainer] = Field(default_factory=list)
+    workers: list[WorkerStatus] = Field(default_factory=list)
+    moves: list[MoveRecord] = Field(default_factory=list)
+    epoch_history: list[EpochRecord] = Field(default_factory=list)

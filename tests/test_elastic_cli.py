@@ -1,0 +1,85 @@
+"""Bad input to `jabas worker`, `jabas schedule` and `jabas job`: one line, the right exit code, nothing started."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+from typer.testing import CliRunner
+
+from jabascli.cli.app import app
+from tests.elastic_support import TOKEN, auth, free_port, load, serving, write_config
+
+
+def _one_line_error(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in output, output
+    return lines[0]
+
+
+def test_a_worker_with_a_wrong_token_exits_2(tmp_path: Path, cli: CliRunner) -> None:
+    config = write_config(tmp_path)
+    with serving(load(config)) as (url, scheduler):
+        address = url.removeprefix("http://")
+        env = {"JABAS_TOKEN": "not-the-token-0123456789"}
+        result = cli.invoke(app, ["worker", "-c", str(config), "--rank", "0", "--scheduler", address], env=env)
+        assert result.exit_code == 2
+        assert "refused the token" in _one_line_error(result.output)
+        assert scheduler.workers == {}
+
+
+def test_a_second_worker_of_a_rank_gets_409_and_exits_2_and_a_move_to_an_unknown_server_exits_2(
+    tmp_path: Path, cli: CliRunner
+) -> None:
+    config = write_config(tmp_path)
+    with serving(load(config)) as (url, scheduler):
+        address = url.removeprefix("http://")
+        first = {"rank": 0, "host": "elsewhere", "devices": {"backend": "cpu", "device_type": "cpu", "count": 1}}
+        first["devices"]["memory_bytes"] = 1  # type: ignore[index]
+        assert httpx.post(url + "/v1/workers", json=first, headers=auth()).status_code == 200
+        env = {"JABAS_TOKEN": TOKEN}
+        result = cli.invoke(app, ["worker", "-c", str(config), "--rank", "0", "--scheduler", address], env=env)
+        assert result.exit_code == 2
+        assert "already registered from elsewhere" in _one_line_error(result.output)
+
+        result = cli.invoke(app, ["job", "move", "-c", str(config), "A", "C", "--scheduler", address], env=env)
+        assert result.exit_code == 2 and "unknown server 'C'" in _one_line_error(result.output)
+        assert scheduler.state == "running" and scheduler.allocation == ["A"] and scheduler.pending is None
+
+
+def test_an_unreachable_scheduler_is_retried_then_the_worker_exits_1(tmp_path: Path, cli: CliRunner) -> None:
+    config = write_config(tmp_path, port=free_port(), scheduler={"connect_timeout_s": 1.0})
+    result = cli.invoke(app, ["worker", "-c", str(config), "--rank", "1"], env={"JABAS_TOKEN": TOKEN})
+    assert result.exit_code == 1
+    assert "unreachable for 1 s" in _one_line_error(result.output)
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_anything_starts(
+    tmp_path: Path, cli: CliRunner
+) -> None:
+    (tmp_path / "a-file").write_text("not a folder")
+    config = write_config(tmp_path)
+    text = config.read_text().replace(str(tmp_path / "checkpoints"), str(tmp_path / "a-file" / "checkpoints"))
+    config.write_text(text)
+    for args in (["schedule", "-c", str(config)], ["worker", "-c", str(config), "--rank", "0"]):
+        result = cli.invoke(app, args, env={"JABAS_TOKEN": TOKEN})
+        assert result.exit_code == 2, (args, result.output)
+        assert "checkpoint folder is not writable" in _one_line_error(result.output)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_job_status_and_stop_talk_to_the_scheduler(tmp_path: Path, cli: CliRunner) -> None:
+    config = write_config(tmp_path)
+    with serving(load(config)) as (url, scheduler):
+        address = url.removeprefix("http://")
+        env = {"JABAS_TOKEN": TOKEN, "COLUMNS": "200"}
+        result = cli.invoke(app, ["job", "status", "-c", str(config), "--scheduler", address, "--json"], env=env)
+        assert result.exit_code == 0, result.output
+        status = json.loads(result.stdout)
+        assert (status["state"], status["allocation"], status["epochs"]) == ("waiting", ["A"], 2)
+        result = cli.invoke(app, ["job", "status", "-c", str(config), "--scheduler", address], env=env)
+        assert result.exit_code == 0 and "digits: waiting, epoch 0/2" in result.output
+        result = cli.invoke(app, ["job", "stop", "-c", str(config), "--scheduler", address], env=env)
+        assert result.exit_code == 0 and result.output.startswith("stopped")
+        assert scheduler.state == "stopped"

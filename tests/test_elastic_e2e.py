@@ -1,0 +1,197 @@
+"""The elastic runtime end to end: a real scheduler and two real worker agents on loopback HTTP.
+
+Two emulated CPU servers, A (VSW 2) and B (VSW 1, slower); digits. Each run is
+tens of seconds on two busy cores (most of it starting Python and torch in new
+trainer processes), so they are few and marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from jabascli.elastic.job import TERMINAL
+from jabascli.engine.layout import checkpoint_path
+from tests.elastic_support import auth, jabas, load, used_samples, wait_status, write_config
+
+EPOCHS = 3
+N = 1438  # digits' training samples (sklearn's 1797, less the 20 % validation split)
+
+
+class Cluster:
+    """`jabas schedule` and one `jabas worker` per server, as real processes."""
+
+    def __init__(self, folder: Path, config: Path) -> None:
+        self.folder, self.config = folder, config
+        self.loaded = load(config)
+        self.url = f"http://127.0.0.1:{self.loaded.config.scheduler.port}"
+        self.scheduler = jabas("schedule", "-c", str(config), log=folder / "scheduler.log")
+        self.workers = [
+            jabas("worker", "-c", str(config), "--rank", str(r), log=folder / f"worker{r}.log") for r in (0, 1)
+        ]
+
+    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, headers=auth(), timeout=10)
+
+    def wait(self, until: Any, timeout: float = 180) -> dict[str, Any]:
+        return wait_status(self.url, until, timeout)
+
+    def finish(self, timeout: float = 240) -> dict[str, Any]:
+        status = self.wait(lambda s: s["state"] in TERMINAL, timeout)
+        assert self.scheduler.wait(30) == (0 if status["state"] != "failed" else 1), self.logs()
+        for w in self.workers:
+            if w.poll() is None or w.returncode != -signal.SIGKILL:
+                assert w.wait(30) == 0, self.logs()
+        return status
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.folder.glob("*.log")))
+
+    def kill(self) -> None:
+        for p in [self.scheduler, *self.workers]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path: Path):  # type: ignore[no-untyped-def]
+    made: list[Cluster] = []
+
+    def make(**kwargs: Any) -> Cluster:
+        cluster = Cluster(tmp_path, write_config(tmp_path, record=True, **kwargs))
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for c in made:
+        c.kill()
+
+
+def _check_epochs(folder: Path, status: dict[str, Any], epochs: int) -> None:
+    """Each epoch used every sample at most once, and exactly N minus the remainder its last GBS left."""
+    history = torch.load(checkpoint_path(load(folder / "job.toml")), weights_only=True)["progress"]["gbs_history"]
+    counts = used_samples(folder, N, epochs)
+    for epoch in range(epochs):
+        assert max(counts[epoch].values()) == 1, f"epoch {epoch}: a sample was used twice"
+        last = [h for h in history if h["epoch"] <= epoch][-1]
+        start = last["position"] if last["epoch"] == epoch else 0
+        expected = N - (N - start) % last["gbs"]
+        assert sum(counts[epoch].values()) == expected, (epoch, history)
+
+
+@pytest.mark.slow
+def test_a_job_moves_from_a_to_a_and_b_to_b_and_continues_where_it_was(cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    # Emulated slowdowns (sleeps) of 6x on A and 10x on B: epochs of a second or two, so that each
+    # request lands before the epoch it aims at is over, however fast the trainers start.
+    cluster: Cluster = cluster_factory(available=["A"], epochs=EPOCHS, slowdown=(6.0, 10.0))
+    # Asked as soon as the job runs on A (its trainers are still starting): it moves at the first epoch end.
+    cluster.wait(lambda s: s["state"] == "running")
+    assert cluster.post("/v1/job/move", {"servers": ["A", "B"]}).status_code == 200
+    # As soon as A+B starts: the move lands early in the second epoch.
+    cluster.wait(lambda s: s["generation"] == 2 and s["state"] == "running")
+    r = cluster.post("/v1/job/move", {"servers": ["B"], "when": "now"})
+    assert r.status_code == 200, r.text
+    status = cluster.finish()
+
+    assert status["state"] == "succeeded", cluster.logs()
+    assert [(m["reason"], m["to_servers"], m["when"]) for m in status["moves"]] == [
+        ("move", ["A", "B"], "epoch"),
+        ("move", ["B"], "now"),
+    ]
+    gbs = [e["gbs"] for e in status["epoch_history"]]
+    assert gbs[0] == 32 and gbs[-1] == 16  # A: 16 x 2 VSW; B: 16 x 1
+    first, second = status["moves"]
+    assert first["resumed_step"] == first["stopped_step"] == N // 32  # the first epoch's end
+    assert second["resumed_step"] == second["stopped_step"]  # nothing repeated or skipped
+    assert first["resumed_step"] < second["stopped_step"] < first["resumed_step"] + N // 48  # mid-epoch
+    for move in status["moves"]:
+        assert move["downtime_s"] is not None and move["downtime_s"] > 0
+        # The loss carries on from before the move instead of falling back towards an untrained
+        # model's, ln(10) for ten classes.
+        assert move["loss_after"] < (math.log(10) + move["loss_before"]) / 2, move
+    # Validation after each later epoch stays well below the first epoch's (where a restart from
+    # scratch would land again).
+    val = [e["val_loss"] for e in status["epoch_history"]]
+    assert len(val) == EPOCHS and all(v < 0.6 * val[0] for v in val[1:]), val
+    _check_epochs(cluster.folder, status, epochs=EPOCHS)
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_is_restarted_from_the_last_checkpoint(cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    every, steps = 4, N // 48  # A+B: GBS 48
+    # B 20x slower than the CPU (it sleeps): a couple of seconds per epoch, so the kill lands mid-job.
+    kwargs = {"available": ["A", "B"], "epochs": 2, "slowdown": (2.0, 20.0), "scheduler": {"checkpoint_every": every}}
+    cluster: Cluster = cluster_factory(**kwargs)
+    status = cluster.wait(lambda s: len(s["trainers"]) == 2 and (s["checkpoint_step"] or 0) >= every + 1)
+    victim = status["trainers"][1]["pid"]
+    # The agents' warm spares became the trainers (elastic/spare.py).
+    assert b"jabascli.elastic.spare" in Path(f"/proc/{victim}/cmdline").read_bytes()
+    os.kill(victim, signal.SIGKILL)  # rank 1, on B, mid-job
+    status = cluster.finish()
+
+    assert status["state"] == "succeeded" and status["restarts"] == 1, cluster.logs()
+    [restart] = status["moves"]
+    assert restart["reason"] == "restart" and restart["to_servers"] == ["A", "B"]
+    resumed = restart["resumed_step"]
+    assert 0 < resumed < 2 * steps and (resumed % every == 0 or resumed == steps)  # a periodic or epoch-end one
+    # Count the iterations trained twice: every micro-batch was recorded (3 workers per iteration).
+    recorded = sum(len(p.read_text().splitlines()) for p in (cluster.folder / "samples").glob("*.txt"))
+    repeated = recorded // 3 - status["step"]
+    assert 0 <= repeated <= every, repeated
+    assert status["step"] == 2 * steps
+
+
+@pytest.mark.slow
+def test_a_killed_worker_agent_loses_its_server_and_the_job_finishes_on_the_other(cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    kwargs = {"available": ["A", "B"], "epochs": 2, "slowdown": (2.0, 20.0), "scheduler": {"checkpoint_every": 4}}
+    cluster: Cluster = cluster_factory(**kwargs)
+    status = cluster.wait(lambda s: len(s["trainers"]) == 2 and s["step"] >= 5)
+    b_trainer = status["trainers"][1]["pid"]
+    cluster.workers[1].kill()  # kill -9 the agent of B ...
+    os.kill(b_trainer, signal.SIGKILL) if _alive(b_trainer) else None  # ... and its trainer
+    status = cluster.finish()
+    assert status["state"] == "succeeded", cluster.logs()
+    # B's rank never reported an exit: the job waited for B's heartbeat timeout, declared B lost and
+    # restarted once, on A alone.
+    assert status["restarts"] == 1 and status["moves"][-1]["reason"] == "restart" and status["allocation"] == ["A"]
+    assert [w["alive"] for w in status["workers"]] == [True, False]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    time.sleep(0)
+    return True
+
+
+@pytest.mark.slow
+def test_jabas_run_elastic_runs_the_scheduler_and_an_agent_per_server_on_this_machine(tmp_path: Path) -> None:
+    config = write_config(tmp_path, available=["A", "B"], epochs=1)
+    env = {k: v for k, v in os.environ.items() if k != "JABAS_TOKEN"}  # it makes its own
+    run = subprocess.run(
+        [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--elastic", "--json"],
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    status = json.loads(run.stdout)
+    assert status["state"] == "succeeded" and status["allocation"] == ["A", "B"]
+    assert [e["step"] for e in status["epoch_history"]] == [N // 48]  # GBS 16 x (2 + 1)
+    logs = tmp_path / "runs" / "digits" / "logs"
+    assert {p.name for p in logs.glob("*.log")} >= {"scheduler.log", "worker-A.log", "worker-B.log"}
