@@ -109,7 +109,6 @@ def _check_exact(folder: Path, final: dict[str, Any], samples_once: bool) -> Non
         assert 0 <= SAMPLES - len(samples) < GBS_MIN  # all but the remainder at the epoch's final GBS
 
 
-@pytest.mark.slow
 def test_a_now_request_after_plan_changes_stops_every_rank_together_and_resumes_at_the_adapted_gbs(
     tmp_path: Path,
 ) -> None:
@@ -127,7 +126,8 @@ def test_a_now_request_after_plan_changes_stops_every_rank_together_and_resumes_
     saved = checkpoint_of(loaded)
     history = saved["progress"]["gbs_history"]
     assert [(h["gbs"], h["lbs"]) for h in history][:3] == [(28, 4), (12, 4), (6, 3)]
-    done_samples = sum(h["gbs"] * (end - h["step"]) for h, end in zip(history, [*(h["step"] for h in history[1:]), 7]))
+    ends = [h["step"] for h in history[1:]] + [7]  # each GBS ran from its entry's step to the next one's
+    done_samples = sum(h["gbs"] * (end - h["step"]) for h, end in zip(history, ends, strict=True))
     assert (saved["progress"]["epoch"], saved["progress"]["step"]) == (0, 7)
     assert saved["progress"]["position"] == done_samples  # mid-epoch: the resumed run deals the rest
     plan = saved["adaptive"]["plan"]
@@ -145,7 +145,6 @@ def test_a_now_request_after_plan_changes_stops_every_rank_together_and_resumes_
     _check_exact(tmp_path, final, samples_once=True)
 
 
-@pytest.mark.slow
 def test_max_restarts_resumes_an_adaptive_job_at_its_adapted_gbs_and_ends_as_an_uninterrupted_run(
     tmp_path: Path,
 ) -> None:
