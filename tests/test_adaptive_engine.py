@@ -14,6 +14,7 @@ Then a job killed with SIGKILL after GBS changes resumes at its GBS and LR."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -83,6 +84,10 @@ def _trainer_rank(rank: int, world: int, port: int, config: str, out: str) -> No
             result = {"history": trainer.progress.gbs_history, "steps": trainer.progress.step, "events": events}
             (Path(out) / "result.json").write_text(json.dumps(result))
     finally:
+        # Free DDP (it holds the process group) before the group goes, as run_trainer does: left to the
+        # interpreter, gloo's threads may be torn down out of order and abort the process (seen in CI).
+        trainer = None
+        gc.collect()
         dist.destroy_process_group()
 
 

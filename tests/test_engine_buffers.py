@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 from pathlib import Path
@@ -91,6 +92,10 @@ def _trainer_rank(rank: int, world: int, port: int, config: str, out: str) -> No
         if rank == 0:
             torch.save([s for rank_states in gathered for s in rank_states], out)
     finally:
+        # Free DDP (it holds the process group) before the group goes, as run_trainer does: left to the
+        # interpreter, gloo's threads may be torn down out of order and abort the process (seen in CI).
+        trainer = None
+        gc.collect()
         dist.destroy_process_group()
 
 
