@@ -24,6 +24,8 @@ land only at its end.
 from __future__ import annotations
 
 import dataclasses
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +69,29 @@ class AutoScaler:
         self.step = min(lbs_values) * self.setup.space.unit
         if batching.gbs_max is not None:
             self.setup.cost_model.warm_gbs = batching.gbs_max
-        self.dataset_size = dataset_size if dataset_size is not None else dataset_size_of(loaded)
+        # The training set's size needs the workload's dataset (torch, maybe files): seconds that the
+        # scheduler must not spend before it listens, so it is read on the side until the first decision.
+        self._dataset_size: Future[int] = Future()
+        if dataset_size is not None:
+            self._dataset_size.set_result(dataset_size)
+        else:
+            threading.Thread(target=self._read_dataset_size, daemon=True).start()
         self.folder: Path = run_folder(loaded)
         self.last: dict[str, Any] | None = None
         """The latest decision's record (as written to ``scaling.jsonl``)."""
 
+    def _read_dataset_size(self) -> None:
+        try:
+            self._dataset_size.set_result(dataset_size_of(self.loaded))
+        except BaseException as exc:  # handed to the first decision, which reports it
+            self._dataset_size.set_exception(exc)
+
+    @property
+    def dataset_size(self) -> int:
+        return self._dataset_size.result()
+
     def __call__(self, status: JobStatus) -> tuple[list[str], When] | None:
+        """The servers to move to at once, or None to stay; raises InputError when it cannot plan."""
         history = gbs_history(status)
         if not history:
             return None

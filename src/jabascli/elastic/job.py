@@ -48,7 +48,7 @@ from jabascli.elastic.protocol import (
 )
 from jabascli.engine.layout import checkpoint_path
 from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_config, plan_from_solver
-from jabascli.errors import InputError, Problem
+from jabascli.errors import InputError, JabasError, Problem
 
 TERMINAL: tuple[JobState, ...] = ("succeeded", "failed", "stopped")
 
@@ -324,7 +324,11 @@ class Scheduler:
     def _consult_planner(self) -> None:
         if self.planner is None or self.state != "running" or self.epoch >= self.loaded.config.job.epochs:
             return
-        decision = self.planner(self.status())
+        try:
+            decision = self.planner(self.status())
+        except JabasError as exc:  # a planner that cannot plan leaves the job where it is
+            self.message = f"the planner failed: {exc}"
+            return
         if decision is not None and decision[0] != self.allocation:
             try:
                 self.move(*decision)
