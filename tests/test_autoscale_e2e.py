@@ -9,8 +9,8 @@ moves the job there.
 The planner's cost model reads profiles. Measuring them here would take minutes, so the
 test writes **synthetic** ones with the profiles package's writers: one VSW at LBS 16
 takes 100 ms on A and 200 ms on B, and an all-reduce across the two servers costs
-300 ms (within one, 5 ms). So A alone is faster at small GBS (no cross-server
-all-reduce) and A+B at large GBS (a third more compute). They say nothing about
+200 ms (within one, 5 ms). So A alone is faster at small GBS (no cross-server
+all-reduce) and A+B at large GBS (half as much compute again). They say nothing about
 how fast the emulated servers really are; only the decisions depend on them.
 """
 
@@ -54,7 +54,7 @@ def write_synthetic_profiles(root: Path) -> None:
             )  # fmt: skip
             write_comp_profile(root / "cluster_comp_profile_data", server, comp)
     write_bucket_profile(root / "bucket_profile_data", BucketProfile(model="digits", bucket_size_distribution=[0.1]))
-    for kind, latency_ms in (("intra", 5.0), ("inter", 300.0)):
+    for kind, latency_ms in (("intra", 5.0), ("inter", 200.0)):
         comm = CommProfile(kind=kind, ideal_ms=[0.1, 1.0], measured_ms=[latency_ms + 0.1, latency_ms + 1.0])
         write_comm_profile(root / "comm_profile_data", comm)
 
