@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from typer.testing import CliRunner
+
+from jabascli.cli.app import app
 from jabascli.config import load_config
 from jabascli.elastic.autoscaling import AutoScaler, describe, gbs_history
 from jabascli.elastic.job import Scheduler
@@ -66,3 +69,15 @@ def test_decisions_are_logged_one_line_each_and_mapped_to_whole_servers(tmp_path
     lines = (tmp_path / "runs" / "digits" / "scaling.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == [stay, move]
     assert describe(move).startswith("epoch 1: forecast GBS ") and "move to A,B" in describe(move)
+
+
+def test_jabas_run_with_scaling_and_no_profiles_says_so_in_one_line_before_starting_anything(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path)
+    config.write_text(config.read_text() + "\n[scaling]\nenabled = true\n")
+    result = cli.invoke(app, ["run", "-c", str(config)])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "memory profile folder does not exist" in lines[0], result.output
+    assert not (tmp_path / "runs" / "digits" / "logs").exists()  # no scheduler or agent was started

@@ -223,6 +223,10 @@ def run_elastic_here(loaded: LoadedConfig, json_out: bool, **unsupported: object
         raise InputError.at(
             None, given[0], "is not used with --elastic: the scheduler plans and resumes from [storage] checkpoint_dir"
         )
+    if loaded.config.scaling.enabled:
+        from jabascli.elastic.autoscaling import scaling_setup
+
+        scaling_setup(loaded)  # missing profiles: one line here, not only in the scheduler's log
     progress = Progress(
         TextColumn("[bold]{task.fields[state]}"),
         BarColumn(),

@@ -49,6 +49,13 @@ def gbs_history(status: JobStatus) -> list[float]:
     return values
 
 
+def scaling_setup(loaded: LoadedConfig) -> ScalingSetup:
+    """The planner's parts over every configured server; an InputError (no profiles, ...) before anything starts."""
+    everywhere = loaded.config.model_copy(deep=True)
+    everywhere.cluster.available_servers = [s.name for s in loaded.config.cluster.servers]
+    return scaling_from_config(dataclasses.replace(loaded, config=everywhere))
+
+
 class AutoScaler:
     """``Scheduler(loaded, planner=AutoScaler(loaded))``: forecast, plan, log, and move when the planner says so."""
 
@@ -57,9 +64,7 @@ class AutoScaler:
     ) -> None:
         self.loaded = loaded
         config = loaded.config
-        everywhere = config.model_copy(deep=True)
-        everywhere.cluster.available_servers = [s.name for s in config.cluster.servers]
-        self.setup = setup or scaling_from_config(dataclasses.replace(loaded, config=everywhere))
+        self.setup = setup or scaling_setup(loaded)
         batching = config.batching
         self.lo, self.hi = batching.gbs_min or 1, batching.gbs_max or GBS_CEILING
         model = self.setup.cost_model.model
