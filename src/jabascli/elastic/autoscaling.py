@@ -35,7 +35,7 @@ from jabascli.autoscale.simulate import GBS_CEILING, dataset_size_of
 from jabascli.config import LoadedConfig
 from jabascli.elastic.protocol import JobStatus, When
 from jabascli.engine.layout import run_folder
-from jabascli.errors import InputError
+from jabascli.errors import InputError, JabasError, RuntimeFailure
 
 
 def gbs_history(status: JobStatus) -> list[float]:
@@ -88,8 +88,11 @@ class AutoScaler:
     def _read_dataset_size(self) -> None:
         try:
             self._dataset_size.set_result(dataset_size_of(self.loaded))
-        except BaseException as exc:  # handed to the first decision, which reports it
+        except JabasError as exc:  # handed to the first decision: the scheduler reports it, the job stays
             self._dataset_size.set_exception(exc)
+        except Exception as exc:  # a workload's own failure, as one line rather than a heartbeat's HTTP 500
+            why = f"cannot read the training set's size: {type(exc).__name__}: {exc}"
+            self._dataset_size.set_exception(RuntimeFailure.at(None, "job.workload", why))
 
     @property
     def dataset_size(self) -> int:
