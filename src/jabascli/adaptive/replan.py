@@ -153,8 +153,11 @@ def solver_candidates(loaded: object, plan: TrainingPlan, low: int, high: int) -
     from jabascli.solver import solver_from_config
 
     assert isinstance(loaded, LoadedConfig)
+    servers = ",".join(dict.fromkeys(r.server for r in plan.ranks))
     try:
-        solver = solver_from_config(loaded)
+        # The plan's servers, not [cluster] available_servers: under the elastic runtime a job
+        # moved to other servers keeps the config it started with.
+        solver = solver_from_config(loaded, servers)
         plans = solver.solve_range(low, high)
     except (JabasError, OSError, ValueError):
         return None

@@ -70,7 +70,12 @@ def schedule(
     cfg = loaded.config.scheduler
     host, bind_port = address or cfg.address, port or cfg.port
     err_console.print(f"scheduler of {loaded.config.job.name!r} listening on {host}:{bind_port}", highlight=False)
-    scheduler = Scheduler(loaded, resume=resume)
+    planner = None
+    if loaded.config.scaling.enabled:
+        from jabascli.elastic.autoscaling import AutoScaler
+
+        planner = AutoScaler(loaded)  # reads the profiles and the training set's size once
+    scheduler = Scheduler(loaded, resume=resume, planner=planner)
     if loopback_trainers:
         scheduler.master_addr = "127.0.0.1"  # every server's agent runs on this machine
     status = serve(scheduler, token, host, bind_port)
@@ -156,6 +161,10 @@ def job_status(config: ConfigOption, scheduler: SchedulerOption = None, json_out
     console.print(f"on {', '.join(status.allocation)}: {status.plan or '-'}", highlight=False, markup=False)
     if status.message:
         console.print(status.message, highlight=False, markup=False)
+    if status.scaling is not None:
+        from jabascli.elastic.autoscaling import describe
+
+        console.print(f"planner: {describe(status.scaling)}", highlight=False, markup=False)
     if status.moves:
         table = Table(title="moves and restarts")
         for column in ("generation", "why", "from", "to", "downtime s"):
@@ -214,6 +223,10 @@ def run_elastic_here(loaded: LoadedConfig, json_out: bool, **unsupported: object
         raise InputError.at(
             None, given[0], "is not used with --elastic: the scheduler plans and resumes from [storage] checkpoint_dir"
         )
+    if loaded.config.scaling.enabled:
+        from jabascli.elastic.autoscaling import scaling_setup
+
+        scaling_setup(loaded)  # missing profiles: one line here, not only in the scheduler's log
     progress = Progress(
         TextColumn("[bold]{task.fields[state]}"),
         BarColumn(),
@@ -225,10 +238,16 @@ def run_elastic_here(loaded: LoadedConfig, json_out: bool, **unsupported: object
         transient=True,
     )
     epochs = loaded.config.job.epochs
+    shown: list[object] = []
     with progress:
         task = progress.add_task("job", total=epochs, state="starting", epoch="-", step=0, servers="-", loss="-")
 
         def show(status: JobStatus) -> None:
+            if status.scaling is not None and status.scaling.get("time") not in shown:
+                from jabascli.elastic.autoscaling import describe
+
+                shown.append(status.scaling.get("time"))
+                progress.console.print(f"planner: {describe(status.scaling)}", highlight=False, markup=False)
             loss = "-" if status.loss is None else f"{status.loss:.4f}"
             progress.update(
                 task,

@@ -48,14 +48,15 @@ from jabascli.elastic.protocol import (
 )
 from jabascli.engine.layout import checkpoint_path
 from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_config, plan_from_solver
-from jabascli.errors import InputError, Problem
+from jabascli.errors import InputError, JabasError, Problem
 
 TERMINAL: tuple[JobState, ...] = ("succeeded", "failed", "stopped")
 
 
 Planner = Callable[[JobStatus], "tuple[list[str], When] | None"]
 """Called at every epoch end with the job's status (``epoch_history`` holds every epoch's GBS, servers and
-throughput); returns the allocation to move to and when, or None to stay. An auto-scaling planner plugs in here."""
+throughput); returns the allocation to move to and when, or None to stay. An auto-scaling planner plugs in here
+(:class:`jabascli.elastic.autoscaling.AutoScaler`); its ``last`` attribute, if any, is shown in the status."""
 
 
 class Conflict(Exception):
@@ -155,6 +156,8 @@ class Scheduler:
         self.message = ""
         self.moves: list[MoveRecord] = []
         self.epoch_history: list[EpochRecord] = []
+        self.adjusted: list[int] = []
+        """The GBS after each adjustment point of the current epoch (adaptive jobs' ``adjustment`` events)."""
         self.stopping: When | None = None
         self.master_addr: str | None = None
         """Where trainers rendezvous; None: the host of the allocation's first server."""
@@ -275,11 +278,17 @@ class Scheduler:
                 record.resumed_step = self.step
         elif kind == "step":
             self.step = _int(event.get("step")) or self.step
+            self.gbs = _int(event.get("gbs")) or self.gbs  # an adaptive job's GBS moves within a generation
             self.loss = _float(event.get("loss"))
             if self.initial_loss is None:
                 self.initial_loss = self.loss
             if record is not None and record.loss_after is None:
                 record.loss_after = self.loss
+        elif kind == "adjustment":
+            gbs = _int(event.get("new_gbs"))
+            if gbs is not None:
+                self.gbs = gbs
+                self.adjusted.append(gbs)
         elif kind == "epoch":
             self.epoch = (_int(event.get("epoch")) or 0) + 1
             self.epoch_history.append(
@@ -292,8 +301,10 @@ class Scheduler:
                     val_loss=_float(event.get("val_loss")),
                     samples_per_s=_float(event.get("samples_per_s")) or 0.0,
                     time_s=_float(event.get("time_s")) or 0.0,
+                    gbs_history=self.adjusted,
                 )
             )
+            self.adjusted = []
             self._consult_planner()
         elif kind == "checkpoint":
             self.checkpoint = checkpoint_path(self.loaded)
@@ -313,7 +324,11 @@ class Scheduler:
     def _consult_planner(self) -> None:
         if self.planner is None or self.state != "running" or self.epoch >= self.loaded.config.job.epochs:
             return
-        decision = self.planner(self.status())
+        try:
+            decision = self.planner(self.status())
+        except JabasError as exc:  # a planner that cannot plan leaves the job where it is
+            self.message = f"the planner failed: {exc}"
+            return
         if decision is not None and decision[0] != self.allocation:
             try:
                 self.move(*decision)
@@ -470,6 +485,7 @@ class Scheduler:
             workers=workers,
             moves=[m.model_copy() for m in self.moves],
             epoch_history=[e.model_copy() for e in self.epoch_history],
+            scaling=getattr(self.planner, "last", None),
         )
 
 

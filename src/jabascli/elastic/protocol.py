@@ -173,6 +173,8 @@ class EpochRecord(Message):
     val_loss: float | None
     samples_per_s: float
     time_s: float
+    gbs_history: list[int] = Field(default_factory=list)
+    """The GBS after each adjustment point of this epoch (adaptive jobs; empty for a fixed GBS)."""
 
 
 class JobStatus(Message):
@@ -197,3 +199,5 @@ class JobStatus(Message):
     workers: list[WorkerStatus] = Field(default_factory=list)
     moves: list[MoveRecord] = Field(default_factory=list)
     epoch_history: list[EpochRecord] = Field(default_factory=list)
+    scaling: dict[str, Any] | None = None
+    """The auto-scaling planner's latest decision (a ``scaling.jsonl`` record), with ``[scaling] enabled``."""
