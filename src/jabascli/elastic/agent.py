@@ -55,10 +55,10 @@ from jabascli.elastic.protocol import (
 from jabascli.elastic.token import TOKEN_ENV
 from jabascli.engine.control import CONTROL_FILE_ENV
 from jabascli.engine.events import EVENT_FD_ENV
+from jabascli.engine.launch import GRACE_S, terminate
 from jabascli.engine.layout import checkpoint_path, run_folder
 from jabascli.errors import InputError, RuntimeFailure
 
-GRACE_S = 5.0
 EXITING_S = 0.5
 """How long to wait for a trainer that closed its event pipe to exit."""
 SPARE_DELAY_S = 5.0
@@ -374,17 +374,8 @@ class WorkerAgent:
         return exited
 
     def _kill_all(self) -> None:
-        live = [t.proc for r in self.runs for t in r.trainers if t.proc.poll() is None]
-        live += [s.proc for s in self.spares if s.proc.poll() is None]
-        for proc in live:
-            _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        for proc in live:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0))
-            except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait()
+        procs = [t.proc for r in self.runs for t in r.trainers] + [s.proc for s in self.spares]
+        terminate(procs, _signal_group)
         for r in self.runs:
             for t in r.trainers:
                 if t.read_fd >= 0:

@@ -278,16 +278,7 @@ class _LocalRun:
 
     def stop(self) -> None:
         """SIGTERM every live trainer, then SIGKILL what is left after the grace period."""
-        live = [p for p in self.procs if p.poll() is None]
-        for p in live:
-            _signal(p, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        for p in live:
-            try:
-                p.wait(max(deadline - time.monotonic(), 0))
-            except subprocess.TimeoutExpired:
-                _signal(p, signal.SIGKILL)
-                p.wait()
+        terminate(self.procs)
 
     def _failure(self, failed: dict[int, int | None], reported: list[dict[str, Any]]) -> Exception:
         """The root cause: a trainer killed by a signal, else the first error reported, else a log tail.
@@ -314,6 +305,28 @@ class _LocalRun:
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         detail = tail.strip().splitlines()[-1] if tail.strip() else "no output"
         return RuntimeFailure([f"trainer rank {rank} {how}: {detail} (log: {self.logs[rank]})"])
+
+
+def terminate(
+    procs: Sequence[subprocess.Popen[bytes]],
+    send: Callable[[subprocess.Popen[bytes], int], None] | None = None,
+) -> None:
+    """SIGTERM every live process of ``procs``, then SIGKILL what is left after :data:`GRACE_S`.
+
+    ``send`` delivers a signal (default: to the process alone; the elastic agent
+    passes one that signals the trainer's whole process group).
+    """
+    send = send or _signal
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        send(p, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in live:
+        try:
+            p.wait(max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            send(p, signal.SIGKILL)
+            p.wait()
 
 
 def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
