@@ -169,6 +169,9 @@ class SchedulerConfig(Section):
     """Also checkpoint every this many iterations, so a crash loses at most that much work."""
     connect_timeout_s: float = Field(60.0, gt=0)
     """How long a worker agent retries an unreachable scheduler before it gives up."""
+    in_place_moves: bool = True
+    """Moves that keep rank 0's server keep the trainers that stay running (docs/elastic.md); false: every
+    move restarts all trainers from the checkpoint."""
 
 
 class StorageConfig(Section):

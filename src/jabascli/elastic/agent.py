@@ -13,7 +13,11 @@ exited) send a :class:`Heartbeat`; its reply's commands are applied:
   after each generation) becomes the trainer when there is one, so a move does
   not wait for a new interpreter to import torch;
 * ``stop`` ``epoch``/``now``: write the request into rank 0's control file
-  (:mod:`jabascli.engine.control`): the trainers checkpoint and exit 0;
+  (:mod:`jabascli.engine.control`): the trainers checkpoint and exit 0; with a
+  *handoff* (a move in place, :mod:`jabascli.engine.handoff`) those that stay
+  carry on into the next generation instead, and say so with a ``handoff``
+  event, after which this agent counts them (their events, their exit) as
+  ranks of that generation;
 * ``stop`` ``kill``: SIGTERM the process groups this agent started (never
   anything found by name), SIGKILL after :data:`GRACE_S`.
 
@@ -54,6 +58,7 @@ from jabascli.elastic.protocol import (
 )
 from jabascli.elastic.token import TOKEN_ENV
 from jabascli.engine.control import CONTROL_FILE_ENV
+from jabascli.engine.distributed import GENERATION_ENV
 from jabascli.engine.events import EVENT_FD_ENV
 from jabascli.engine.launch import GRACE_S, terminate
 from jabascli.engine.layout import checkpoint_path, run_folder
@@ -247,6 +252,7 @@ class WorkerAgent:
                     "LOCAL_WORLD_SIZE": str(len(command.ranks)),
                     "MASTER_ADDR": command.master_addr,
                     "MASTER_PORT": str(command.master_port),
+                    GENERATION_ENV: str(gen),
                 }
                 env.setdefault("OMP_NUM_THREADS", str(threads))
                 if rank == 0 and control is not None:
@@ -324,6 +330,9 @@ class WorkerAgent:
                     if t.proc.poll() is None:
                         _signal_group(t.proc, signal.SIGTERM)
                         t.kill_at = deadline
+            elif run.control is not None and command.handoff is not None:
+                request = {"when": command.when, "handoff": command.handoff.model_dump()}
+                atomic_write_text(run.control, json.dumps(request))
             elif run.control is not None:
                 atomic_write_text(run.control, command.when)
 
@@ -350,7 +359,25 @@ class WorkerAgent:
                 with contextlib.suppress(ValueError):
                     event = json.loads(line)
                     if isinstance(event, dict):
+                        if event.get("event") == "handoff":
+                            run = self._handed_over(run, t, event)
                         self.pending_events.append(TrainerEvent(generation=run.generation, event=event))
+
+    def _handed_over(self, run: Run, t: Trainer, event: dict[str, object]) -> Run:
+        """Trainer ``t`` of ``run`` carries on as a rank of the next generation: count it there."""
+        generation, rank = event.get("generation"), event.get("rank")
+        if not isinstance(generation, int) or not isinstance(rank, int):
+            return run
+        run.trainers.remove(t)
+        t.generation, t.rank = generation, rank
+        nxt = next((r for r in self.runs if r.generation == generation), None)
+        if nxt is None:
+            nxt = Run(generation, [], None)
+            self.runs.append(nxt)
+        nxt.trainers.append(t)
+        if rank == 0:
+            nxt.control = run.control  # rank 0 keeps the control file its environment names
+        return nxt
 
     def _reap(self) -> bool:
         """Report trainers that exited; SIGKILL those past their grace period. True if any exited."""

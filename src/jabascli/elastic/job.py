@@ -7,11 +7,20 @@ what follows depends on why::
 
     waiting --(all servers of the allocation registered)--> running
     running --move(servers, when)--> moving --(all ranks exit 0)--> running   (new generation)
+    running --move in place--> moving --(first iteration of the new generation)--> running
     running/moving --(a rank exits != 0, or its worker misses heartbeats)--> restarting
     restarting --(every rank gone)--> running on the live servers, from the checkpoint
                                       (failed after max_restarts)
     running --(rank 0 done, every rank exit 0)--> succeeded
     any --stop(when)--> stopping --(every rank gone)--> stopped
+
+A move *in place* (when the new allocation keeps rank 0's server; see
+:mod:`jabascli.engine.handoff`) starts the new generation at once: the stop
+request carries it to the trainers, those that stay carry on into it, new ranks
+(*joiners*) are started ahead and wait for them. Until the new generation's
+first iteration, the old one is *retiring*: its events still count (the last
+iteration, the checkpoint), its leavers exit 0, and a survivor that exits
+before it handed over counts as its new rank's exit.
 
 Every method is called under :attr:`Scheduler.lock` (the HTTP handlers and the
 heartbeat watchdog run on different threads); time comes from ``clock`` so that
@@ -34,6 +43,7 @@ from jabascli.elastic.protocol import (
     Command,
     Commands,
     EpochRecord,
+    Handoff,
     Heartbeat,
     JobState,
     JobStatus,
@@ -88,10 +98,42 @@ class Generation:
     running: dict[int, RunningTrainer] = field(default_factory=dict)
     last_iteration: tuple[int | None, float | None] = (None, None)
     """Rank 0's ``stopping`` event: the step and wall time of its last iteration."""
+    master: tuple[str, int] = ("", 0)
+    """Where its trainers meet (the TCP store rank 0 hosts)."""
 
     @property
     def all_exited(self) -> bool:
         return len(self.exits) == self.plan.world_size
+
+
+@dataclass
+class Retiring:
+    """The generation a move in place is handing over from, until the next one's first iteration."""
+
+    generation: Generation
+    survivors: dict[int, int]
+    """Old rank -> its rank in the next generation."""
+    finished: bool = False
+    """It finished the job before the move happened: the next generation's joiners are stopped."""
+
+    @property
+    def leavers_exited(self) -> bool:
+        leavers = set(range(self.generation.plan.world_size)) - set(self.survivors)
+        return leavers <= set(self.generation.exits)
+
+
+def survivors(old: TrainingPlan, new: TrainingPlan) -> dict[int, int] | None:
+    """Old rank -> new rank for the trainers a move can keep; None unless rank 0 stays rank 0.
+
+    A server in both plans keeps its first ranks, in order, so each keeps its local
+    rank (and with it its device); rank 0 must stay, as it hosts the job's store.
+    """
+    kept: dict[int, int] = {}
+    for server in {r.server for r in old.ranks} & {r.server for r in new.ranks}:
+        before = [r.rank for r in old.ranks if r.server == server]
+        after = [r.rank for r in new.ranks if r.server == server]
+        kept.update(zip(before, after, strict=False))
+    return kept if kept.get(0) == 0 else None
 
 
 def plan_for(loaded: LoadedConfig, servers: list[str], gbs: int | None = None) -> tuple[TrainingPlan, str]:
@@ -143,6 +185,7 @@ class Scheduler:
         self.pending: list[str] | None = None
         self.pending_when: When = "epoch"
         self.generation: Generation | None = None
+        self.retiring: Retiring | None = None
         self.generations = 0
         self.restarts = 0
         self.max_restarts = cfg.scheduler.max_restarts
@@ -192,16 +235,37 @@ class Scheduler:
         for item in beat.events:
             if gen is not None and item.generation == gen.number:
                 self._on_event(gen, item.event)
+            elif self.retiring is not None and item.generation == self.retiring.generation.number:
+                self._on_event(self.retiring.generation, item.event)
         for ex in beat.exits:
-            if gen is not None and ex.generation == gen.number and ex.rank not in gen.exits:
-                gen.exits[ex.rank] = ex.code
-                gen.running.pop(ex.rank, None)
-                if ex.code != 0:
-                    tail = ex.log_tail.strip().splitlines()
-                    self._fail(f"trainer rank {ex.rank} on {worker.server} exited with code {ex.code}", tail)
+            if self._record_exit(ex.generation, ex.rank, ex.code) and ex.code != 0:
+                tail = ex.log_tail.strip().splitlines()
+                self._fail(f"trainer rank {ex.rank} on {worker.server} exited with code {ex.code}", tail)
         self._advance()
         commands, worker.commands = worker.commands, []
         return Commands(commands=commands, shutdown=self.state in TERMINAL)
+
+    def _record_exit(self, generation: int, rank: int, code: int) -> bool:
+        """Count a trainer's exit; False if it was counted before or belongs to no generation of interest.
+
+        A survivor of a move in place that exits under its old generation (before it handed over)
+        is also its new rank's exit.
+        """
+        gen, retiring = self.generation, self.retiring
+        if gen is not None and generation == gen.number:
+            if rank in gen.exits:
+                return False
+            gen.exits[rank] = code
+            gen.running.pop(rank, None)
+            return True
+        if retiring is not None and generation == retiring.generation.number:
+            if rank in retiring.generation.exits:
+                return False
+            retiring.generation.exits[rank] = code
+            if rank in retiring.survivors and gen is not None:
+                gen.exits.setdefault(retiring.survivors[rank], code)
+            return True
+        return False
 
     def check_heartbeats(self) -> None:
         """Declare lost every worker silent for ``heartbeat_timeout_s``; their ranks count as killed."""
@@ -212,6 +276,9 @@ class Scheduler:
                 worker.alive = False
                 gen = self.generation
                 lost = gen.ranks_on.get(worker.server, []) if gen is not None else []
+                if self.retiring is not None:
+                    for r in self.retiring.generation.ranks_on.get(worker.server, []):
+                        self._record_exit(self.retiring.generation.number, r, -9)
                 if gen is not None and any(r not in gen.exits for r in lost):
                     for r in lost:
                         gen.exits.setdefault(r, -9)
@@ -233,6 +300,8 @@ class Scheduler:
             raise InputError.at(None, "servers", "a server is named twice")
         if self.state in TERMINAL or self.stopping is not None:
             raise Conflict(f"the job is {self.state}")
+        if self.retiring is not None and servers != self.allocation:
+            raise Conflict(f"a move to {', '.join(self.allocation)} is under way: move again once it is done")
         plan_for(self.loaded, servers)  # a server that cannot run it fails here, before anything changes
         self.pending, self.pending_when = list(servers), when
         self.message = f"moving to {', '.join(servers)} at the next {'epoch end' if when == 'epoch' else 'iteration'}"
@@ -241,9 +310,14 @@ class Scheduler:
             if servers == gen.servers:
                 self.pending = None
                 self.message = "already there"
-            else:
+            elif not self._hand_over(gen, servers, when):
                 self.state = "moving"
                 self._send_stop(gen, when)
+        elif self.state == "moving" and self.retiring is not None:
+            self.pending = None  # the move under way goes on; only its `when` can change
+            old = self.retiring.generation
+            if when == "now" and old.stop_sent == "epoch":
+                self._send_stop(old, when, self._handoff_of(self.retiring))
         elif self.state == "moving" and gen is not None and when == "now" and gen.stop_sent == "epoch":
             self._send_stop(gen, when)
         elif self.state == "waiting":
@@ -311,15 +385,28 @@ class Scheduler:
             self.checkpoint_step = _int(event.get("step"))
         elif kind == "done":
             gen.done = event
+            if self.retiring is not None and gen is self.retiring.generation and not event.get("stopped"):
+                self.retiring.finished = True  # the last epoch ended before the move could happen
+                if self.generation is not None:
+                    self._send_stop(self.generation, "kill")  # the joiners wait for ranks that will not come
             self.step = _int(event.get("step")) or self.step
             self.checkpoint = checkpoint_path(self.loaded)  # written on every exit
             self.checkpoint_step = self.step
         elif kind == "stopping":
             gen.last_iteration = (_int(event.get("step")), _float(event.get("time")))
+            if self.retiring is not None and gen is self.retiring.generation and self.moves:
+                self.moves[-1].stopped_step, self.moves[-1].last_iteration_at = gen.last_iteration
+                self.moves[-1].loss_before = self.loss
         elif kind == "first_step" and record is not None:
-            record.first_iteration_at = _float(event.get("time"))
+            ended, started = _float(event.get("time")), _float(event.get("started"))
+            record.first_iteration_at = started if started is not None else ended
+            if started is not None and ended is not None:
+                record.first_iteration_s = ended - started
             if record.first_iteration_at is not None and record.last_iteration_at is not None:
                 record.downtime_s = record.first_iteration_at - record.last_iteration_at
+            if self.retiring is not None and gen is self.generation:
+                self.retiring = None  # handed over: the old generation's leavers exit on their own
+                self.state = "running" if self.state == "moving" else self.state
 
     def _consult_planner(self) -> None:
         if self.planner is None or self.state != "running" or self.epoch >= self.loaded.config.job.epochs:
@@ -345,6 +432,8 @@ class Scheduler:
         gen = self.generation
         if gen is not None:
             self._send_stop(gen, "kill")  # the others would wait for the lost rank in their next collective
+        if self.retiring is not None:
+            self._send_stop(self.retiring.generation, "kill")
         if self.state != "stopping":
             self.state = "restarting"
 
@@ -362,6 +451,12 @@ class Scheduler:
             else:
                 self._fail("the trainers exited before the job was done", [])
                 self._advance()
+        elif self.state == "moving" and self.retiring is not None:
+            if self.retiring.finished and gen is not None and gen.all_exited and self.retiring.leavers_exited:
+                self.retiring = None
+                self.state = "succeeded"
+                self.message = f"finished {self.epoch} epochs at step {self.step}"
+                self._finish()
         elif self.state == "moving" and gen is not None and gen.all_exited:
             if gen.done is not None and not gen.done.get("stopped"):
                 self.state = "succeeded"  # the last epoch ended before the move could happen
@@ -370,6 +465,10 @@ class Scheduler:
             elif self.pending is not None and self._ready(self.pending):
                 self._launch(self.pending, reason="move")
         elif self.state == "restarting" and gen is not None and gen.all_exited:
+            if self.retiring is not None:
+                if not self.retiring.leavers_exited:
+                    return
+                self.retiring = None
             if self.restarts >= self.max_restarts:
                 self.state = "failed"
                 self.message = f"gave up after {self.restarts} restarts: {self.message}"
@@ -381,6 +480,10 @@ class Scheduler:
                 self.restarts += 1
                 self._launch(live, reason="restart")
         elif self.state == "stopping" and (gen is None or gen.all_exited):
+            if self.retiring is not None:
+                if not self.retiring.leavers_exited:
+                    return
+                self.retiring = None
             self.state = "stopped"
             self.message = f"stopped at step {self.step}; checkpoint {self.checkpoint}"
             self._finish()
@@ -407,6 +510,7 @@ class Scheduler:
         gen = Generation(self.generations, list(servers), plan, ranks_on)
         first = self.loaded.config.server(servers[0])
         port = free_port()
+        gen.master = (self.master_addr or first.host, port)
         resume = self.checkpoint is not None and self.checkpoint.is_file()
         every = self.loaded.config.scheduler.checkpoint_every
         for server, ranks in ranks_on.items():
@@ -417,8 +521,8 @@ class Scheduler:
                     generation=gen.number,
                     ranks=ranks,
                     world_size=plan.world_size,
-                    master_addr=self.master_addr or first.host,
-                    master_port=port,
+                    master_addr=gen.master[0],
+                    master_port=gen.master[1],
                     plan=plan.to_dict(),
                     resume=resume,
                     checkpoint_every=every,
@@ -444,12 +548,74 @@ class Scheduler:
         self.gbs = plan.gbs
         self.message = f"generation {gen.number} on {', '.join(servers)}: {plan.describe()}, {source}"
 
-    def _send_stop(self, gen: Generation, when: str) -> None:
+    def _send_stop(self, gen: Generation, when: str, handoff: Handoff | None = None) -> None:
         gen.stop_sent = when
         for server in gen.ranks_on:
             worker = self._worker_of(server)
             if worker is not None:
-                worker.commands.append(StopCommand(generation=gen.number, when=when))  # type: ignore[arg-type]
+                worker.commands.append(StopCommand(generation=gen.number, when=when, handoff=handoff))  # type: ignore[arg-type]
+
+    def _hand_over(self, gen: Generation, servers: list[str], when: When) -> bool:
+        """Move in place if the new allocation keeps rank 0's server; False: move by restarting instead.
+
+        The next generation starts now: its joiners (the new ranks no trainer carries into it)
+        start at once and wait in its rendezvous, and the stop request tells the trainers that
+        stay where they go (:mod:`jabascli.engine.handoff`).
+        """
+        if not self.loaded.config.scheduler.in_place_moves or not self._ready(servers):
+            return False  # (a server not registered yet: the move waits for it, as a restart does)
+        plan, source = plan_for(self.loaded, servers, self.gbs)
+        kept = survivors(gen.plan, plan)
+        if kept is None:
+            return False
+        ranks_on: dict[str, list[int]] = {}
+        for r in plan.ranks:
+            ranks_on.setdefault(r.server, []).append(r.rank)
+        self.generations += 1
+        nxt = Generation(self.generations, list(servers), plan, ranks_on, master=gen.master)
+        for server, ranks in ranks_on.items():
+            joiners = [r for r in ranks if r not in kept.values()]
+            worker = self._worker_of(server)
+            if joiners and worker is not None:
+                worker.commands.append(
+                    StartCommand(
+                        generation=nxt.number,
+                        ranks=joiners,
+                        world_size=plan.world_size,
+                        master_addr=gen.master[0],
+                        master_port=gen.master[1],
+                        plan=plan.to_dict(),
+                        resume=True,  # from the checkpoint the stopping generation writes before it opens
+                        checkpoint_every=self.loaded.config.scheduler.checkpoint_every,
+                    )
+                )
+        self.retiring = Retiring(gen, kept)
+        self._send_stop(gen, when, self._handoff_of(self.retiring, nxt))
+        self.moves.append(
+            MoveRecord(
+                generation=nxt.number,
+                from_servers=gen.servers,
+                to_servers=list(servers),
+                when=when,
+                reason="move",
+                in_place=True,
+                launched_at=time.time(),
+                loss_before=self.loss,
+            )
+        )
+        self.generation, self.allocation, self.pending = nxt, list(servers), None
+        self.state = "moving"
+        self.message = (
+            f"moving in place to {', '.join(servers)} at the next {'epoch end' if when == 'epoch' else 'iteration'}:"
+            f" {plan.describe()}, {source}"
+        )
+        return True
+
+    def _handoff_of(self, retiring: Retiring, nxt: Generation | None = None) -> Handoff:
+        nxt = nxt or self.generation
+        assert nxt is not None
+        ranks = {str(old): new for old, new in retiring.survivors.items()}
+        return Handoff(generation=nxt.number, world_size=nxt.plan.world_size, plan=nxt.plan.to_dict(), ranks=ranks)
 
     def _finish(self) -> None:
         self.finished_at = self.clock()

@@ -104,13 +104,24 @@ class StartCommand(Message):
     checkpoint_every: PositiveInt | None = None
 
 
+class Handoff(Message):
+    """A move in place (:mod:`jabascli.engine.handoff`): the generation the stopping one hands over to."""
+
+    generation: NonNegativeInt
+    world_size: PositiveInt
+    plan: dict[str, Any]
+    ranks: dict[str, NonNegativeInt]
+    """Old rank (as a string: a JSON key) -> new rank, for the ranks that stay."""
+
+
 class StopCommand(Message):
     """Stop a generation: ``epoch``/``now`` through the trainers' stop hook (they checkpoint), ``kill``
-    by signal."""
+    by signal. With ``handoff``, the trainers that stay carry on into the next generation."""
 
     kind: Literal["stop"] = "stop"
     generation: NonNegativeInt
     when: Literal["epoch", "now", "kill"]
+    handoff: Handoff | None = None
 
 
 Command = Annotated[StartCommand | StopCommand, Field(discriminator="kind")]
@@ -147,6 +158,8 @@ class MoveRecord(Message):
     to_servers: list[str]
     when: When
     reason: Literal["move", "restart"]
+    in_place: bool = False
+    """The trainers that stayed carried on (a move in place); False: every trainer was restarted."""
     stopped_step: int | None = None
     """The last step before: where the trainers stopped (a move), or the last one reported (a failure)."""
     resumed_step: int | None = None
@@ -155,11 +168,16 @@ class MoveRecord(Message):
     loss_after: float | None = None
     """The training loss last reported before, and first reported after."""
     last_iteration_at: float | None = None
+    """When the last iteration before ended (wall clock, as the two below)."""
     launched_at: float | None = None
-    """When the scheduler sent the new generation's start commands (wall clock, like the two around it)."""
+    """When the scheduler sent the new generation's start commands (for a move in place: the stop request
+    that carries it, which comes before the last iteration)."""
     first_iteration_at: float | None = None
+    """When the first iteration after began."""
+    first_iteration_s: float | None = None
+    """How long that first iteration took (with its one-off set-up: compare with a later one)."""
     downtime_s: float | None = None
-    """Wall time from the last iteration before to the first iteration after."""
+    """The time no iteration ran: from the end of the last iteration before to the start of the first after."""
 
 
 class EpochRecord(Message):

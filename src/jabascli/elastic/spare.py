@@ -25,12 +25,13 @@ import sys
 def warm_up(config: str, cpu: bool) -> None:
     """Import what a trainer imports and the workload's module; build its model and optimizer once.
 
-    All of it is dropped: building them again in the trainer then finds torch's
+    They are dropped: building them again in the trainer then finds torch's
     lazily imported modules loaded (a first optimizer alone costs over a second).
     On a CPU node (``cpu``: trainers compute on the CPU, as emulated servers do)
-    also load the datasets and run one forward and backward at the job's LBS, for
-    warm file caches and the CPU kernels' first-call set-up; on a GPU node that
-    would only take CPU time and I/O from the trainers running beside it.
+    also load the datasets, kept for the trainer this spare becomes
+    (:func:`~jabascli.engine.trainer.prepare_inputs`), and run one forward and
+    backward at the job's LBS, for the CPU kernels' first-call set-up; on a GPU
+    node that would only take CPU time and I/O from the trainers running beside it.
     """
     import torch  # noqa: F401
 
@@ -46,8 +47,9 @@ def warm_up(config: str, cpu: bool) -> None:
         optimizer = workload.optimizer(model.parameters())
         workload.lr_scheduler(optimizer)
         if cpu:
-            workload.train_dataset()
-            workload.val_dataset()
+            from jabascli.engine.trainer import prepare_inputs
+
+            prepare_inputs(load_config(config))  # the trainer this spare becomes takes them
             # The trainer seeds every generator itself, so these random numbers change nothing.
             inputs, target = workload.synthetic_batch(job.lbs or 2)
             output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)

@@ -16,23 +16,34 @@ iteration, or the others would wait forever in the next collective. So:
   waiting and reads it at the end of iteration ``i + 1``, by when the copy is
   long done; all ranks therefore stop after iteration ``i + 1``.
 
+A request may also be JSON, ``{"when": "now", "handoff": {...}}``: a move in
+place (:mod:`jabascli.engine.handoff`). After the stop, :meth:`StopControl.handoff`
+takes the request out of the file (so that the next generation does not stop on
+it again) and shares the handoff with every rank.
+
 A stopping trainer finishes as after ``--max-steps``: it writes its checkpoint
 and exits 0 with ``stopped`` in its ``done`` event. Rank 0 also reports the wall
-time of its last iteration (``stopping``) and of the first one of a run
-(``first_step``), from which the elastic scheduler measures a move's downtime.
+time at which its last iteration ended (``stopping``) and at which the first one
+of a run began and ended (``first_step``, ``started`` and ``time``), from which
+the elastic scheduler measures a move's downtime: the time no iteration ran.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from jabascli.engine.events import EventSink
+from jabascli.engine.handoff import Handoff, share
+from jabascli.errors import InputError
 
 CONTROL_FILE_ENV = "JABAS_CONTROL_FILE"
 POLL_S = 0.1
@@ -42,13 +53,31 @@ REQUESTS = ("epoch", "now")
 
 def read_request(path: Path | None) -> str | None:
     """The request in a control file: ``epoch``, ``now``, or None (no file, or anything else)."""
+    return parse_request(_read(path))[0]
+
+
+def parse_request(text: str | None) -> tuple[str | None, dict[str, Any] | None]:
+    """``(when, handoff)`` of a request: plain ``epoch``/``now``, or JSON with ``when`` and ``handoff``."""
+    text = (text or "").strip()
+    if text in REQUESTS:
+        return text, None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None, None
+    if not isinstance(data, dict) or data.get("when") not in REQUESTS:
+        return None, None
+    handoff = data.get("handoff")
+    return data["when"], handoff if isinstance(handoff, dict) else None
+
+
+def _read(path: Path | None) -> str | None:
     if path is None:
         return None
     try:
-        text = path.read_text().strip()
+        return path.read_text()
     except OSError:
         return None
-    return text if text in REQUESTS else None
 
 
 class StopControl:
@@ -71,6 +100,8 @@ class StopControl:
         self._slot = 0
         self._polled = 0.0
         self._first = True
+        self._started: float | None = None
+        """When the first iteration began (wall clock)."""
         self._now = False
         self.stop = False
 
@@ -89,6 +120,8 @@ class StopControl:
 
     def before_iteration(self) -> None:
         """Set this iteration's flag: rank 0's ``now`` request, 0 elsewhere (the sum is the decision)."""
+        if self._started is None:
+            self._started = time.time()
         if self.path is not None:
             clock = time.monotonic()
             if clock - self._polled >= POLL_S:
@@ -100,7 +133,7 @@ class StopControl:
         """Called by every rank after every iteration; True when training stops here."""
         if self._first:
             self._first = False
-            self._report("first_step", step)
+            self._report("first_step", step, started=self._started)
         if epoch_end:
             self.stop = self._agree(read_request(self.path) is not None)
         elif self._copied:
@@ -119,6 +152,25 @@ class StopControl:
             self._report("stopping", step)
         return self.stop
 
+    def handoff(self) -> Handoff | None:
+        """After a stop, on every rank: the next generation rank 0's request described, if any.
+
+        Rank 0 takes the request out of the control file (renamed, so a request written
+        afterwards is never lost) and shares its handoff; a plain stop shares nothing.
+        """
+        mine = None
+        if self.path is not None:
+            taken = self.path.with_name(self.path.name + ".taken")
+            with contextlib.suppress(OSError):
+                os.replace(self.path, taken)
+            when, data = parse_request(_read(taken))
+            if data is not None:
+                with contextlib.suppress(InputError):  # the controller checked it: a plain stop, then
+                    mine = Handoff.from_json(data, str(self.path))
+            elif when is not None:
+                os.replace(taken, self.path)  # a plain stop: leave the request where it was
+        return share(mine, self.rank, self.flag.device)
+
     def _agree(self, requested: bool) -> bool:
         """Rank 0's decision, on every rank (one broadcast; only at epoch ends)."""
         decision = torch.tensor([1.0 if requested else 0.0], dtype=self.flag.dtype, device=self.flag.device)
@@ -126,6 +178,6 @@ class StopControl:
             dist.broadcast(decision, 0)
         return bool(decision.item() > 0)
 
-    def _report(self, event: str, step: int) -> None:
+    def _report(self, event: str, step: int, **more: object) -> None:
         if self.emit is not None:
-            self.emit({"event": event, "step": step, "time": time.time()})
+            self.emit({"event": event, "step": step, "time": time.time(), **more})

@@ -11,6 +11,17 @@ otherwise every rank runs on the CPU with gloo. (All ranks decide from the
 same plan, so they agree.) With ``JABAS_SHARE_GPUS=1`` several ranks may share
 a GPU (``cuda:LOCAL_RANK mod GPUs``) over gloo, since NCCL refuses two ranks on
 one device: how the GPU tests run a multi-rank job on a one-GPU machine.
+
+Generations (``JABAS_GENERATION``, set by ``jabas worker``): an elastic job's
+trainers meet in a TCP store at ``MASTER_ADDR:MASTER_PORT`` that this process
+keeps (rank 0 hosts it), each generation under its own key prefix ``g<N>/``.
+A trainer that survives a move (:mod:`jabascli.engine.handoff`) joins the next
+generation's process group through the same store, without a new connection;
+the old group is retired, not destroyed, because freeing a gloo group waits
+10-20 ms for its threads, which would be downtime. Rank 0 opens a generation
+(key ``g<N>/open``) when it arrives; the others wait for that first, with no
+practical time limit, so that ranks started ahead of a move (at an epoch end
+maybe minutes away) do not run into the process group's rendezvous timeout.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import inspect
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,6 +42,16 @@ from jabascli.errors import InputError
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 SHARE_GPUS_ENV = "JABAS_SHARE_GPUS"
+GENERATION_ENV = "JABAS_GENERATION"
+OPEN_TIMEOUT = timedelta(days=7)
+"""How long a rank waits for rank 0 to open its generation (the agent kills it sooner when the job fails)."""
+STORE_TIMEOUT = timedelta(minutes=5)
+"""Connecting to the store, and each store operation of a rendezvous."""
+
+_stores: dict[tuple[str, int], dist.TCPStore] = {}
+"""The TCP stores this process joined (or hosts, on rank 0), kept for later generations."""
+_retired: list[object] = []
+"""Process groups of earlier generations, freed when the trainer ends (:func:`release_retired`)."""
 
 
 def _sharing_gpus() -> bool:
@@ -43,6 +65,8 @@ class DistEnv:
     local_rank: int
     master_addr: str | None
     master_port: int | None
+    generation: int | None = None
+    """The elastic job's generation (``JABAS_GENERATION``); None: a plain rendezvous (``jabas run``, torchrun)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -56,7 +80,8 @@ class DistEnv:
         world, rank = values["WORLD_SIZE"], values["RANK"]
         if world < 1 or not 0 <= rank < world:
             raise InputError.at("environment", "RANK", f"rank {rank} is outside a world of size {world}")
-        return cls(rank, world, values["LOCAL_RANK"], addr, values["MASTER_PORT"])
+        generation = _int_var(env, GENERATION_ENV) if GENERATION_ENV in env else None
+        return cls(rank, world, values["LOCAL_RANK"], addr, values["MASTER_PORT"], generation)
 
 
 def _int_var(env: Mapping[str, str], name: str) -> int:
@@ -94,11 +119,46 @@ def init_process_group(env: DistEnv, device: torch.device) -> bool:
     backend = "nccl" if device.type == "cuda" and not _sharing_gpus() else "gloo"
     if env.world_size == 1 and env.master_addr is None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    else:
+    elif env.generation is None:
         dist.init_process_group(
             backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank, world_size=env.world_size
         )
+    else:
+        _join_generation(env, backend)
     return True
+
+
+def rejoin(env: DistEnv, device: torch.device) -> None:
+    """Leave the current process group and join generation ``env.generation`` through the same store."""
+    _retired.append(dist.group.WORLD)
+    dist.destroy_process_group()  # unregisters it; the reference above keeps gloo's threads until the end
+    init_process_group(env, device)
+
+
+def release_retired() -> None:
+    """Free the process groups of earlier generations (before the current one goes, as at exit)."""
+    _retired.clear()
+
+
+def _join_generation(env: DistEnv, backend: str) -> None:
+    assert env.master_addr is not None and env.master_port is not None and env.generation is not None
+    key = (env.master_addr, env.master_port)
+    store = _stores.get(key)
+    if store is None:
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            is_master=env.rank == 0,
+            timeout=STORE_TIMEOUT,
+            wait_for_workers=False,
+        )
+        _stores[key] = store
+    prefix = f"g{env.generation}/"
+    if env.rank == 0:
+        store.set(prefix + "open", "1")
+    else:
+        store.wait([prefix + "open"], OPEN_TIMEOUT)
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=env.rank, world_size=env.world_size)
 
 
 def wrap_ddp(module: nn.Module, device: torch.device, bucket_cap_mb: float | None = None) -> DistributedDataParallel:

@@ -159,6 +159,14 @@ def load_plan(loaded: LoadedConfig, plan_path: Path | None = None) -> TrainingPl
     return plan
 
 
+def plan_from_dict(data: Any, loaded: LoadedConfig, source: str) -> TrainingPlan:
+    """A plan in the plan file form received from a controller (a move in place), as :func:`load_plan` reads one."""
+    plan = plan_from_solver(Plan.from_dict(data, source), source, loaded)
+    if loaded.config.job.weight_sync != "recommend":
+        plan = dataclasses.replace(plan, weight_sync=loaded.config.job.weight_sync)
+    return plan
+
+
 def read_plan_file(path: Path, loaded: LoadedConfig) -> TrainingPlan:
     """Read a plan file (``jabascli.solver.plan`` checks its form) and check it against the config."""
     return plan_from_solver(read_plan(path), path, loaded)

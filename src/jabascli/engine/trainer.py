@@ -20,7 +20,9 @@ and applies the mean of their gradients once (:mod:`jabascli.engine.reference`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
+import json
 import os
 import signal
 import statistics
@@ -28,6 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,14 +42,21 @@ from jabascli.engine.buffers import BufferSync, allreduce_sum
 from jabascli.engine.checkpoint import Progress, read_checkpoint, restore_checkpoint, save_checkpoint
 from jabascli.engine.control import StopControl
 from jabascli.engine.data import BatchLoader, batch_len
-from jabascli.engine.distributed import DistEnv, choose_device, init_process_group, wrap_ddp
+from jabascli.engine.distributed import (
+    DistEnv,
+    choose_device,
+    init_process_group,
+    rejoin,
+    release_retired,
+    wrap_ddp,
+)
 from jabascli.engine.events import EventSink
 from jabascli.engine.layout import checkpoint_path, run_folder
 from jabascli.engine.loader import MicroBatchFeed, default_loader_workers
 from jabascli.engine.memory_limit import MemoryLimit
 from jabascli.engine.metrics import MetricsWriter
 from jabascli.engine.options import TrainOptions
-from jabascli.engine.plan import TrainingPlan, load_plan
+from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_dict
 from jabascli.engine.sampler import IIDPSampler, Iteration
 from jabascli.engine.step_policy import StepPolicy, check_job_precision_inputs, check_precision, step_settings
 from jabascli.engine.timing import PhaseTimer
@@ -86,23 +96,45 @@ def run_trainer(
     """Run this process's rank of the job to its end; the entry point of ``jabas train``.
 
     Joins the process group from the environment (see
-    :mod:`jabascli.engine.distributed`), trains, and leaves it. Any failure is
-    also sent as an ``error`` event before it propagates.
+    :mod:`jabascli.engine.distributed`), trains, and leaves it. When a stop
+    hands the job over to a next generation that keeps this rank
+    (:mod:`jabascli.engine.handoff`), it trains on there, resumed from the
+    checkpoint just written. Any failure is also sent as an ``error`` event
+    before it propagates.
     """
     options = options or TrainOptions()
     env = DistEnv.from_environ(environ)
     created = False
     trainer: Trainer | None = None
+    metrics: MetricsWriter | None = None
+    results: list[EpochResult] = []
     try:
         with _sigterm_raises():
             plan = load_plan(loaded, options.plan)
-            plan.check_world_size(env.world_size)
-            check_job_precision_inputs(loaded, plan)  # every rank, so that all of them stop
-            check_batching(loaded, plan)  # `jabas run` did already; not plain torchrun
             device = choose_device(plan, env)
-            created = init_process_group(env, device)
-            trainer = Trainer(loaded, plan, env.rank, device, options, on_event)
-            return trainer.fit()
+            inputs = _take_prepared(loaded)
+            while True:
+                plan.check_world_size(env.world_size)
+                check_job_precision_inputs(loaded, plan)  # every rank, so that all of them stop
+                check_batching(loaded, plan)  # `jabas run` did already; not plain torchrun
+                created = init_process_group(env, device) or created
+                trainer = Trainer(loaded, plan, env.rank, device, options, on_event, inputs)
+                if metrics is None:
+                    metrics = trainer.open_metrics()  # rank 0's, kept across moves in place
+                results += trainer.fit(metrics)
+                unfinished = trainer.progress.epoch < trainer.epochs
+                handoff = trainer.control.handoff() if trainer.control.stop and unfinished else None
+                following = handoff.env_for(env) if handoff is not None else None
+                if handoff is None or following is None:
+                    return results
+                # A move in place: the same process, the next generation's rank, resumed from the checkpoint.
+                inputs, trainer = trainer.inputs(), None
+                gc.collect()  # the old model and optimizer go before the new ones are built
+                env, plan = following, plan_from_dict(handoff.plan, loaded, "handoff")
+                options = dataclasses.replace(options, resume=checkpoint_path(loaded))
+                if on_event is not None:
+                    on_event({"event": "handoff", "generation": env.generation, "rank": env.rank})
+                rejoin(env, device)
     except Exception as exc:
         if on_event is not None:
             kind = "input" if isinstance(exc, InputError) else "runtime"
@@ -114,9 +146,49 @@ def run_trainer(
         # Free DDP (it holds the process group) before the group goes: left to the interpreter's
         # exit, gloo's threads may be torn down out of order and abort the process.
         trainer = None
+        if metrics is not None:
+            metrics.close()
         gc.collect()
+        release_retired()
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a trainer's process keeps across a move in place: none of it depends on the plan or the world."""
+
+    workload: Workload
+    train_set: Any
+    val_set: Any
+    feed: MicroBatchFeed | None
+    """The loader workers (persistent processes), or None when loading in the trainer."""
+
+
+_prepared: tuple[tuple[str, ...], Inputs] | None = None
+
+
+def _job_key(loaded: LoadedConfig) -> tuple[str, ...]:
+    job = loaded.config.job
+    return (str(job.workload), json.dumps(job.options, sort_keys=True, default=str), str(job.data))
+
+
+def prepare_inputs(loaded: LoadedConfig) -> None:
+    """Load the job's workload and datasets now, for the trainer this process becomes later.
+
+    A warm spare (:mod:`jabascli.elastic.spare`) calls it, so that a rank started for a
+    move has its data before the move happens rather than during it.
+    """
+    global _prepared
+    job = loaded.config.job
+    workload = load_workload(job.workload, job.options, job.data)
+    _prepared = (_job_key(loaded), Inputs(workload, workload.train_dataset(), workload.val_dataset(), None))
+
+
+def _take_prepared(loaded: LoadedConfig) -> Inputs | None:
+    global _prepared
+    prepared, _prepared = _prepared, None
+    return prepared[1] if prepared is not None and prepared[0] == _job_key(loaded) else None
 
 
 class Trainer:
@@ -130,7 +202,10 @@ class Trainer:
         device: torch.device,
         options: TrainOptions,
         on_event: EventSink | None = None,
+        inputs: Inputs | None = None,
     ) -> None:
+        """``inputs``: the workload, datasets and loader workers of this process's previous trainer (a move
+        in place); they do not depend on the plan or the world."""
         cfg = loaded.config
         self.loaded, self.plan, self.rank, self.device, self.options = loaded, plan, rank, device, options
         self.me = plan.rank(rank)
@@ -139,7 +214,9 @@ class Trainer:
         self.validate_every = cfg.job.validate_every
 
         # What to train, and where training stands.
-        self.workload: Workload = load_workload(cfg.job.workload, cfg.job.options, cfg.job.data)
+        self.workload: Workload = (
+            inputs.workload if inputs else load_workload(cfg.job.workload, cfg.job.options, cfg.job.data)
+        )
         torch.manual_seed(cfg.job.seed)
         model = self.workload.build_model().to(device)
         self.model = model
@@ -158,8 +235,8 @@ class Trainer:
             self.step_policy.load_state_dict(payload.get("grad_scaler") or {})
 
         # The data: one seeded permutation per epoch, dealt to the workers in LBS chunks.
-        self.train_set = self.workload.train_dataset()
-        self.val_set = self.workload.val_dataset()
+        self.train_set = inputs.train_set if inputs else self.workload.train_dataset()
+        self.val_set = inputs.val_set if inputs else self.workload.val_dataset()
         self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)  # fit() checks that GBS samples exist
 
         # Adaptive GBS (jabascli.adaptive): it may start from another plan (initial_gbs, a resumed GBS),
@@ -197,7 +274,9 @@ class Trainer:
         self.buffers.riders.append(self.control.flag)
         load = BatchLoader(self.train_set, device, self.workload.collate)
         workers = default_loader_workers(cfg.job.loader_workers, device)  # 0: load in this process
-        self.feed = MicroBatchFeed(self.train_set, self.workload.collate, device, workers) if workers else None
+        self.feed = inputs.feed if inputs is not None else None
+        if self.feed is None and workers:
+            self.feed = MicroBatchFeed(self.train_set, self.workload.collate, device, workers)
         self.worker_step = WorkerStep(
             self.workload.loss,
             load,
@@ -213,6 +292,9 @@ class Trainer:
         self.memory_limit = MemoryLimit(self.me.memory_bytes, f"{self.me.server} ({self.me.device_type}), rank {rank}")
         self.memory_limit.start(replicas, self.optimizer)
 
+    def inputs(self) -> Inputs:
+        return Inputs(self.workload, self.train_set, self.val_set, self.feed)
+
     def set_timer(self, timer: PhaseTimer) -> None:
         """Report phase boundaries to ``timer`` (the computation profiler's; training keeps the no-op default)."""
         self.timer = self.worker_step.timer = timer
@@ -226,10 +308,12 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def fit(self) -> list[EpochResult]:
+    def fit(self, metrics: MetricsWriter | None = None) -> list[EpochResult]:
+        """Train to the job's end or a stop; writes to ``metrics`` if given (and open), else to its own writer."""
         self._check_gbs()
         self._report_start()
-        metrics = self._open_metrics()
+        own = metrics is None
+        metrics = self.open_metrics() if own else metrics
         results: list[EpochResult] = []
         try:
             while self.progress.epoch < self.epochs and not self._stop():
@@ -238,7 +322,7 @@ class Trainer:
                     results.append(result)
             self._save_checkpoint()
         finally:
-            if metrics is not None:
+            if own and metrics is not None:
                 metrics.close()
         if self.emit:
             done = {"event": "done", "step": self.progress.step, "stopped": self.progress.epoch < self.epochs}
@@ -466,7 +550,8 @@ class Trainer:
                 {"event": "checkpoint", "path": str(path), "epoch": p.epoch, "position": p.position, "step": p.step}
             )
 
-    def _open_metrics(self) -> MetricsWriter | None:
+    def open_metrics(self) -> MetricsWriter | None:
+        """Rank 0's metrics writer (None elsewhere, or with metrics off)."""
         if self.rank != 0 or not self.options.metrics:
             return None
         resume_step = self.progress.step if self.options.resume is not None else None
