@@ -16,6 +16,7 @@ from jabascli.config import LoadedConfig, load_config
 WORKLOAD = """
 import os
 import random
+import time
 
 import numpy as np
 import torch
@@ -117,6 +118,8 @@ def val_dataset(options):
 
 def loss(output, target):
     _LOSSES[0] += 1
+    if _OPTIONS.get("sleep"):  # slower iterations, for tests that steer a running job
+        time.sleep(_OPTIONS["sleep"])
     crash = _OPTIONS.get("crash_rank")
     if crash is not None and os.environ.get("RANK") == str(crash) and _LOSSES[0] > _OPTIONS.get("crash_after", 0):
         raise RuntimeError(f"boom on rank {crash}")

@@ -65,7 +65,7 @@ def test_a_move_to_an_unknown_server_is_refused_and_leaves_the_job_alone(tmp_pat
 
 
 def test_a_move_stops_at_the_epoch_end_then_starts_the_new_allocation_from_the_checkpoint(tmp_path: Path) -> None:
-    s, _ = scheduler(tmp_path)
+    s, _ = scheduler(tmp_path, scheduler={"in_place_moves": False})  # every trainer restarts
     register(s, 0)
     register(s, 1)
     commands(s, 0)
@@ -87,6 +87,72 @@ def test_a_move_stops_at_the_epoch_end_then_starts_the_new_allocation_from_the_c
     commands(s, 0, events=[first])
     [move] = s.status().moves
     assert (move.from_servers, move.to_servers, move.stopped_step, move.downtime_s) == (["A"], ["A", "B"], 10, 3.5)
+
+
+def _event(tag: int, event: str, **fields: object) -> dict[str, object]:
+    """A trainer event as its agent reports it: tagged with the generation the trainer belongs to."""
+    return {"generation": tag, "event": {"event": event, **fields}}
+
+
+def test_a_move_in_place_keeps_the_trainers_that_stay_and_starts_only_the_new_ranks(tmp_path: Path) -> None:
+    s, _ = scheduler(tmp_path)
+    register(s, 0)
+    register(s, 1)
+    [start] = commands(s, 0)
+    s.move(["A", "B"])
+    # The next generation exists at once: its joiner (B's rank) starts now, at the store rank 0 hosts.
+    assert (s.state, s.generation.number if s.generation else None) == ("moving", 2)
+    [stop] = commands(s, 0)
+    [joiner] = commands(s, 1)
+    assert isinstance(stop, StopCommand) and (stop.generation, stop.when) == (1, "epoch")
+    assert stop.handoff is not None and (stop.handoff.generation, stop.handoff.ranks) == (2, {"0": 0})
+    assert stop.handoff.plan["assignments"][1]["server"] == "B"
+    assert isinstance(joiner, StartCommand) and (joiner.generation, joiner.ranks, joiner.resume) == (2, [1], True)
+    assert (joiner.master_addr, joiner.master_port) == (start.master_addr, start.master_port)
+    # Rank 0 stops at the epoch end and carries on as generation 2's rank 0 (it does not exit).
+    events = [_event(1, "stopping", step=10, time=100.0), _event(1, "done", step=10, stopped=True, results=[])]
+    events += [_event(2, "handoff", generation=2, rank=0), _event(2, "first_step", step=11, started=100.25, time=101)]
+    commands(s, 0, events=events)
+    assert s.state == "running" and s.allocation == ["A", "B"] and s.retiring is None
+    [move] = s.status().moves
+    assert (move.in_place, move.stopped_step, move.downtime_s, move.first_iteration_s) == (True, 10, 0.25, 0.75)
+
+    # Back to A: B's rank leaves (exits 0), A's rank 0 stays; nothing restarts.
+    s.move(["A"], "now")
+    [stop] = commands(s, 0)
+    assert stop.handoff is not None and (stop.handoff.ranks, stop.handoff.world_size) == ({"0": 0}, 1)
+    assert commands(s, 1)[0].kind == "stop"  # B's rank stops with the others, then leaves
+    commands(s, 1, exits=[TrainerExit(generation=2, rank=1, code=0)])
+    commands(s, 0, events=[_event(2, "stopping", step=20, time=200.0), _event(3, "first_step", step=21, time=201)])
+    assert s.state == "running" and s.restarts == 0 and [m.in_place for m in s.status().moves] == [True, True]
+
+
+def test_a_move_that_drops_rank_0s_server_restarts_every_trainer(tmp_path: Path) -> None:
+    s, _ = scheduler(tmp_path)
+    register(s, 0)
+    register(s, 1)
+    commands(s, 0)
+    s.move(["B"], "now")
+    [stop] = commands(s, 0)
+    assert isinstance(stop, StopCommand) and stop.handoff is None and s.generation and s.generation.number == 1
+    assert commands(s, 1) == []  # B starts only once A's trainers exited
+
+
+def test_a_survivor_that_dies_during_a_move_in_place_restarts_the_job(tmp_path: Path) -> None:
+    s, _ = scheduler(tmp_path)
+    register(s, 0)
+    register(s, 1)
+    commands(s, 0)
+    s.move(["A", "B"], "now")
+    commands(s, 0), commands(s, 1)
+    # Rank 0 crashes before it handed over: it counts as generation 2's rank 0 too, and both are stopped.
+    commands(s, 0, exits=[TrainerExit(generation=1, rank=0, code=-9)])
+    assert s.state == "restarting"
+    [kill] = commands(s, 1)
+    assert isinstance(kill, StopCommand) and (kill.generation, kill.when) == (2, "kill")
+    [start_a] = commands(s, 1, exits=[TrainerExit(generation=2, rank=1, code=-15)])
+    assert s.state == "running" and s.restarts == 1 and s.retiring is None
+    assert isinstance(start_a, StartCommand) and start_a.generation == 3
 
 
 def test_a_crash_restarts_from_the_checkpoint_at_most_max_restarts_times(tmp_path: Path) -> None:
@@ -166,8 +232,8 @@ def test_a_planner_is_consulted_at_every_epoch_end_and_its_move_is_made(tmp_path
     commands(s, 0)
     epoch = {"event": "epoch", "epoch": 0, "step": 44, "train_loss": 0.7, "samples_per_s": 1.0, "time_s": 1.0}
     [stop] = commands(s, 0, events=[{"generation": 1, "event": epoch}])
-    assert seen == [[32]] and s.state == "moving" and s.pending == ["A", "B"]
-    assert isinstance(stop, StopCommand) and stop.when == "now"
+    assert seen == [[32]] and s.state == "moving" and s.allocation == ["A", "B"]  # in place: A's rank stays
+    assert isinstance(stop, StopCommand) and stop.when == "now" and stop.handoff is not None
 
 
 def test_a_new_scheduler_resumes_from_the_checkpoint_only_when_asked(tmp_path: Path) -> None:
