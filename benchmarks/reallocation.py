@@ -3,11 +3,16 @@
 For each workload (digits, the tiny ResNet), a real ``jabas schedule`` and two
 real ``jabas worker`` agents run on loopback with two one-device CPU servers,
 A and B. The job starts on A, is moved to A+B and back to A, each time with
-``when = now`` (at the next iteration). The scheduler records each move's
-downtime: from rank 0's last iteration before it to rank 0's first iteration
-after it (both wall clock, reported by the trainers), split into *stop* (last
-iteration -> the scheduler starts the new generation: checkpoint, exit, report)
-and *start* (-> first iteration: new processes, imports, rendezvous, resume).
+``when = now`` (at the next iteration); both keep A, so both are moves in place
+(``engine/handoff.py``): A's trainer carries on, B's is started ahead (A+B) or
+leaves (A). With ``--restart``, ``[scheduler] in_place_moves = false``: every
+move restarts every trainer (the path of a move that drops rank 0's server).
+The scheduler records each move's downtime: the time no iteration ran, from the
+end of rank 0's last iteration before it to the start of its first iteration
+after it (wall clock, reported by the trainers). The first iteration after is
+also shown beside a steady one (the median of the next ones, from
+``steps.csv``): its one-off set-up (DDP's bucket rebuild, first kernels) is a
+cost of the move too, outside the downtime.
 
 Then, in this process, the same model's checkpoint (the one the move wrote) is
 written and read back alone (save + read + restore), and::
@@ -22,6 +27,7 @@ Run: ``.venv/bin/python benchmarks/reallocation.py [--workloads digits resnet_ti
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import shutil
 import statistics
@@ -49,14 +55,19 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 
 
-def write_config(folder: Path, name: str) -> Path:
+def write_config(folder: Path, name: str, in_place: bool = True) -> Path:
     spec = WORKLOADS[name]
     server = {"device_type": "cpu", "devices": 1, "vsw": 1}
     config = {
         "job": {"name": name, "epochs": 1000, **spec},
         "batching": {"metric": "fixed"},
         "cluster": {"available_servers": ["A"], "servers": [{"name": "A", **server}, {"name": "B", **server}]},
-        "scheduler": {"port": free_port(), "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 30.0},
+        "scheduler": {
+            "port": free_port(),
+            "heartbeat_interval_s": 0.2,
+            "heartbeat_timeout_s": 30.0,
+            "in_place_moves": in_place,
+        },
         "storage": {"checkpoint_dir": str(folder / "checkpoints"), "run_dir": str(folder / "runs")},
     }
     path = folder / f"{name}.toml"
@@ -81,8 +92,8 @@ def wait(url: str, until: Any, timeout: float = 300) -> dict[str, Any]:
     raise SystemExit(f"timed out waiting at {url}")
 
 
-def measure_moves(folder: Path, name: str) -> tuple[list[dict[str, Any]], Path]:
-    config = write_config(folder, name)
+def measure_moves(folder: Path, name: str, in_place: bool) -> tuple[list[dict[str, Any]], Path]:
+    config = write_config(folder, name, in_place)
     loaded = load_config(config)
     url = f"http://127.0.0.1:{loaded.config.scheduler.port}"
     env = {**os.environ, "JABAS_TOKEN": TOKEN}
@@ -154,24 +165,39 @@ def checkpoint_alone(name: str, path: Path, repeats: int = 5) -> tuple[float, fl
     return statistics.median(writes), statistics.median(reads)
 
 
+def _iteration_times(steps_csv: Path) -> list[tuple[int, float]]:
+    """(step, median iteration seconds) of each row rank 0 logged."""
+    with steps_csv.open() as f:
+        return [(int(row["step"]), float(row["iteration_s"])) for row in csv.DictReader(f) if row["iteration_s"]]
+
+
+def _steady_after(steps: list[tuple[int, float]], step: int | None) -> float:
+    """The median iteration time over the rows logged after the first one following ``step``."""
+    later = [t for s, t in steps if step is not None and s > step][1:6]
+    return statistics.median(later) if later else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--keep", action="store_true", help="Keep the run folders (logs) and print where.")
+    parser.add_argument("--restart", action="store_true", help="Moves restart every trainer (no moves in place).")
     args = parser.parse_args()
     for name in args.workloads:
         folder = Path(tempfile.mkdtemp(prefix=f"jabas-realloc-{name}-"))
-        moves, path = measure_moves(folder, name)
+        moves, path = measure_moves(folder, name, in_place=not args.restart)
         write_s, read_s = checkpoint_alone(name, path)
         size_mb = path.stat().st_size / 1e6
         print(f"{name}: checkpoint {size_mb:.1f} MB, write {write_s * 1e3:.1f} ms, read+restore {read_s * 1e3:.1f} ms")
+        steps = _iteration_times(folder / "runs" / name / "steps.csv")
         for m in moves:
-            stop = m["launched_at"] - m["last_iteration_at"]
-            start = m["first_iteration_at"] - m["launched_at"]
             ratio = m["downtime_s"] / (write_s + read_s)
+            steady = _steady_after(steps, m["resumed_step"])
+            how = "in place" if m["in_place"] else "restart"
             print(
-                f"  move {','.join(m['from_servers'])} -> {','.join(m['to_servers'])}: "
-                f"downtime {m['downtime_s']:.2f} s (stop {stop:.2f} s, start {start:.2f} s), ratio={ratio:.1f}"
+                f"  move {','.join(m['from_servers'])} -> {','.join(m['to_servers'])} ({how}): "
+                f"downtime {m['downtime_s'] * 1e3:.1f} ms, ratio={ratio:.1f}; first iteration after "
+                f"{m['first_iteration_s'] * 1e3:.1f} ms, steady {steady * 1e3:.1f} ms"
             )
         if args.keep:
             print(f"  logs in {folder}")
