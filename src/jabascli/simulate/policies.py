@@ -96,8 +96,8 @@ class Simulation:
     def _rate(self, frontier: Frontier, epoch: int, gbs: float | None, oracle: bool) -> tuple[int, float]:
         """Best goodput point of ``frontier`` as the policy sees it, and its progress rate (/s)."""
         row = self._seen_row(epoch, oracle)
-        if oracle:
-            eff = np.asarray(self.stats.efficiency(frontier.gbs, row))
+        if oracle:  # the true gain, credit included
+            eff = np.asarray(self.stats.gain(frontier.gbs, row)) * self.stats.m0 / frontier.gbs
         else:
             eff = np.asarray(self.stats.efficiency(frontier.gbs, row, stats_gbs=gbs or self.stats.m0))
         i = frontier.best_goodput(eff)
