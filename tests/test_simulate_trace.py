@@ -289,14 +289,35 @@ def test_iidp_frontier_is_exact_synchronous_sgd_with_no_waiting(sia: Path) -> No
     for i in range(len(frontier.gbs)):
         config = frontier.config(i)
         assert config.gbs == pytest.approx(config.lbs * sum(g * config.micro_steps[t] for t, g in allocation))
-        compute, sync = timing.compute_and_sync(allocation, config.lbs)
+        compute, alone, mixed = timing.compute_and_sync(allocation, config.lbs)
         # a type whose memory does not fit the LBS (rtx above 200) sits this configuration out
         assert all(config.micro_steps[t] == 0 for t, _ in allocation if t not in compute)
         busy = {t: config.micro_steps[t] * compute[t] for t in compute}
         active = [t for t in compute if config.micro_steps[t] > 0]
+        sync = mixed if len(active) > 1 else alone
         assert config.iter_s == pytest.approx(max(busy.values()) + max(sync[t] for t in active))
         for t in active:  # one more micro-step on any type would make the iteration longer
             assert busy[t] + compute[t] > max(busy.values()) - 1e-9
+
+
+def test_a_mixed_job_is_never_faster_than_its_types_traced_steps(sia: Path) -> None:
+    """Several types crossing nodes: one micro-step lasts at least each type's traced step on two nodes."""
+    trace = load_trace(sia / "cifar10", ["aws", "azure"])
+    timing = Timing({t: StepTimes(trace.timings[t]) for t in ("aws", "azure")})
+    steps = timing.step_times["azure"]
+    for lbs in (32.0, 64.0, 128.0):
+        compute, alone, mixed = timing.compute_and_sync((("aws", 4), ("azure", 8)), lbs)
+        split = steps.at((4, 4), lbs)
+        assert split is not None
+        assert compute["azure"] + mixed["azure"] >= split[0] - 1e-12  # >= the traced 4+4 step
+        assert compute["azure"] + alone["azure"] == pytest.approx(steps.at((8,), lbs)[0])
+    # azure with aws idle (no micro-steps on aws) is azure alone, never faster
+    both = timing.frontier((("aws", 4), ("azure", 8)), 128, 4096)
+    alone_frontier = timing.frontier((("azure", 8),), 128, 4096)
+    assert both is not None and alone_frontier is not None
+    idle = both.steps[:, 0] == 0
+    for gbs, iter_s in zip(both.gbs[idle], both.iter_s[idle], strict=True):
+        assert iter_s >= alone_frontier.iter_s[np.isclose(alone_frontier.gbs, gbs)].min() - 1e-12
 
 
 def test_planner_takes_the_cheapest_fast_enough_and_charges_moves() -> None:

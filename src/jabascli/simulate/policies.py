@@ -164,8 +164,16 @@ class Simulation:
                 best = result
         return best
 
+    def jabas_allocations(self) -> list[Allocation]:
+        """jabas's candidates: whole nodes of any types, and every single-type choice pollux has.
+
+        So jabas can always pick what pollux would (1, 2 or 4 GPUs of one node too).
+        """
+        single = [((t, g),) for t in self.cluster for g in self.gpu_counts(t)]
+        return list(dict.fromkeys(self.node_allocations() + single))
+
     def _node_frontiers(self) -> dict[Allocation, Frontier]:
-        frontiers = {a: self.timing.frontier(a, self.stats.m0, self.stats.max_gbs) for a in self.node_allocations()}
+        frontiers = {a: self.timing.frontier(a, self.stats.m0, self.stats.max_gbs) for a in self.jabas_allocations()}
         return {a: f for a, f in frontiers.items() if f is not None}
 
     def _near(self, frontier: Frontier, epoch: int, gbs: float | None, target: float) -> tuple[int, float]:
