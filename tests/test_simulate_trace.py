@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jabascli.errors import InputError
-from jabascli.simulate import simulate_trace
+from jabascli.simulate import forecast, simulate_trace
 from jabascli.simulate.cluster import parse_cluster, parse_prices, prices_for
 from jabascli.simulate.configs import Timing, TraceCostModel
 from jabascli.simulate.planner import Candidate, choose_allocation
@@ -320,21 +320,52 @@ def test_a_mixed_job_is_never_faster_than_its_types_traced_steps(sia: Path) -> N
         assert iter_s >= alone_frontier.iter_s[np.isclose(alone_frontier.gbs, gbs)].min() - 1e-12
 
 
-def test_planner_takes_the_cheapest_fast_enough_and_charges_moves() -> None:
+def test_planner_takes_the_fastest_charges_moves_and_keeps_a_margin() -> None:
     a, b, c = (("aws", 4),), (("rtx", 8),), (("aws", 4), ("rtx", 8))
-    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(b, 96.0, 3.0, 0.03), Candidate(c, 80.0, 4.0, 0.05)]
-    assert choose_allocation(cands, None, move_s=0.0).allocation == c
-    cands[2] = Candidate(c, 93.0, 4.0, 0.05)  # b is within 5% of the fastest and cheaper
-    assert choose_allocation(cands, None, move_s=0.0).allocation == b
-    cands[2] = Candidate(c, 99.0, 4.0, 0.05)  # all within 5%: the cheapest wins
-    assert choose_allocation(cands, None, move_s=0.0).allocation == a
+    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(b, 96.0, 3.0, 0.03), Candidate(c, 93.0, 4.0, 0.05)]
+    assert choose_allocation(cands, None, move_s=0.0).allocation == c  # objective time: the fastest
+    assert choose_allocation(cands, None, move_s=0.0, slack=0.05).allocation == b  # cheapest within 5%
+    assert choose_allocation(cands, None, move_s=0.0, slack=0.10).allocation == a
     cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(c, 90.0, 4.0, 0.05)]
     assert choose_allocation(cands, a, move_s=0.0).allocation == c
     assert choose_allocation(cands, a, move_s=20.0).allocation == a  # the move does not pay off
-    # the current allocation stays while fast enough and within the margin of the cheapest
-    cands = [Candidate(a, 100.0, 1.03, 0.01), Candidate(b, 101.0, 1.0, 0.01)]
+    # the current allocation stays unless the winner is faster (or, as fast, cheaper) by the margin
+    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(c, 97.0, 4.0, 0.05)]
     assert choose_allocation(cands, a, move_s=0.0).allocation == a
-    assert choose_allocation(cands, a, move_s=0.0, margin=0.01).allocation == b
+    assert choose_allocation(cands, a, move_s=0.0, margin=0.01).allocation == c
+    cands = [Candidate(a, 100.0, 1.03, 0.01), Candidate(b, 100.0, 0.9, 0.01)]
+    assert choose_allocation(cands, a, move_s=0.0).allocation == b
+    cands = [Candidate(a, 100.0, 1.03, 0.01), Candidate(b, 100.0, 1.0, 0.01)]
+    assert choose_allocation(cands, a, move_s=0.0).allocation == a
+
+
+def test_rate_curve_is_the_best_goodput_at_a_noise_scale_and_forecasts_follow_a_trend(sia: Path) -> None:
+    trace = load_trace(sia / "imagenet", ["dgx-ext", "rtx"])
+    stats = Statistics(trace.validation)
+    timing = Timing({t: StepTimes(trace.timings[t]) for t in ("dgx-ext", "rtx")})
+    frontier = timing.frontier((("dgx-ext", 16), ("rtx", 24)), stats.m0, stats.max_gbs)
+    assert frontier is not None
+    curve = forecast.RateCurve(frontier, stats.m0)
+    for k in (0, 10, 60):
+        noise = stats.noise_scale(800.0, k)
+        sqr, var = stats.grad_stats(800.0, k)
+        eff = (var + sqr) / (var + frontier.gbs / stats.m0 * sqr)  # E(M) with the statistics measured at 800
+        best = float(np.max(eff * frontier.gbs / stats.m0 / frontier.iter_s))
+        assert curve(np.array([noise]))[0] == pytest.approx(best, rel=0.02)  # a log grid of 32 points per decade
+    assert np.all(np.diff(curve(forecast.GRID)) >= -1e-12)  # more noise, larger useful GBS: never slower
+    assert forecast.noise_scales([100.0, 120.0], 3) == pytest.approx([120.0] * 3)  # too few to fit a trend
+    growing = forecast.noise_scales([100.0, 130.0, 170.0, 220.0], 5)
+    assert np.all(np.diff(growing) > 0) and growing[0] > 220.0
+
+
+def test_planner_no_dearer_adds_types_only_where_they_cost_nothing_more() -> None:
+    a, b, c = (("aws", 4),), (("rtx", 8),), (("aws", 4), ("rtx", 8))
+    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(b, 96.0, 3.0, 0.03), Candidate(c, 80.0, 4.0, 0.05)]
+    assert choose_allocation(cands, None, move_s=0.0, objective="no-dearer").allocation == b  # c dearer than b
+    cands[2] = Candidate(c, 80.0, 2.9, 0.05)
+    assert choose_allocation(cands, None, move_s=0.0, objective="no-dearer").allocation == c
+    with pytest.raises(ValueError, match="unknown objective"):
+        choose_allocation(cands, None, move_s=0.0, objective="fast")
 
 
 def test_policies_json_shape_and_sanity(sia: Path) -> None:

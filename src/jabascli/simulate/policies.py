@@ -33,10 +33,10 @@ import itertools
 import numpy as np
 
 from jabascli.errors import InputError
-from jabascli.simulate import similarity
+from jabascli.simulate import forecast, similarity
 from jabascli.simulate.configs import Allocation, Config, Frontier, Timing, describe
 from jabascli.simulate.loop import Decide, PolicyResult, run_policy
-from jabascli.simulate.planner import DEFAULT_SLACK, Candidate, choose_allocation
+from jabascli.simulate.planner import DEFAULT_SLACK, OBJECTIVES, Candidate, choose_allocation
 from jabascli.simulate.progress import Statistics
 from jabascli.simulate.steptime import StepTimes
 from jabascli.simulate.trace import Trace
@@ -55,6 +55,7 @@ class Simulation:
         prices: dict[str, float],
         target_metric: float | None = None,
         slack: float = DEFAULT_SLACK,
+        objective: str = "time",
     ) -> None:
         self.trace = trace
         self.cluster = cluster
@@ -65,6 +66,11 @@ class Simulation:
         self.per_node = self.timing.per_node
         self.target_metric = target_metric
         self.slack = slack
+        if objective not in OBJECTIVES:
+            raise InputError.at(
+                None, "objective", f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVES)}"
+            )
+        self.objective = objective
         if target_metric is not None:
             self.stats.check_target(target_metric)
 
@@ -185,31 +191,44 @@ class Simulation:
         return i, float(eff[i] * frontier.gbs[i] / self.stats.m0 / frontier.iter_s[i])
 
     def jabas(self, batching: str = "goodput") -> PolicyResult | None:
-        """jabas with its ``goodput`` or ``similarity`` GBS policy (``similarity.py``)."""
+        """jabas with its ``goodput`` or ``similarity`` GBS policy (``similarity.py``).
+
+        Each epoch, every candidate allocation is predicted the time to finish the
+        job: with ``goodput``, at its goodput-optimal configuration of each remaining
+        epoch for the noise scale forecast from those measured so far
+        (``forecast.py``); with ``similarity``, at the GBS the rule asks for now.
+        ``planner.choose_allocation`` picks one.
+        """
         frontiers = self._node_frontiers()
         if not frontiers:
             return None
+        rate_at = {a: forecast.RateCurve(f, self.stats.m0) for a, f in frontiers.items()}
+        measured: list[float] = []
+        epoch_work = np.diff(self.stats.boundaries, prepend=0.0)
 
         def decide(epoch: int, current: Allocation | None, gbs: float | None) -> tuple[Allocation, Config]:
             work = self.remaining_progress(epoch)
             points: dict[Allocation, int] = {}
             candidates = []
             target = 0.0
+            now = gbs or self.stats.m0
+            noise = self.stats.noise_scale(now, self._seen_row(epoch, False))
+            measured.append(noise)
+            future = forecast.noise_scales(measured, self.stats.epochs - epoch)
             if batching == "similarity":
-                now = gbs or self.stats.m0
-                noise = self.stats.noise_scale(now, self._seen_row(epoch, False))
                 iterations = self.stats.epoch_progress(epoch) * self.stats.m0 / now
                 target = similarity.next_gbs(now, noise, iterations, low=self.stats.m0, high=self.stats.max_gbs)
             for allocation, frontier in frontiers.items():
                 if batching == "similarity":
                     i, rate = self._near(frontier, epoch, gbs, target)
+                    time_s = work / rate
                 else:
-                    i, rate = self._rate(frontier, epoch, gbs, oracle=False)
+                    i, _ = self._rate(frontier, epoch, gbs, oracle=False)
+                    time_s = float(np.sum(epoch_work[epoch:] / rate_at[allocation](future)))
                 points[allocation] = i
-                time_s = work / rate
                 price_s = self._price_s(allocation)
                 candidates.append(Candidate(allocation, time_s, time_s * price_s, price_s))
-            chosen = choose_allocation(candidates, current, self.trace.restart_s, self.slack)
+            chosen = choose_allocation(candidates, current, self.trace.restart_s, self.slack, objective=self.objective)
             return chosen.allocation, frontiers[chosen.allocation].config(points[chosen.allocation])
 
         return self.run("jabas" if batching == "goodput" else f"jabas-{batching}", decide)
