@@ -32,9 +32,13 @@ class RateCurve:
     """``R(B_noise)`` of one allocation (module docstring), interpolated in ``log B_noise``."""
 
     def __init__(self, frontier: Frontier, m0: float) -> None:
-        per_sample = frontier.gbs / m0 / frontier.iter_s
-        efficiency = (GRID[:, None] + m0) / (GRID[:, None] + frontier.gbs[None, :])
-        self._rate = (efficiency * per_sample[None, :]).max(axis=1)
+        # Only configurations no other beats in both GBS and time can be best at some noise scale.
+        order = np.lexsort((frontier.iter_s, -frontier.gbs))  # GBS descending, then faster first
+        gbs, iter_s = frontier.gbs[order], frontier.iter_s[order]
+        keep = iter_s < np.minimum.accumulate(np.concatenate([[np.inf], iter_s[:-1]]))
+        gbs, iter_s = gbs[keep], iter_s[keep]
+        efficiency = (GRID[:, None] + m0) / (GRID[:, None] + gbs[None, :])
+        self._rate = (efficiency * (gbs / m0 / iter_s)[None, :]).max(axis=1)
         self._log_grid = np.log(GRID)
 
     def __call__(self, noise: np.ndarray) -> np.ndarray:

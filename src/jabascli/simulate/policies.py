@@ -202,7 +202,9 @@ class Simulation:
         frontiers = self._node_frontiers()
         if not frontiers:
             return None
-        rate_at = {a: forecast.RateCurve(f, self.stats.m0) for a, f in frontiers.items()}
+        rate_at = (
+            {a: forecast.RateCurve(f, self.stats.m0) for a, f in frontiers.items()} if batching == "goodput" else {}
+        )
         measured: list[float] = []
         epoch_work = np.diff(self.stats.boundaries, prepend=0.0)
 
