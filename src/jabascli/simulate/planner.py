@@ -15,8 +15,9 @@ Rule (issue #14's objective ``time``, with its margin rule):
 1. a candidate other than the current allocation is charged the move: ``move_s``
    more seconds, paid at its own price;
 2. with the objective ``no-dearer``, a candidate whose cost exceeds that of the
-   fastest *single-type* candidate (what Pollux would run) is dropped: other
-   types are added only where they do not make the job dearer;
+   fastest *single-type* candidate (what Pollux would run) is dropped (the
+   current allocation only beyond ``margin``): other types are added only where
+   they do not make the job dearer;
 3. the fastest candidate sets ``t_min``; the cheapest candidate within
    ``(1 + slack) * t_min`` wins (``slack`` 0 by default: ties go to the cheaper);
 4. the current allocation is kept unless the winner is faster by more than
@@ -75,7 +76,10 @@ def choose_allocation(
         single = [s for s in scored if len(s[2].allocation) == 1]
         if single:
             budget = min(single, key=lambda s: (s[0], s[1]))[1]
-            scored = [s for s in scored if s[1] <= budget * (1 + 1e-9)]
+            # the current allocation keeps the margin too, so a shifting budget does not evict it
+            scored = [
+                s for s in scored if s[1] <= budget * ((1 + margin) if s[2].allocation == current else (1 + 1e-9))
+            ]
     t_min = min(time for time, _, _ in scored)
     fast = [s for s in scored if s[0] <= (1 + slack) * t_min]
     best = min(fast, key=lambda s: (s[1], s[0]))
