@@ -205,7 +205,7 @@ class Simulation:
         rate_at = (
             {a: forecast.RateCurve(f, self.stats.m0) for a, f in frontiers.items()} if batching == "goodput" else {}
         )
-        measured: list[float] = []
+        measured: dict[int, float] = {}  # by the epoch (trace row) the statistics are of
         epoch_work = np.diff(self.stats.boundaries, prepend=0.0)
 
         def decide(epoch: int, current: Allocation | None, gbs: float | None) -> tuple[Allocation, Config]:
@@ -214,9 +214,10 @@ class Simulation:
             candidates = []
             target = 0.0
             now = gbs or self.stats.m0
-            noise = self.stats.noise_scale(now, self._seen_row(epoch, False))
-            measured.append(noise)
-            future = forecast.noise_scales(measured, self.stats.epochs - epoch)
+            row = self._seen_row(epoch, False)
+            noise = self.stats.noise_scale(now, row)
+            measured[row] = noise  # epochs 0 and 1 both see the first epoch's: one measurement
+            future = forecast.noise_scales(list(measured.values()), self.stats.epochs - epoch)
             if batching == "similarity":
                 iterations = self.stats.epoch_progress(epoch) * self.stats.m0 / now
                 target = similarity.next_gbs(now, noise, iterations, low=self.stats.m0, high=self.stats.max_gbs)
