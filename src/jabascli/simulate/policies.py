@@ -10,7 +10,8 @@
   predicted gain over the rest of the job pays for the restart.
 - ``jabas``: IIDP over every type (same LBS everywhere, faster types run more
   micro-steps), the goodput-optimal GBS of each candidate allocation, and an
-  allocation chosen per epoch by ``planner.choose_allocation``.
+  allocation chosen per epoch by ``planner.choose_allocation`` on the time to
+  finish predicted with the noise scale forecast (``forecast.py``).
 - ``jabas-similarity``: the same with jabas's ``similarity`` GBS policy instead of
   goodput (its expectation derived from the statistics, ``similarity.py``): the
   GBS follows the rule, and each allocation runs its fastest configuration
@@ -19,11 +20,13 @@
   allocation's goodput-optimal IIDP configuration per epoch, and the sequence of
   allocations of least total time, moves included (dynamic programming over
   epochs). A lower bound on ``jabas``'s time in this model; cost is not its goal.
+  It alone sees the true gain (the trace's credit, ``progress.py``).
 
 What the adaptive policies know: at the start of epoch ``k`` they have measured
 the statistics of epoch ``k - 1`` at the GBS they ran (epoch 0: the first epoch's,
 which AdaptDL measures in its first iterations; the trace has nothing earlier),
-and they extrapolate ``E(M)`` from that one measurement.
+and they extrapolate ``E(M)`` from that one measurement (the formula on the
+statistics, without the credit).
 """
 
 from __future__ import annotations
