@@ -28,11 +28,12 @@ epoch of the run at GBS ``B``, its progress and its iterations, so
     gain_B[k] = (progress_B[k] - progress_B[k-1]) / (iteration_B[k] - iteration_B[k-1])
 
 is the progress per iteration AdaptDL accumulated from its per-step estimates.
-The row's statistics give ``E(B) * B / M0``, which matches it within 1% from the
-second epoch on but not in the first: there the gradient norm falls by 5-20x
-and the row's statistics (dominated by the epoch's early, large ``grad_sqr``)
-give far less than was credited (imagenet at 6400: 3.8 against 11.6 per
-iteration; the next row gives 7.2, so no reading of the rows reproduces it).
+The row's statistics give ``E(B) * B / M0``, which matches it within 1% in most
+epochs after the first (2-7% off in a few early ones at the largest GBS) but
+not in the first: there the gradient norm falls by 5-20x and the row's
+statistics give far less than was credited (imagenet at 6400: 3.8 against 11.6
+per iteration; the next row gives 7.2, and any blend of two rows gives a gain
+between theirs, so no reading of the rows reproduces it; docs/simulation.md).
 The simulated truth is therefore the formula times the *credit* of the epoch,
 
     credit_B[k] = gain_B[k] / (E_k(B) * B / M0),
