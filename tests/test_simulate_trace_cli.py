@@ -89,6 +89,7 @@ def _too_small(trace: Path) -> None:
         ("too small", ["--cluster", "aws:1"], "cluster: too small for the trace"),
         ("", ["--cluster", "aws:1", "--policies", "greedy"], "unknown policy 'greedy'"),
         ("", ["--cluster", "aws:1", "--prices", "aws=-1"], "'aws=-1' is not TYPE=PRICE"),
+        ("", ["--cluster", "aws:1", "--objective", "fast"], "objective: unknown objective 'fast'"),
         ("", [], "--cluster: needed with --trace"),
         ("", ["--cluster", "aws:1", "--trajectory", "flat:256"], "--trajectory: not used with --trace"),
         ("", ["--cluster", "aws:1", "-c", "jabas.toml"], "--config: not used with --trace"),

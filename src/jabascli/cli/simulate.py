@@ -20,7 +20,7 @@ from jabascli.cli.common import JsonOption, cli_command, console, err_console, p
 from jabascli.config import load_config
 from jabascli.errors import InputError
 
-TRACE_OPTIONS = ("--cluster", "--policies", "--prices", "--target-metric")
+TRACE_OPTIONS = ("--cluster", "--policies", "--prices", "--target-metric", "--objective")
 TRAJECTORY_OPTIONS = ("--config", "--trajectory", "--epochs", "--dataset-size")
 
 
@@ -78,6 +78,15 @@ def simulate(
             show_default=False,
         ),
     ] = None,
+    objective: Annotated[
+        str | None,
+        typer.Option(
+            help="With --trace: jabas's planner objective, time (the fastest allocation) or no-dearer "
+            "(the fastest among those no dearer than the fastest single-type one), e.g. --objective no-dearer "
+            "(default: time).",
+            show_default=False,
+        ),
+    ] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Simulate a training run under each policy, without training.
@@ -107,7 +116,13 @@ def simulate(
 
         jabas simulate --trace ../shared/reference/sia-traces/cifar10 --cluster aws:2,rtx:1 --json > sim.json
     """
-    trace_given = {"--cluster": cluster, "--policies": policies, "--prices": prices, "--target-metric": target_metric}
+    trace_given = {
+        "--cluster": cluster,
+        "--policies": policies,
+        "--prices": prices,
+        "--target-metric": target_metric,
+        "--objective": objective,
+    }
     trajectory_given = {
         "--config": config,
         "--trajectory": trajectory,
@@ -116,11 +131,12 @@ def simulate(
     }
     if trace is not None:
         _refuse(
-            trajectory_given, "with --trace (a trace simulation takes --cluster, --policies, --prices, --target-metric)"
+            trajectory_given,
+            "with --trace (a trace simulation takes --cluster, --policies, --prices, --target-metric, --objective)",
         )
         if cluster is None:
             raise InputError.at(None, "--cluster", "needed with --trace, e.g. --cluster aws:6,dgx-ext:2,rtx:3")
-        _simulate_trace(trace, cluster, policies, prices, target_metric, json_out)
+        _simulate_trace(trace, cluster, policies, prices, target_metric, objective or "time", json_out)
         return
     _refuse(trace_given, "without --trace DIR (it belongs to a trace simulation)")
     if config is None or trajectory is None:
@@ -137,7 +153,13 @@ def _refuse(given: dict[str, object], when: str) -> None:
 
 
 def _simulate_trace(
-    trace: Path, cluster: str, policies: str | None, prices: str | None, target_metric: float | None, json_out: bool
+    trace: Path,
+    cluster: str,
+    policies: str | None,
+    prices: str | None,
+    target_metric: float | None,
+    objective: str,
+    json_out: bool,
 ) -> None:
     from jabascli.simulate import POLICIES, simulate_trace
     from jabascli.simulate.cluster import parse_prices
@@ -147,7 +169,9 @@ def _simulate_trace(
         raise InputError.at(None, "--policies", f"no policy named; expected some of {', '.join(POLICIES)}")
     overrides = parse_prices(prices) if prices is not None else None
     with err_console.status(f"simulating {trace} on {cluster}", spinner="dots"):
-        result = simulate_trace(trace, cluster, names, prices=overrides, target_metric=target_metric)
+        result = simulate_trace(
+            trace, cluster, names, prices=overrides, target_metric=target_metric, objective=objective
+        )
     if json_out:
         print_json(result.to_json())
         return

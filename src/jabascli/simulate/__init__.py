@@ -32,6 +32,7 @@ class TraceResult:
     prices: dict[str, float]
     target_metric: float | None
     policies: list[PolicyResult]
+    objective: str = "time"
 
     def get(self, name: str) -> PolicyResult | None:
         return next((p for p in self.policies if p.policy == name), None)
@@ -71,6 +72,7 @@ class TraceResult:
             "cluster": self.cluster,
             "prices": self.prices,
             "target_metric": self.target_metric,
+            "objective": self.objective,
             "policies": [p.to_json(timeline) for p in self.policies],
             "comparison": self.comparison(),
         }
@@ -87,17 +89,19 @@ def simulate_trace(
     policies: Sequence[str] = POLICIES,
     prices: Mapping[str, float] | None = None,
     target_metric: float | None = None,
+    objective: str = "time",
 ) -> TraceResult:
     """Simulate one traced job on a cluster under each policy.
 
     ``cluster_spec``: ``"aws:6,dgx-ext:2,rtx:3"`` or ``{"aws": 6, ...}`` (nodes per
     GPU type); ``prices``: $/GPU-hour overrides; ``target_metric``: end the job when
-    the traced validation metric reaches it (default: at the trace's end).
+    the traced validation metric reaches it (default: at the trace's end);
+    ``objective``: jabas's planner objective, ``time`` or ``no-dearer`` (``planner.py``).
     Raises :class:`~jabascli.errors.InputError` on a bad folder, cluster, policy or target.
     """
     cluster = parse_cluster(cluster_spec) if isinstance(cluster_spec, str) else dict(cluster_spec)
     trace = load_trace(trace_dir, list(cluster))
     price_table = prices_for(list(cluster), prices)
-    sim = Simulation(trace, cluster, price_table, target_metric)
+    sim = Simulation(trace, cluster, price_table, target_metric, objective=objective)
     results = run_policies(sim, list(policies))
-    return TraceResult(trace.name, cluster, price_table, target_metric, results)
+    return TraceResult(trace.name, cluster, price_table, target_metric, results, objective)

@@ -21,10 +21,11 @@ Timing model (docs/simulation.md):
   placement (Pollux's accumulation rule); a VSW is charged the same as a GA step:
   the trace does not measure concurrent streams, so no overlap gain is assumed;
 - iteration = ``max_t m_t * c_t(b) + sync(b)``; the synchronisation of a job on
-  one type is that type's traced ``sync_time``. A job over several nodes of
-  several types all-reduces across nodes, so each active type pays at least its
-  own two-node synchronisation (its GPUs split over two nodes when they sit on
-  one), and the slowest type's synchronisation paces the ring.
+  one type (or with only one type running micro-steps) is that type's traced
+  ``sync_time``. A job whose micro-steps run on several types all-reduces across
+  nodes, so each active type pays at least what its GPUs split over two nodes
+  take (``Timing.compute_and_sync``), and the slowest type's synchronisation
+  paces the ring.
 """
 
 from __future__ import annotations
@@ -105,26 +106,40 @@ class Timing:
             return own
         return (math.ceil(gpus / 2), gpus // 2) if gpus >= 2 else (1, 1)
 
-    def compute_and_sync(self, allocation: Allocation, lbs: float) -> tuple[dict[str, float], dict[str, float]] | None:
-        """Per type: compute per micro-step ``c_t(lbs)`` and the synchronisation it pays.
+    def compute_and_sync(
+        self, allocation: Allocation, lbs: float
+    ) -> tuple[dict[str, float], dict[str, float], dict[str, float]] | None:
+        """Per type: compute per micro-step ``c_t(lbs)``, the sync it pays alone, and with other types.
 
-        A type whose traced range does not cover ``lbs`` is left out of both; ``None``
-        when no type covers it.
+        *Alone* (the only type running micro-steps): the traced ``sync_time`` of its
+        own placement. *With other types* the all-reduce crosses nodes, so a type on
+        one node pays at least what its GPUs split over two nodes take: one
+        micro-step there lasts the traced ``step_time`` of that split placement, so
+        its sync is ``max(sync_split, step_split - c_t)``. (The trace's split of a
+        step into compute and sync differs between placements: azure's 8 GPUs on one
+        node sync in 0.066 s at LBS 64, on two nodes in 0.030 s with twice the
+        compute, so taking the compute of one and the sync of the other would run
+        8 V100s a third faster than any traced step.)
+
+        A type whose traced range does not cover ``lbs`` is left out; ``None`` when
+        no type covers it.
         """
         nodes = sum(len(self.placement(t, g)) for t, g in allocation)
         multi = nodes > 1 and len(allocation) > 1
         compute: dict[str, float] = {}
-        sync: dict[str, float] = {}
+        alone: dict[str, float] = {}
+        mixed: dict[str, float] = {}
         for t, g in allocation:
             own = self.step_times[t].at(self.placement(t, g), lbs)
             if own is None:
                 continue
-            s = self.step_times[t].at(self._sync_placement(t, g, multi), lbs) if multi else own
-            if s is None:
+            split = self.step_times[t].at(self._sync_placement(t, g, multi), lbs) if multi else own
+            if split is None:
                 continue
             compute[t] = own[0] - own[1]
-            sync[t] = s[1]
-        return (compute, sync) if compute else None
+            alone[t] = own[1]
+            mixed[t] = max(split[1], split[0] - compute[t]) if multi else own[1]
+        return (compute, alone, mixed) if compute else None
 
     def uniform(self, allocation: Allocation, gbs: float) -> Config | None:
         """Every GPU at the same LBS and micro-steps, GBS exactly ``gbs``; ``None`` if it does not fit."""
@@ -141,8 +156,8 @@ class Timing:
         parts = self.compute_and_sync(allocation, lbs)
         if parts is None or len(parts[0]) < len(allocation):
             return None
-        compute, sync = parts
-        iter_s = steps * max(compute.values()) + max(sync.values())
+        compute, alone, mixed = parts
+        iter_s = steps * max(compute.values()) + max((mixed if len(allocation) > 1 else alone).values())
         return Config(gbs=gbs, lbs=lbs, iter_s=iter_s, micro_steps={t: steps for t, _ in allocation})
 
     def lbs_candidates(self, allocation: Allocation) -> np.ndarray:
@@ -177,9 +192,10 @@ class Timing:
             parts = self.compute_and_sync(allocation, float(b))
             if parts is None:
                 continue
-            compute, sync = parts
+            compute, alone, mixed = parts
             c = np.array([compute.get(t, np.inf) for t in types])
-            s = np.array([sync.get(t, 0.0) for t in types])
+            s_alone = np.array([alone.get(t, 0.0) for t in types])
+            s_mixed = np.array([mixed.get(t, 0.0) for t in types])
             usable = np.isfinite(c)
             limit = np.floor(max_gbs / (b * gpus[usable])).astype(int)
             budgets = np.unique(np.concatenate([c[usable][i] * np.arange(1, n + 1) for i, n in enumerate(limit)]))
@@ -189,7 +205,10 @@ class Timing:
                 steps = np.floor(budgets[:, None] / c[None, :] + 1e-9)
             steps[:, ~usable] = 0
             gbs = b * steps @ gpus
-            active_sync = np.where(steps > 0, s[None, :], 0.0).max(axis=1)
+            active = steps > 0
+            # one type running micro-steps syncs as it does alone; several cross nodes
+            sync = np.where(active.sum(axis=1, keepdims=True) > 1, s_mixed[None, :], s_alone[None, :])
+            active_sync = np.where(active, sync, 0.0).max(axis=1)
             keep = (gbs >= min_gbs - 1e-9) & (gbs <= max_gbs + 1e-9)
             if keep.any():
                 rows.append((gbs[keep], budgets[keep] + active_sync[keep], np.full(keep.sum(), float(b)), steps[keep]))

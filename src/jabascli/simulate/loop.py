@@ -4,11 +4,12 @@ The trace's statistics change only at epoch boundaries (one row per epoch), so
 within an epoch a configuration's progress rate is constant and the loop steps a
 whole epoch at once, exactly:
 
-    rate_k  = E_k(gbs) * gbs / M0 / iter_s        (progress per second)
+    rate_k  = gain_k(gbs) / iter_s                 (progress per second)
     time_k  = epoch_progress(k) / rate_k
     iters_k = time_k / iter_s
 
-with ``E_k`` the true efficiency of epoch ``k`` at the GBS run (``progress.py``).
+with ``gain_k`` the true progress per iteration of epoch ``k`` at the GBS run
+(``E_k(gbs) * gbs / M0`` times the trace's credit, ``progress.py``).
 At each boundary the policy chooses the allocation and configuration of the next
 epoch; a change of allocation is a move (checkpoint-restart: the trace's restart
 cost in seconds, paid on the new allocation); a change of GBS on the same
@@ -88,7 +89,7 @@ def run_policy(
             result.cost += restart_s * price_s
             result.gpu_hours += restart_s * gpus / 3600.0
         allocation, gbs = new_allocation, config.gbs
-        rate = float(stats.efficiency(config.gbs, epoch)) * config.gbs / stats.m0 / config.iter_s
+        rate = float(stats.gain(config.gbs, epoch)) / config.iter_s
         seconds = stats.epoch_progress(epoch) / rate
         result.timeline.append(
             {

@@ -10,7 +10,8 @@
   predicted gain over the rest of the job pays for the restart.
 - ``jabas``: IIDP over every type (same LBS everywhere, faster types run more
   micro-steps), the goodput-optimal GBS of each candidate allocation, and an
-  allocation chosen per epoch by ``planner.choose_allocation``.
+  allocation chosen per epoch by ``planner.choose_allocation`` on the time to
+  finish predicted with the noise scale forecast (``forecast.py``).
 - ``jabas-similarity``: the same with jabas's ``similarity`` GBS policy instead of
   goodput (its expectation derived from the statistics, ``similarity.py``): the
   GBS follows the rule, and each allocation runs its fastest configuration
@@ -19,11 +20,13 @@
   allocation's goodput-optimal IIDP configuration per epoch, and the sequence of
   allocations of least total time, moves included (dynamic programming over
   epochs). A lower bound on ``jabas``'s time in this model; cost is not its goal.
+  It alone sees the true gain (the trace's credit, ``progress.py``).
 
 What the adaptive policies know: at the start of epoch ``k`` they have measured
 the statistics of epoch ``k - 1`` at the GBS they ran (epoch 0: the first epoch's,
 which AdaptDL measures in its first iterations; the trace has nothing earlier),
-and they extrapolate ``E(M)`` from that one measurement.
+and they extrapolate ``E(M)`` from that one measurement (the formula on the
+statistics, without the credit).
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ import itertools
 import numpy as np
 
 from jabascli.errors import InputError
-from jabascli.simulate import similarity
+from jabascli.simulate import forecast, similarity
 from jabascli.simulate.configs import Allocation, Config, Frontier, Timing, describe
 from jabascli.simulate.loop import Decide, PolicyResult, run_policy
-from jabascli.simulate.planner import DEFAULT_SLACK, Candidate, choose_allocation
+from jabascli.simulate.planner import DEFAULT_SLACK, OBJECTIVES, Candidate, choose_allocation
 from jabascli.simulate.progress import Statistics
 from jabascli.simulate.steptime import StepTimes
 from jabascli.simulate.trace import Trace
@@ -55,6 +58,7 @@ class Simulation:
         prices: dict[str, float],
         target_metric: float | None = None,
         slack: float = DEFAULT_SLACK,
+        objective: str = "time",
     ) -> None:
         self.trace = trace
         self.cluster = cluster
@@ -65,6 +69,11 @@ class Simulation:
         self.per_node = self.timing.per_node
         self.target_metric = target_metric
         self.slack = slack
+        if objective not in OBJECTIVES:
+            raise InputError.at(
+                None, "objective", f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVES)}"
+            )
+        self.objective = objective
         if target_metric is not None:
             self.stats.check_target(target_metric)
 
@@ -96,8 +105,8 @@ class Simulation:
     def _rate(self, frontier: Frontier, epoch: int, gbs: float | None, oracle: bool) -> tuple[int, float]:
         """Best goodput point of ``frontier`` as the policy sees it, and its progress rate (/s)."""
         row = self._seen_row(epoch, oracle)
-        if oracle:
-            eff = np.asarray(self.stats.efficiency(frontier.gbs, row))
+        if oracle:  # the true gain, credit included
+            eff = np.asarray(self.stats.gain(frontier.gbs, row)) * self.stats.m0 / frontier.gbs
         else:
             eff = np.asarray(self.stats.efficiency(frontier.gbs, row, stats_gbs=gbs or self.stats.m0))
         i = frontier.best_goodput(eff)
@@ -164,8 +173,16 @@ class Simulation:
                 best = result
         return best
 
+    def jabas_allocations(self) -> list[Allocation]:
+        """jabas's candidates: whole nodes of any types, and every single-type choice pollux has.
+
+        So jabas can always pick what pollux would (1, 2 or 4 GPUs of one node too).
+        """
+        single = [((t, g),) for t in self.cluster for g in self.gpu_counts(t)]
+        return list(dict.fromkeys(self.node_allocations() + single))
+
     def _node_frontiers(self) -> dict[Allocation, Frontier]:
-        frontiers = {a: self.timing.frontier(a, self.stats.m0, self.stats.max_gbs) for a in self.node_allocations()}
+        frontiers = {a: self.timing.frontier(a, self.stats.m0, self.stats.max_gbs) for a in self.jabas_allocations()}
         return {a: f for a, f in frontiers.items() if f is not None}
 
     def _near(self, frontier: Frontier, epoch: int, gbs: float | None, target: float) -> tuple[int, float]:
@@ -177,31 +194,47 @@ class Simulation:
         return i, float(eff[i] * frontier.gbs[i] / self.stats.m0 / frontier.iter_s[i])
 
     def jabas(self, batching: str = "goodput") -> PolicyResult | None:
-        """jabas with its ``goodput`` or ``similarity`` GBS policy (``similarity.py``)."""
+        """jabas with its ``goodput`` or ``similarity`` GBS policy (``similarity.py``).
+
+        Each epoch, every candidate allocation is predicted the time to finish the
+        job: with ``goodput``, at its goodput-optimal configuration of each remaining
+        epoch for the noise scale forecast from those measured so far
+        (``forecast.py``); with ``similarity``, at the GBS the rule asks for now.
+        ``planner.choose_allocation`` picks one.
+        """
         frontiers = self._node_frontiers()
         if not frontiers:
             return None
+        rate_at = (
+            {a: forecast.RateCurve(f, self.stats.m0) for a, f in frontiers.items()} if batching == "goodput" else {}
+        )
+        measured: dict[int, float] = {}  # by the epoch (trace row) the statistics are of
+        epoch_work = np.diff(self.stats.boundaries, prepend=0.0)
 
         def decide(epoch: int, current: Allocation | None, gbs: float | None) -> tuple[Allocation, Config]:
             work = self.remaining_progress(epoch)
             points: dict[Allocation, int] = {}
             candidates = []
             target = 0.0
+            now = gbs or self.stats.m0
+            row = self._seen_row(epoch, False)
+            noise = self.stats.noise_scale(now, row)
+            measured[row] = noise  # epochs 0 and 1 both see the first epoch's: one measurement
+            future = forecast.noise_scales(list(measured.values()), self.stats.epochs - epoch)
             if batching == "similarity":
-                now = gbs or self.stats.m0
-                noise = self.stats.noise_scale(now, self._seen_row(epoch, False))
                 iterations = self.stats.epoch_progress(epoch) * self.stats.m0 / now
                 target = similarity.next_gbs(now, noise, iterations, low=self.stats.m0, high=self.stats.max_gbs)
             for allocation, frontier in frontiers.items():
                 if batching == "similarity":
                     i, rate = self._near(frontier, epoch, gbs, target)
+                    time_s = work / rate
                 else:
-                    i, rate = self._rate(frontier, epoch, gbs, oracle=False)
+                    i, _ = self._rate(frontier, epoch, gbs, oracle=False)
+                    time_s = float(np.sum(epoch_work[epoch:] / rate_at[allocation](future)))
                 points[allocation] = i
-                time_s = work / rate
                 price_s = self._price_s(allocation)
                 candidates.append(Candidate(allocation, time_s, time_s * price_s, price_s))
-            chosen = choose_allocation(candidates, current, self.trace.restart_s, self.slack)
+            chosen = choose_allocation(candidates, current, self.trace.restart_s, self.slack, objective=self.objective)
             return chosen.allocation, frontiers[chosen.allocation].config(points[chosen.allocation])
 
         return self.run("jabas" if batching == "goodput" else f"jabas-{batching}", decide)

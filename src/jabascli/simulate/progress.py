@@ -21,6 +21,27 @@ conventions:
 - The metric after epoch ``k`` is the best traced metric of rows ``0..k``,
   interpolated the same way (Pollux ``get_best_metric``); it rises if the first
   traced run's last row is above its first.
+
+What a run really gains per iteration is what it credited: the trace logs, per
+epoch of the run at GBS ``B``, its progress and its iterations, so
+
+    gain_B[k] = (progress_B[k] - progress_B[k-1]) / (iteration_B[k] - iteration_B[k-1])
+
+is the progress per iteration AdaptDL accumulated from its per-step estimates.
+The row's statistics give ``E(B) * B / M0``, which matches it within 1% in most
+epochs after the first (2-7% off in a few early ones at the largest GBS) but
+not in the first: there the gradient norm falls by 5-20x and the row's
+statistics give far less than was credited (imagenet at 6400: 3.8 against 11.6
+per iteration; the next row gives 7.2, and any blend of two rows gives a gain
+between theirs, so no reading of the rows reproduces it; docs/simulation.md).
+The simulated truth is therefore the formula times the *credit* of the epoch,
+
+    credit_B[k] = gain_B[k] / (E_k(B) * B / M0),
+
+interpolated linearly between the traced batch sizes like the statistics. At a
+traced GBS a fixed-batch run then needs the iterations the real run logged; the
+policies still see only the statistics (:meth:`Statistics.efficiency`), as a
+running AdaptDL job does.
 """
 
 from __future__ import annotations
@@ -57,6 +78,13 @@ class Statistics:
             np.maximum.accumulate(metric, axis=1) if self.metric_rises else np.minimum.accumulate(metric, axis=1)
         )
         self.iterations = {r.batch_size: r.iteration[:n] for r in runs}
+        credited = np.array(
+            [np.diff(r.progress[:n], prepend=0.0) / np.diff(r.iteration[:n], prepend=0.0) for r in runs]
+        )
+        formula = np.array(
+            [efficiency(r.batch_size, self.m0, r.grad_sqr[:n], r.grad_var[:n]) * r.batch_size / self.m0 for r in runs]
+        )
+        self._credit = credited / formula  # [batch size, epoch]
 
     def epoch_progress(self, epoch: int) -> float:
         """Progress made during ``epoch`` (from the previous boundary to its own)."""
@@ -82,6 +110,14 @@ class Statistics:
         """
         sqr, var = self.grad_stats(gbs if stats_gbs is None else stats_gbs, epoch)
         return efficiency(gbs, self.m0, sqr, var)
+
+    def credit(self, gbs: np.ndarray | float, epoch: int) -> np.ndarray | float:
+        """The credited gain over the formula's in ``epoch`` at GBS ``gbs`` (module docstring)."""
+        return np.interp(gbs, self.batch_sizes, self._credit[:, epoch])
+
+    def gain(self, gbs: np.ndarray | float, epoch: int) -> np.ndarray | float:
+        """True progress per iteration in ``epoch`` at GBS ``gbs``: ``E(gbs) * gbs / M0 * credit``."""
+        return self.efficiency(gbs, epoch) * np.asarray(gbs, dtype=float) / self.m0 * self.credit(gbs, epoch)
 
     def best_metric(self, gbs: float, epoch: int) -> float:
         """The best validation metric seen by the end of ``epoch`` at GBS ``gbs``."""

@@ -139,6 +139,8 @@ def read_validation(trace_dir: Path) -> dict[int, ValidationRun]:
         arrays = {c: _numbers(path, c, cols[c]) for c in VALIDATION_COLUMNS}
         if np.any(np.diff(arrays["progress"]) <= 0):
             raise InputError.at(path, "progress", "must increase from row to row")
+        if np.any(np.diff(arrays["iteration"], prepend=0.0) <= 0):
+            raise InputError.at(path, "iteration", "must be > 0 and increase from row to row")
         if np.any(arrays["grad_sqr"] <= 0) or np.any(arrays["grad_var"] < 0):
             raise InputError.at(path, "grad_sqr/grad_var", "grad_sqr must be > 0 and grad_var >= 0")
         batch = int(match.group(1))
