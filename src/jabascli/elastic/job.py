@@ -503,31 +503,11 @@ class Scheduler:
             plan, source = load_plan(self.loaded), "the [job] plan file"
         else:
             plan, source = plan_for(self.loaded, servers, self.gbs if previous is not None else None)
-        ranks_on: dict[str, list[int]] = {}
-        for r in plan.ranks:
-            ranks_on.setdefault(r.server, []).append(r.rank)
-        self.generations += 1
-        gen = Generation(self.generations, list(servers), plan, ranks_on)
         first = self.loaded.config.server(servers[0])
-        port = free_port()
-        gen.master = (self.master_addr or first.host, port)
+        gen = self._new_generation(servers, plan, (self.master_addr or first.host, free_port()))
         resume = self.checkpoint is not None and self.checkpoint.is_file()
-        every = self.loaded.config.scheduler.checkpoint_every
-        for server, ranks in ranks_on.items():
-            worker = self._worker_of(server)
-            assert worker is not None
-            worker.commands.append(
-                StartCommand(
-                    generation=gen.number,
-                    ranks=ranks,
-                    world_size=plan.world_size,
-                    master_addr=gen.master[0],
-                    master_port=gen.master[1],
-                    plan=plan.to_dict(),
-                    resume=resume,
-                    checkpoint_every=every,
-                )
-            )
+        for server, ranks in gen.ranks_on.items():
+            self._send_start(gen, server, ranks, resume)
         if reason is not None and previous is not None:
             last = previous.last_iteration if reason == "move" else (self.step, None)
             self.moves.append(
@@ -547,6 +527,29 @@ class Scheduler:
         self.state = "running"
         self.gbs = plan.gbs
         self.message = f"generation {gen.number} on {', '.join(servers)}: {plan.describe()}, {source}"
+
+    def _new_generation(self, servers: list[str], plan: TrainingPlan, master: tuple[str, int]) -> Generation:
+        ranks_on: dict[str, list[int]] = {}
+        for r in plan.ranks:
+            ranks_on.setdefault(r.server, []).append(r.rank)
+        self.generations += 1
+        return Generation(self.generations, list(servers), plan, ranks_on, master=master)
+
+    def _send_start(self, gen: Generation, server: str, ranks: list[int], resume: bool) -> None:
+        worker = self._worker_of(server)
+        assert worker is not None  # the servers of a generation are all alive when it starts
+        worker.commands.append(
+            StartCommand(
+                generation=gen.number,
+                ranks=ranks,
+                world_size=gen.plan.world_size,
+                master_addr=gen.master[0],
+                master_port=gen.master[1],
+                plan=gen.plan.to_dict(),
+                resume=resume,
+                checkpoint_every=self.loaded.config.scheduler.checkpoint_every,
+            )
+        )
 
     def _send_stop(self, gen: Generation, when: str, handoff: Handoff | None = None) -> None:
         gen.stop_sent = when
@@ -568,27 +571,11 @@ class Scheduler:
         kept = survivors(gen.plan, plan)
         if kept is None:
             return False
-        ranks_on: dict[str, list[int]] = {}
-        for r in plan.ranks:
-            ranks_on.setdefault(r.server, []).append(r.rank)
-        self.generations += 1
-        nxt = Generation(self.generations, list(servers), plan, ranks_on, master=gen.master)
-        for server, ranks in ranks_on.items():
+        nxt = self._new_generation(servers, plan, gen.master)
+        for server, ranks in nxt.ranks_on.items():
             joiners = [r for r in ranks if r not in kept.values()]
-            worker = self._worker_of(server)
-            if joiners and worker is not None:
-                worker.commands.append(
-                    StartCommand(
-                        generation=nxt.number,
-                        ranks=joiners,
-                        world_size=plan.world_size,
-                        master_addr=gen.master[0],
-                        master_port=gen.master[1],
-                        plan=plan.to_dict(),
-                        resume=True,  # from the checkpoint the stopping generation writes before it opens
-                        checkpoint_every=self.loaded.config.scheduler.checkpoint_every,
-                    )
-                )
+            if joiners:  # they resume from the checkpoint the stopping generation writes before it opens
+                self._send_start(nxt, server, joiners, resume=True)
         self.retiring = Retiring(gen, kept)
         self._send_stop(gen, when, self._handoff_of(self.retiring, nxt))
         self.moves.append(
