@@ -3,7 +3,7 @@
 For each workload (digits, the tiny ResNet), a real ``jabas schedule`` and two
 real ``jabas worker`` agents run on loopback with two one-device CPU servers,
 A and B. The job starts on A, is moved to A+B and back to A, each time with
-``when = now`` (at the next iteration); both keep A, so both are moves in place
+``when = now`` (at the next iteration), :data:`ROUNDS` times; both keep A, so both are moves in place
 (``engine/handoff.py``): A's trainer carries on, B's is started ahead (A+B) or
 leaves (A). With ``--restart``, ``[scheduler] in_place_moves = false``: every
 move restarts every trainer (the path of a move that drops rank 0's server).
@@ -49,6 +49,8 @@ from jabascli.workload import load_workload
 
 TOKEN = "benchmark-token-0123456789"
 WARM_S = 12.0
+ROUNDS = 3
+"""Round trips A -> A+B -> A per workload: each move's figures are the median of its three."""
 WORKLOADS: dict[str, dict[str, Any]] = {
     "digits": {"workload": "digits", "options": {"lr": 0.05}, "lbs": 16},
     "resnet_tiny": {"workload": "resnet", "options": {"variant": "tiny", "synthetic_size": 512}, "lbs": 16},
@@ -105,7 +107,7 @@ def measure_moves(folder: Path, name: str, in_place: bool) -> tuple[list[dict[st
         procs.append(subprocess.Popen(args, env=env, stdout=logs[rank + 1], stderr=logs[rank + 1]))
     headers = {"Authorization": f"Bearer {TOKEN}"}
     try:
-        for target in (["A", "B"], ["A"]):
+        for target in (["A", "B"], ["A"]) * ROUNDS:
             before = len(wait(url, lambda s: s["state"] == "running" and s["loss"] is not None)["moves"])
             time.sleep(WARM_S)  # as between the (rare) moves of a real job: the agents' spares are warm
             httpx.post(url + "/v1/job/move", json={"servers": target, "when": "now"}, headers=headers, timeout=10)
@@ -190,14 +192,18 @@ def main() -> None:
         size_mb = path.stat().st_size / 1e6
         print(f"{name}: checkpoint {size_mb:.1f} MB, write {write_s * 1e3:.1f} ms, read+restore {read_s * 1e3:.1f} ms")
         steps = _iteration_times(folder / "runs" / name / "steps.csv")
-        for m in moves:
-            ratio = m["downtime_s"] / (write_s + read_s)
-            steady = _steady_after(steps, m["resumed_step"])
-            how = "in place" if m["in_place"] else "restart"
+        for kind in (["A", "B"], ["A"]):
+            same = [m for m in moves if m["to_servers"] == kind]
+            downtimes = [m["downtime_s"] for m in same]
+            downtime = statistics.median(downtimes)
+            first = statistics.median(m["first_iteration_s"] for m in same)
+            steady = statistics.median(_steady_after(steps, m["resumed_step"]) for m in same)
+            how = "in place" if all(m["in_place"] for m in same) else "restart"
+            each = ", ".join(f"{d * 1e3:.1f}" for d in downtimes)
             print(
-                f"  move {','.join(m['from_servers'])} -> {','.join(m['to_servers'])} ({how}): "
-                f"downtime {m['downtime_s'] * 1e3:.1f} ms, ratio={ratio:.1f}; first iteration after "
-                f"{m['first_iteration_s'] * 1e3:.1f} ms, steady {steady * 1e3:.1f} ms"
+                f"  move {','.join(same[0]['from_servers'])} -> {','.join(kind)} ({how}): "
+                f"downtime {downtime * 1e3:.1f} ms (each: {each}), ratio={downtime / (write_s + read_s):.1f}; "
+                f"first iteration after {first * 1e3:.1f} ms, steady {steady * 1e3:.1f} ms"
             )
         if args.keep:
             print(f"  logs in {folder}")

@@ -102,8 +102,10 @@ def test_a_move_in_place_keeps_the_trainers_that_stay_and_starts_only_the_new_ra
     s.move(["A", "B"])
     # The next generation exists at once: its joiner (B's rank) starts now, at the store rank 0 hosts.
     assert (s.state, s.generation.number if s.generation else None) == ("moving", 2)
-    [stop] = commands(s, 0)
     [joiner] = commands(s, 1)
+    assert commands(s, 0) == []  # A trains on until the joiner is built and waits
+    commands(s, 1, events=[_event(2, "ready", generation=2, rank=1)])
+    [stop] = commands(s, 0)
     assert isinstance(stop, StopCommand) and (stop.generation, stop.when) == (1, "epoch")
     assert stop.handoff is not None and (stop.handoff.generation, stop.handoff.ranks) == (2, {"0": 0})
     assert stop.handoff.plan["assignments"][1]["server"] == "B"
@@ -127,6 +129,24 @@ def test_a_move_in_place_keeps_the_trainers_that_stay_and_starts_only_the_new_ra
     assert s.state == "running" and s.restarts == 0 and [m.in_place for m in s.status().moves] == [True, True]
 
 
+def test_a_stop_during_a_move_in_place_stops_the_old_generation_and_the_waiting_joiner(tmp_path: Path) -> None:
+    s, _ = scheduler(tmp_path)
+    register(s, 0)
+    register(s, 1)
+    commands(s, 0)
+    s.move(["A", "B"], "now")
+    commands(s, 1)  # the joiner's start
+    s.stop("now")
+    [stop] = commands(s, 0)
+    [kill] = commands(s, 1)
+    assert isinstance(stop, StopCommand) and (stop.generation, stop.when, stop.handoff) == (1, "now", None)
+    assert isinstance(kill, StopCommand) and (kill.generation, kill.when) == (2, "kill")
+    commands(s, 1, exits=[TrainerExit(generation=2, rank=1, code=-15)])
+    assert s.state == "stopping"
+    commands(s, 0, exits=[TrainerExit(generation=1, rank=0, code=0)])  # A's rank stopped and exited
+    assert s.state == "stopped"
+
+
 def test_a_move_that_drops_rank_0s_server_restarts_every_trainer(tmp_path: Path) -> None:
     s, _ = scheduler(tmp_path)
     register(s, 0)
@@ -144,6 +164,7 @@ def test_a_survivor_that_dies_during_a_move_in_place_restarts_the_job(tmp_path: 
     register(s, 1)
     commands(s, 0)
     s.move(["A", "B"], "now")
+    commands(s, 1, events=[_event(2, "ready", generation=2, rank=1)])
     commands(s, 0), commands(s, 1)
     # Rank 0 crashes before it handed over: it counts as generation 2's rank 0 too, and both are stopped.
     commands(s, 0, exits=[TrainerExit(generation=1, rank=0, code=-9)])
@@ -231,8 +252,10 @@ def test_a_planner_is_consulted_at_every_epoch_end_and_its_move_is_made(tmp_path
     register(s, 1)
     commands(s, 0)
     epoch = {"event": "epoch", "epoch": 0, "step": 44, "train_loss": 0.7, "samples_per_s": 1.0, "time_s": 1.0}
-    [stop] = commands(s, 0, events=[{"generation": 1, "event": epoch}])
+    assert commands(s, 0, events=[{"generation": 1, "event": epoch}]) == []
     assert seen == [[32]] and s.state == "moving" and s.allocation == ["A", "B"]  # in place: A's rank stays
+    commands(s, 1, events=[_event(2, "ready", generation=2, rank=1)])  # B's new rank is built and waits
+    [stop] = commands(s, 0)
     assert isinstance(stop, StopCommand) and stop.when == "now" and stop.handoff is not None
 
 

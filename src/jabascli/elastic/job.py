@@ -115,6 +115,10 @@ class Retiring:
     """Old rank -> its rank in the next generation."""
     finished: bool = False
     """It finished the job before the move happened: the next generation's joiners are stopped."""
+    when: When = "epoch"
+    joiners: set[int] = field(default_factory=set)
+    """The next generation's ranks started for the move that have not said they are ``ready`` yet:
+    the stop is sent once there are none, so that the job trains on while they start."""
 
     @property
     def leavers_exited(self) -> bool:
@@ -316,8 +320,10 @@ class Scheduler:
         elif self.state == "moving" and self.retiring is not None:
             self.pending = None  # the move under way goes on; only its `when` can change
             old = self.retiring.generation
-            if when == "now" and old.stop_sent == "epoch":
-                self._send_stop(old, when, self._handoff_of(self.retiring))
+            if when == "now":
+                self.retiring.when = when
+                if old.stop_sent == "epoch":
+                    self._send_stop(old, when, self._handoff_of(self.retiring))
         elif self.state == "moving" and gen is not None and when == "now" and gen.stop_sent == "epoch":
             self._send_stop(gen, when)
         elif self.state == "waiting":
@@ -334,9 +340,17 @@ class Scheduler:
         if gen is None or gen.all_exited:
             self.state = "stopped"
             self._finish()
+        elif self.retiring is not None and self.retiring.generation.stop_sent is None:
+            # A move in place still waiting for its joiners: the old generation stops for good instead.
+            self.state = "stopping"
+            joiners = set(range(gen.plan.world_size)) - set(self.retiring.survivors.values())
+            self._send_stop(gen, "kill", only=joiners)
+            self._send_stop(self.retiring.generation, when)
         else:
             self.state = "stopping"
             self._send_stop(gen, when)
+            if self.retiring is not None:  # rank 0 is handing over: its control file is the one it reads next
+                self._send_stop(self.retiring.generation, when)
         self.message = "stop requested"
         return self.status()
 
@@ -392,6 +406,10 @@ class Scheduler:
             self.step = _int(event.get("step")) or self.step
             self.checkpoint = checkpoint_path(self.loaded)  # written on every exit
             self.checkpoint_step = self.step
+        elif kind == "ready" and self.retiring is not None and gen is self.generation:
+            self.retiring.joiners.discard(_int(event.get("rank")) or 0)
+            if not self.retiring.joiners and self.retiring.generation.stop_sent is None:
+                self._send_stop(self.retiring.generation, self.retiring.when, self._handoff_of(self.retiring))
         elif kind == "stopping":
             gen.last_iteration = (_int(event.get("step")), _float(event.get("time")))
             if self.retiring is not None and gen is self.retiring.generation and self.moves:
@@ -409,7 +427,10 @@ class Scheduler:
                 self.state = "running" if self.state == "moving" else self.state
 
     def _consult_planner(self) -> None:
-        if self.planner is None or self.state != "running" or self.epoch >= self.loaded.config.job.epochs:
+        # Also while a move in place waits for its new ranks to start: the decision is logged (a move
+        # elsewhere is refused until the one under way is done).
+        steady = self.state == "running" or (self.state == "moving" and self.retiring is not None)
+        if self.planner is None or not steady or self.epoch >= self.loaded.config.job.epochs:
             return
         try:
             decision = self.planner(self.status())
@@ -551,9 +572,14 @@ class Scheduler:
             )
         )
 
-    def _send_stop(self, gen: Generation, when: str, handoff: Handoff | None = None) -> None:
+    def _send_stop(
+        self, gen: Generation, when: str, handoff: Handoff | None = None, only: set[int] | None = None
+    ) -> None:
+        """Send ``stop`` to the agents of ``gen``'s ranks (of the ranks in ``only``, if given)."""
         gen.stop_sent = when
-        for server in gen.ranks_on:
+        for server, ranks in gen.ranks_on.items():
+            if only is not None and not only & set(ranks):
+                continue
             worker = self._worker_of(server)
             if worker is not None:
                 worker.commands.append(StopCommand(generation=gen.number, when=when, handoff=handoff))  # type: ignore[arg-type]
@@ -572,12 +598,14 @@ class Scheduler:
         if kept is None:
             return False
         nxt = self._new_generation(servers, plan, gen.master)
+        self.retiring = Retiring(gen, kept, when=when)
         for server, ranks in nxt.ranks_on.items():
             joiners = [r for r in ranks if r not in kept.values()]
             if joiners:  # they resume from the checkpoint the stopping generation writes before it opens
                 self._send_start(nxt, server, joiners, resume=True)
-        self.retiring = Retiring(gen, kept)
-        self._send_stop(gen, when, self._handoff_of(self.retiring, nxt))
+                self.retiring.joiners.update(joiners)
+        if not self.retiring.joiners:
+            self._send_stop(gen, when, self._handoff_of(self.retiring, nxt))
         self.moves.append(
             MoveRecord(
                 generation=nxt.number,

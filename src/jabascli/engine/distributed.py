@@ -161,8 +161,14 @@ def _join_generation(env: DistEnv, backend: str) -> None:
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=env.rank, world_size=env.world_size)
 
 
-def wrap_ddp(module: nn.Module, device: torch.device, bucket_cap_mb: float | None = None) -> DistributedDataParallel:
+def wrap_ddp(
+    module: nn.Module, device: torch.device, bucket_cap_mb: float | None = None, same_start: bool = False
+) -> DistributedDataParallel:
     """DDP over replica 0 with gradients as bucket views and no per-forward buffer broadcast.
+
+    ``same_start``: every rank loaded the same parameters and buffers (from one checkpoint),
+    so DDP's check of every parameter's shape and its broadcast of rank 0's values are
+    skipped (``init_sync``): on a move they were a large part of the rendezvous.
 
     Buffers are kept in step by :class:`~jabascli.engine.buffers.BufferSync` at
     the end of every iteration instead (ranks run different numbers of forwards).
@@ -174,7 +180,10 @@ def wrap_ddp(module: nn.Module, device: torch.device, bucket_cap_mb: float | Non
         kwargs["bucket_cap_mb"] = bucket_cap_mb
     if device.type == "cuda":
         kwargs["device_ids"] = [device.index]
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+    accepted = inspect.signature(DistributedDataParallel.__init__).parameters
+    if same_start and "init_sync" in accepted:
+        kwargs["init_sync"] = False
+    if "forward_sync_buffers" in accepted:
         kwargs["forward_sync_buffers"] = False  # torch >= 2.13
     else:
         kwargs["broadcast_buffers"] = False

@@ -28,6 +28,7 @@ import signal
 import statistics
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -117,8 +118,12 @@ def run_trainer(
                 plan.check_world_size(env.world_size)
                 check_job_precision_inputs(loaded, plan)  # every rank, so that all of them stop
                 check_batching(loaded, plan)  # `jabas run` did already; not plain torchrun
-                created = init_process_group(env, device) or created
-                trainer = Trainer(loaded, plan, env.rank, device, options, on_event, inputs)
+                trainer = Trainer(loaded, plan, env.rank, device, options, on_event, inputs, connect=False)
+                if on_event is not None and env.generation is not None and env.rank != 0:
+                    # Built: a rank started ahead of a move says so; the move's stop waits for it.
+                    on_event({"event": "ready", "generation": env.generation, "rank": env.rank})
+                created = init_process_group(env, device) or created  # (a rank started for a move waits here)
+                trainer.connect()
                 if metrics is None:
                     metrics = trainer.open_metrics()  # rank 0's, kept across moves in place
                 results += trainer.fit(metrics)
@@ -128,8 +133,9 @@ def run_trainer(
                 if handoff is None or following is None:
                     return results
                 # A move in place: the same process, the next generation's rank, resumed from the checkpoint.
-                inputs, trainer = trainer.inputs(), None
-                gc.collect()  # the old model and optimizer go before the new ones are built
+                inputs, old_model, trainer = trainer.inputs(), weakref.ref(trainer.model), None
+                if old_model() is not None:
+                    gc.collect()  # a reference cycle holds the old model: free it before the new one is built
                 env, plan = following, plan_from_dict(handoff.plan, loaded, "handoff")
                 options = dataclasses.replace(options, resume=checkpoint_path(loaded))
                 if on_event is not None:
@@ -203,9 +209,11 @@ class Trainer:
         options: TrainOptions,
         on_event: EventSink | None = None,
         inputs: Inputs | None = None,
+        connect: bool = True,
     ) -> None:
         """``inputs``: the workload, datasets and loader workers of this process's previous trainer (a move
-        in place); they do not depend on the plan or the world."""
+        in place); they do not depend on the plan or the world. ``connect`` False: build only what needs
+        neither the process group nor the checkpoint; :meth:`connect` does the rest, once the group exists."""
         cfg = loaded.config
         self.loaded, self.plan, self.rank, self.device, self.options = loaded, plan, rank, device, options
         self.me = plan.rank(rank)
@@ -226,6 +234,23 @@ class Trainer:
         check_precision(cfg.job.precision, device.type, loaded.path)
         self.step_policy = StepPolicy(step_settings(cfg.job, self.workload), self.optimizer, model.parameters(), device)
         self.progress = Progress()
+
+        # The data: one seeded permutation per epoch, dealt to the workers in LBS chunks.
+        self.train_set = inputs.train_set if inputs else self.workload.train_dataset()
+        self.val_set = inputs.val_set if inputs else self.workload.val_dataset()
+        self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)  # fit() checks that GBS samples exist
+        self.feed = inputs.feed if inputs is not None else None
+        if connect:
+            self.connect()
+
+    def connect(self) -> None:
+        """Resume where training stands (the checkpoint) and take this rank's place in the process group.
+
+        A rank started ahead of a move builds its model and data first (``connect=False``) and
+        comes here only once its generation opens, when the checkpoint it resumes is written.
+        """
+        loaded, plan, rank, device, options = self.loaded, self.plan, self.rank, self.device, self.options
+        cfg, model = loaded.config, self.model
         payload: dict | None = None
         if options.resume is not None:
             payload = read_checkpoint(options.resume)
@@ -233,11 +258,6 @@ class Trainer:
                 payload, options.resume, model=model, optimizer=self.optimizer, scheduler=self.scheduler
             )
             self.step_policy.load_state_dict(payload.get("grad_scaler") or {})
-
-        # The data: one seeded permutation per epoch, dealt to the workers in LBS chunks.
-        self.train_set = inputs.train_set if inputs else self.workload.train_dataset()
-        self.val_set = inputs.val_set if inputs else self.workload.val_dataset()
-        self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)  # fit() checks that GBS samples exist
 
         # Adaptive GBS (jabascli.adaptive): it may start from another plan (initial_gbs, a resumed GBS),
         # and scales the LR that the workload's scheduler sets.
@@ -255,7 +275,8 @@ class Trainer:
         replicas = make_replicas(model, self.me.vsw if self.vsw_name == "streams" else 1)
         self.buffers = BufferSync(replicas, plan.workers)
         self.buffers.broadcast_all()
-        self.ddp = wrap_ddp(model, device, options.bucket_cap_mb)  # broadcasts rank 0's parameters
+        # Broadcasts rank 0's parameters, unless every rank has just loaded them from one checkpoint.
+        self.ddp = wrap_ddp(model, device, options.bucket_cap_mb, same_start=payload is not None)
         self.vsw = build_vsw_strategy(self.vsw_name, replicas, self.ddp)
         self.vsw.after_step()  # replicas start from the broadcast parameters
         self.emulation = Emulation(self.me.slowdown)
@@ -274,7 +295,6 @@ class Trainer:
         self.buffers.riders.append(self.control.flag)
         load = BatchLoader(self.train_set, device, self.workload.collate)
         workers = default_loader_workers(cfg.job.loader_workers, device)  # 0: load in this process
-        self.feed = inputs.feed if inputs is not None else None
         if self.feed is None and workers:
             self.feed = MicroBatchFeed(self.train_set, self.workload.collate, device, workers)
         self.worker_step = WorkerStep(
