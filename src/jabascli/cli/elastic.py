@@ -167,11 +167,12 @@ def job_status(config: ConfigOption, scheduler: SchedulerOption = None, json_out
         console.print(f"planner: {describe(status.scaling)}", highlight=False, markup=False)
     if status.moves:
         table = Table(title="moves and restarts")
-        for column in ("generation", "why", "from", "to", "downtime s"):
+        for column in ("generation", "why", "from", "to", "downtime ms"):
             table.add_column(column)
         for m in status.moves:
-            downtime = "-" if m.downtime_s is None else f"{m.downtime_s:.2f}"
-            table.add_row(str(m.generation), m.reason, ",".join(m.from_servers), ",".join(m.to_servers), downtime)
+            downtime = "-" if m.downtime_s is None else f"{m.downtime_s * 1e3:.1f}"
+            why = f"{m.reason} (in place)" if m.in_place else m.reason
+            table.add_row(str(m.generation), why, ",".join(m.from_servers), ",".join(m.to_servers), downtime)
         console.print(table)
 
 
