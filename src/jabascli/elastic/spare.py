@@ -17,6 +17,7 @@ data, checkpoint), not a new interpreter importing torch. Run as
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import sys
@@ -33,7 +34,7 @@ def warm_up(config: str, cpu: bool) -> None:
     backward at the job's LBS, for the CPU kernels' first-call set-up; on a GPU
     node that would only take CPU time and I/O from the trainers running beside it.
     """
-    import torch  # noqa: F401
+    import torch
 
     import jabascli.cli.app
     import jabascli.engine.trainer  # noqa: F401
@@ -46,6 +47,14 @@ def warm_up(config: str, cpu: bool) -> None:
         model = workload.build_model()
         optimizer = workload.optimizer(model.parameters())
         workload.lr_scheduler(optimizer)
+        # A checkpoint's round trip once (weights-only unpickler, load_state_dict): a rank started for a move
+        # reads one while the others wait for it.
+        buffer = io.BytesIO()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+        buffer.seek(0)
+        states = torch.load(buffer, map_location="cpu", weights_only=True)
+        model.load_state_dict(states["model"])
+        optimizer.load_state_dict(states["optimizer"])
         if cpu:
             from jabascli.engine.trainer import prepare_inputs
 
