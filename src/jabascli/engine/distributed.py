@@ -140,8 +140,23 @@ def release_retired() -> None:
     _retired.clear()
 
 
-def _join_generation(env: DistEnv, backend: str) -> None:
-    assert env.master_addr is not None and env.master_port is not None and env.generation is not None
+def wait_for_generation(env: DistEnv) -> None:
+    """Until rank 0 opens ``env.generation`` (at once for rank 0, which opens it; nothing without generations).
+
+    Rank 0 opens a generation only once the checkpoint it resumes from is written, so a rank
+    may read it as soon as this returns, before the process group exists.
+    """
+    if env.generation is None or env.world_size == 1:
+        return
+    prefix = f"g{env.generation}/"
+    if env.rank == 0:
+        _store(env).set(prefix + "open", "1")
+    else:
+        _store(env).wait([prefix + "open"], OPEN_TIMEOUT)
+
+
+def _store(env: DistEnv) -> dist.TCPStore:
+    assert env.master_addr is not None and env.master_port is not None
     key = (env.master_addr, env.master_port)
     store = _stores.get(key)
     if store is None:
@@ -153,12 +168,13 @@ def _join_generation(env: DistEnv, backend: str) -> None:
             wait_for_workers=False,
         )
         _stores[key] = store
-    prefix = f"g{env.generation}/"
-    if env.rank == 0:
-        store.set(prefix + "open", "1")
-    else:
-        store.wait([prefix + "open"], OPEN_TIMEOUT)
-    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=env.rank, world_size=env.world_size)
+    return store
+
+
+def _join_generation(env: DistEnv, backend: str) -> None:
+    wait_for_generation(env)
+    store = dist.PrefixStore(f"g{env.generation}/", _store(env))
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size)
 
 
 def wrap_ddp(

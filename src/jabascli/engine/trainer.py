@@ -49,6 +49,7 @@ from jabascli.engine.distributed import (
     init_process_group,
     rejoin,
     release_retired,
+    wait_for_generation,
     wrap_ddp,
 )
 from jabascli.engine.events import EventSink
@@ -122,7 +123,9 @@ def run_trainer(
                 if on_event is not None and env.generation is not None and env.rank != 0:
                     # Built: a rank started ahead of a move says so; the move's stop waits for it.
                     on_event({"event": "ready", "generation": env.generation, "rank": env.rank})
-                created = init_process_group(env, device) or created  # (a rank started for a move waits here)
+                wait_for_generation(env)  # a rank started for a move waits here for the checkpoint ...
+                trainer.restore()  # ... and reads it while the ranks that stay join the new group
+                created = init_process_group(env, device) or created
                 trainer.connect()
                 if metrics is None:
                     metrics = trainer.open_metrics()  # rank 0's, kept across moves in place
@@ -140,6 +143,7 @@ def run_trainer(
                 options = dataclasses.replace(options, resume=checkpoint_path(loaded))
                 if on_event is not None:
                     on_event({"event": "handoff", "generation": env.generation, "rank": env.rank})
+                wait_for_generation(env)  # rank 0 opens it: the new ranks read the checkpoint meanwhile
                 rejoin(env, device)
     except Exception as exc:
         if on_event is not None:
@@ -240,24 +244,33 @@ class Trainer:
         self.val_set = inputs.val_set if inputs else self.workload.val_dataset()
         self.sampler = IIDPSampler(len(self.train_set), cfg.job.seed)  # fit() checks that GBS samples exist
         self.feed = inputs.feed if inputs is not None else None
+        self._payload: dict | None = None
+        """The checkpoint restored (:meth:`restore`), for the state :meth:`connect` still takes from it."""
         if connect:
+            self.restore()
             self.connect()
 
-    def connect(self) -> None:
-        """Resume where training stands (the checkpoint) and take this rank's place in the process group.
+    def restore(self) -> None:
+        """Resume where training stands: the model, optimizer, LR scheduler and progress of the checkpoint.
 
         A rank started ahead of a move builds its model and data first (``connect=False``) and
-        comes here only once its generation opens, when the checkpoint it resumes is written.
+        comes here once its generation opens, when the checkpoint it resumes is written.
         """
+        options = self.options
+        if options.resume is None or self._payload is not None:
+            return
+        payload = self._payload = read_checkpoint(options.resume)
+        self.progress = restore_checkpoint(
+            payload, options.resume, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+        )
+        self.step_policy.load_state_dict(payload.get("grad_scaler") or {})
+
+    def connect(self) -> None:
+        """Take this rank's place in the process group: the plan to start from, VSW replicas, DDP."""
         loaded, plan, rank, device, options = self.loaded, self.plan, self.rank, self.device, self.options
         cfg, model = loaded.config, self.model
-        payload: dict | None = None
-        if options.resume is not None:
-            payload = read_checkpoint(options.resume)
-            self.progress = restore_checkpoint(
-                payload, options.resume, model=model, optimizer=self.optimizer, scheduler=self.scheduler
-            )
-            self.step_policy.load_state_dict(payload.get("grad_scaler") or {})
+        self.restore()
+        payload = self._payload
 
         # Adaptive GBS (jabascli.adaptive): it may start from another plan (initial_gbs, a resumed GBS),
         # and scales the LR that the workload's scheduler sets.
