@@ -115,6 +115,7 @@ def run_trainer(
             plan = load_plan(loaded, options.plan)
             device = choose_device(plan, env)
             inputs = _take_prepared(loaded)
+            switching = False  # after a handoff: this process leaves its group for the next generation's
             while True:
                 plan.check_world_size(env.world_size)
                 check_job_precision_inputs(loaded, plan)  # every rank, so that all of them stop
@@ -124,8 +125,11 @@ def run_trainer(
                     # Built: a rank started ahead of a move says so; the move's stop waits for it.
                     on_event({"event": "ready", "generation": env.generation, "rank": env.rank})
                 wait_for_generation(env)  # a rank started for a move waits here for the checkpoint ...
-                trainer.restore()  # ... and reads it while the ranks that stay join the new group
-                created = init_process_group(env, device) or created
+                trainer.restore()  # ... which every rank of the generation reads before the group forms
+                if switching:
+                    rejoin(env, device)
+                else:
+                    created = init_process_group(env, device) or created
                 trainer.connect()
                 if metrics is None:
                     metrics = trainer.open_metrics()  # rank 0's, kept across moves in place
@@ -144,7 +148,7 @@ def run_trainer(
                 if on_event is not None:
                     on_event({"event": "handoff", "generation": env.generation, "rank": env.rank})
                 wait_for_generation(env)  # rank 0 opens it: the new ranks read the checkpoint meanwhile
-                rejoin(env, device)
+                switching = True
     except Exception as exc:
         if on_event is not None:
             kind = "input" if isinstance(exc, InputError) else "runtime"
