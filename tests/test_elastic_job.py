@@ -36,6 +36,15 @@ def commands(s: Scheduler, rank: int, **beat: object) -> list[StartCommand | Sto
     return list(s.heartbeat(rank, Heartbeat(**beat)).commands)  # type: ignore[arg-type]
 
 
+def running_on_a(tmp_path: Path) -> Scheduler:
+    """A job running on A (its start taken), with B's worker registered too."""
+    s, _ = scheduler(tmp_path)
+    register(s, 0)
+    register(s, 1)
+    commands(s, 0)
+    return s
+
+
 def test_starts_once_the_allocation_registered_and_refuses_a_second_worker_of_a_rank(tmp_path: Path) -> None:
     s, _ = scheduler(tmp_path)
     assert s.state == "waiting"
@@ -54,10 +63,7 @@ def test_starts_once_the_allocation_registered_and_refuses_a_second_worker_of_a_
 
 
 def test_a_move_to_an_unknown_server_is_refused_and_leaves_the_job_alone(tmp_path: Path) -> None:
-    s, _ = scheduler(tmp_path)
-    register(s, 0)
-    register(s, 1)
-    commands(s, 0)
+    s = running_on_a(tmp_path)
     with pytest.raises(InputError, match="unknown server 'C'"):
         s.move(["A", "C"])
     assert s.state == "running" and s.pending is None
@@ -130,10 +136,7 @@ def test_a_move_in_place_keeps_the_trainers_that_stay_and_starts_only_the_new_ra
 
 
 def test_a_stop_during_a_move_in_place_stops_the_old_generation_and_the_waiting_joiner(tmp_path: Path) -> None:
-    s, _ = scheduler(tmp_path)
-    register(s, 0)
-    register(s, 1)
-    commands(s, 0)
+    s = running_on_a(tmp_path)
     s.move(["A", "B"], "now")
     commands(s, 1)  # the joiner's start
     s.stop("now")
@@ -148,10 +151,7 @@ def test_a_stop_during_a_move_in_place_stops_the_old_generation_and_the_waiting_
 
 
 def test_a_move_that_drops_rank_0s_server_restarts_every_trainer(tmp_path: Path) -> None:
-    s, _ = scheduler(tmp_path)
-    register(s, 0)
-    register(s, 1)
-    commands(s, 0)
+    s = running_on_a(tmp_path)
     s.move(["B"], "now")
     [stop] = commands(s, 0)
     assert isinstance(stop, StopCommand) and stop.handoff is None and s.generation and s.generation.number == 1
@@ -159,10 +159,7 @@ def test_a_move_that_drops_rank_0s_server_restarts_every_trainer(tmp_path: Path)
 
 
 def test_a_survivor_that_dies_during_a_move_in_place_restarts_the_job(tmp_path: Path) -> None:
-    s, _ = scheduler(tmp_path)
-    register(s, 0)
-    register(s, 1)
-    commands(s, 0)
+    s = running_on_a(tmp_path)
     s.move(["A", "B"], "now")
     commands(s, 1, events=[_event(2, "ready", generation=2, rank=1)])
     commands(s, 0), commands(s, 1)
