@@ -30,7 +30,6 @@ prints figures, it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from jabascli.adaptive.lr_scaling import lr_factor
 from jabascli.config import load_config
 from jabascli.engine.launch import run_local
 from jabascli.engine.options import TrainOptions
+from jabascli.net import free_port
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     # the quick start: 1,437 training samples, 17 iterations per epoch at GBS 80
@@ -90,12 +90,6 @@ def jabas(*args: str, log: Path) -> None:
         code = subprocess.call([sys.executable, "-m", "jabascli", *args], stdout=out, stderr=subprocess.STDOUT)
     if code != 0:
         raise SystemExit(f"`jabas {' '.join(args)}` failed ({code}); see {log}")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def profile(config: Path, lbs: int, folder: Path) -> None:

@@ -31,11 +31,12 @@ import json
 import multiprocessing
 import os
 import random
-import socket
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from jabascli.net import free_port
 
 PLAN_FIELDS = ("server", "vsw", "ga", "slowdown")
 
@@ -123,12 +124,6 @@ def _worker(
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run(
     ranks: list[dict[str, Any]], mode: str, lbs: int, workload_args: dict[str, Any], iters: int, warmup: int
 ) -> dict[str, tuple[list[float], list[dict[str, float]]]]:
@@ -138,7 +133,7 @@ def run(
     groups = [[i] for i in range(len(ranks))] if mode == "alone" else [list(range(len(ranks)))]
     for group in groups:
         barrier, results = ctx.Barrier(len(group)), ctx.Queue()
-        port = _free_port() if mode == "sync" else None
+        port = free_port() if mode == "sync" else None
         world = len(ranks) if mode == "sync" else 1
         procs = []
         for i in group:

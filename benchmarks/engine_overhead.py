@@ -39,11 +39,11 @@ from torch.utils.data import default_collate
 from jabascli.config import load_config
 from jabascli.engine.data import to_device
 from jabascli.engine.distributed import SHARE_GPUS_ENV, DistEnv, init_process_group
-from jabascli.engine.launch import free_port
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
 from jabascli.engine.sampler import Iteration
 from jabascli.engine.trainer import Trainer
+from jabascli.net import free_port
 
 WORKLOAD = """
 import torch

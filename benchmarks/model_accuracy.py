@@ -55,7 +55,6 @@ import csv
 import math
 import multiprocessing
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -66,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from jabascli.config import load_config
+from jabascli.net import free_port
 from jabascli.solver import solver_from_config
 from jabascli.solver.plan import Assignment, Plan, write_plan
 
@@ -161,12 +161,6 @@ def jabas(*args: str, log: Path, env: dict[str, str]) -> None:
     if code != 0:
         sys.stdout.write(log.read_text(encoding="utf-8")[-4000:])
         raise SystemExit(f"`jabas {' '.join(args)}` failed with exit code {code} (log: {log})")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def profile_structure(

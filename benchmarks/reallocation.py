@@ -42,9 +42,10 @@ import httpx
 import tomli_w
 
 from jabascli.config import load_config
-from jabascli.elastic.job import TERMINAL, free_port
+from jabascli.elastic.job import TERMINAL
 from jabascli.engine.checkpoint import read_checkpoint, restore_checkpoint, save_checkpoint
 from jabascli.engine.layout import checkpoint_path
+from jabascli.net import free_port
 from jabascli.workload import load_workload
 
 TOKEN = "benchmark-token-0123456789"

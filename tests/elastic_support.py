@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import uvicorn
 from jabascli.config import LoadedConfig, load_config
 from jabascli.elastic.job import Scheduler
 from jabascli.elastic.service import create_app
+from jabascli.net import free_port
 
 TOKEN = "test-token-0123456789abcdef"
 
@@ -52,12 +52,6 @@ def train_dataset(options):
     return Recorded(digits.train_dataset(options), options["record"])
 """
 TRAINER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_config(

@@ -22,6 +22,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
+from jabascli.net import free_port
+
 SSHD = Path("/usr/sbin/sshd")
 PRIVSEP_DIR = Path("/run/sshd")
 START_TIMEOUT_S = 10.0
@@ -43,12 +45,6 @@ def write_key(path: Path) -> str:
     public = key.public_key().public_bytes(Encoding.OpenSSH, PublicFormat.OpenSSH).decode()
     path.with_name(path.name + ".pub").write_text(public + "\n")
     return public
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -92,7 +88,7 @@ class SshServer:
         """Start on ``port`` (default: a free one; retried if another process takes it first)."""
         require_sshd()
         for _ in range(5):
-            self.port = port or _free_port()
+            self.port = port or free_port()
             config = self.root / "sshd_config"
             config.write_text(
                 f"Port {self.port}\n"

@@ -31,13 +31,14 @@ import torch.multiprocessing as mp
 
 from jabascli.adaptive.estimators import HalfGradients
 from jabascli.engine.distributed import DistEnv, init_process_group
-from jabascli.engine.launch import free_port, run_local
+from jabascli.engine.launch import run_local
 from jabascli.engine.layout import checkpoint_path
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from jabascli.engine.trainer import Trainer
 from jabascli.errors import RuntimeFailure
+from jabascli.net import free_port
 from tests.engine_support import TRAINER_ENV, checkpoint_of, load, max_abs_diff, write_job
 
 SAMPLES = 150

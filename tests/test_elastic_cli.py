@@ -9,7 +9,8 @@ import httpx
 from typer.testing import CliRunner
 
 from jabascli.cli.app import app
-from tests.elastic_support import TOKEN, auth, free_port, load, serving, write_config
+from jabascli.net import free_port
+from tests.elastic_support import TOKEN, auth, load, serving, write_config
 
 
 def _one_line_error(output: str) -> str:

@@ -15,11 +15,11 @@ from torch import nn
 
 from jabascli.engine.buffers import BufferSync
 from jabascli.engine.distributed import DistEnv, init_process_group
-from jabascli.engine.launch import free_port
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
 from jabascli.engine.trainer import Trainer
 from jabascli.errors import InputError
+from jabascli.net import free_port
 from tests.engine_support import load, write_job
 
 

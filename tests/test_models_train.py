@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import tomli_w
 
-from jabascli.engine.launch import free_port
+from jabascli.net import free_port
 from tests.engine_support import TRAINER_ENV
 from tests.models_support import make_coco, make_image_folder, make_parallel_corpus, mean
 

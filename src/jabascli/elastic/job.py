@@ -30,7 +30,6 @@ the logic can be tested without waiting.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +58,7 @@ from jabascli.elastic.protocol import (
 from jabascli.engine.layout import checkpoint_path
 from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_config, plan_from_solver
 from jabascli.errors import InputError, JabasError, Problem
+from jabascli.net import free_port
 
 TERMINAL: tuple[JobState, ...] = ("succeeded", "failed", "stopped")
 
@@ -160,12 +160,6 @@ def plan_for(loaded: LoadedConfig, servers: list[str], gbs: int | None = None) -
     config = loaded.config.model_copy(deep=True)
     config.cluster.available_servers = list(servers)
     return plan_from_config(dataclasses.replace(loaded, config=config)), f"configured VSW/GA ({why})"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Scheduler:

@@ -20,11 +20,12 @@ from collections.abc import Callable
 
 from jabascli.config import LoadedConfig
 from jabascli.elastic.client import SchedulerClient, Unreachable
-from jabascli.elastic.job import TERMINAL, free_port
+from jabascli.elastic.job import TERMINAL
 from jabascli.elastic.protocol import JobStatus
 from jabascli.elastic.token import TOKEN_ENV, new_token
 from jabascli.engine.layout import run_folder
 from jabascli.errors import RuntimeFailure
+from jabascli.net import free_port
 
 POLL_S = 0.25
 START_TIMEOUT_S = 60.0

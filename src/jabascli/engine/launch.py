@@ -23,7 +23,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ from jabascli.engine.layout import run_folder
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import TrainingPlan, load_plan
 from jabascli.errors import InputError, Problem, RuntimeFailure
+from jabascli.net import free_port
 
 GRACE_S = 5.0
 PORT_ATTEMPTS = 3
@@ -52,12 +52,6 @@ class LaunchResult:
 
     done: dict[str, Any]
     events: list[dict[str, Any]] = field(default_factory=list)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_local(

@@ -23,13 +23,13 @@ others measure leaves them waiting until the rendezvous times out.
 from __future__ import annotations
 
 import math
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from jabascli.config.loader import LoadedConfig
 from jabascli.errors import InputError, RuntimeFailure
+from jabascli.net import free_port
 from jabascli.profiler.child import ChildCrashed, run_children
 from jabascli.profiler.common import Reporter, Target, ensure_writable, positive, resolve_target
 from jabascli.profiles.formats import (
@@ -122,7 +122,7 @@ def profile_comm(
     if loopback_nodes is not None:
         if loopback_nodes < 2:
             raise InputError.at(None, "servers", f"an inter-node profile needs at least 2 nodes, got {loopback_nodes}")
-        addr, port, rank, nodes, nprocs = "127.0.0.1", _free_port(), 0, loopback_nodes, 1
+        addr, port, rank, nodes, nprocs = "127.0.0.1", free_port(), 0, loopback_nodes, 1
     elif inter:
         if rank is None or world is None or master is None:
             raise InputError.at(None, "--rank/--world/--master", "an inter-node profile needs all three")
@@ -133,7 +133,7 @@ def profile_comm(
         addr, port = _parse_master(master)
         nodes = world
     else:
-        addr, port, rank, nodes = "127.0.0.1", _free_port(), 0, 1
+        addr, port, rank, nodes = "127.0.0.1", free_port(), 0, 1
     local = nprocs if nprocs is not None else (target.server.devices if target.server.devices > 1 or inter else 2)
     positive(local, "--nprocs")
     if not inter and local < 2:
@@ -189,7 +189,7 @@ def profile_comm(
             taken = "address already in use" in crash.describe().lower()
             ours = addr == "127.0.0.1" and (loopback_nodes is not None or not inter)  # we picked the port
             if taken and ours and attempt < PORT_ATTEMPTS - 1:
-                port = _free_port()  # taken by another program since it was picked: pick another
+                port = free_port()  # taken by another program since it was picked: pick another
                 reporter.note(f"{kind}: port in use, meeting at {addr}:{port} instead")
                 specs = [{**spec, "master_port": port} for spec in specs]
                 continue
@@ -223,9 +223,3 @@ def _parse_master(master: str) -> tuple[str, int]:
     if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise InputError.at(None, "--master", f"expected ADDR:PORT of the rank-0 node, got {master!r}")
     return host.strip("[]"), int(port_text)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
