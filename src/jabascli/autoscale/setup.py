@@ -9,9 +9,8 @@ from jabascli.autoscale.costmodel import SolverCostModel
 from jabascli.autoscale.planner import Objective, Planner
 from jabascli.config import LoadedConfig
 from jabascli.errors import InputError
-from jabascli.perfmodel import PerformanceModel
-from jabascli.profiles import load_profile_set
 from jabascli.solver.cluster import server_specs
+from jabascli.solver.setup import performance_model_from_config
 
 
 @dataclass
@@ -26,15 +25,7 @@ class ScalingSetup:
 
 def scaling_from_config(loaded: LoadedConfig, *, warm_gbs: int | None = None) -> ScalingSetup:
     """The available servers with their profiles and prices, and the profile-based cost model."""
-    dirs = loaded.profile_dirs()
-    profiles = load_profile_set(dirs.memory, dirs.computation, dirs.communication, dirs.bucket)
-    folders = {
-        "memory": dirs.memory,
-        "computation": dirs.computation,
-        "communication": dirs.communication,
-        "bucket": dirs.bucket,
-    }
-    model = PerformanceModel(profiles, folders)
+    profiles, model = performance_model_from_config(loaded)
     config = loaded.config
     specs = server_specs(config, profiles)
     space = AllocationSpace.from_config(specs, config.cluster.servers, config.scaling.allocation_unit)

@@ -60,7 +60,7 @@ from jabascli.elastic.token import TOKEN_ENV
 from jabascli.engine.control import CONTROL_FILE_ENV
 from jabascli.engine.distributed import GENERATION_ENV
 from jabascli.engine.events import EVENT_FD_ENV
-from jabascli.engine.launch import GRACE_S, terminate
+from jabascli.engine.launch import GRACE_S, log_tail, terminate
 from jabascli.engine.layout import checkpoint_path, run_folder
 from jabascli.errors import InputError, RuntimeFailure
 
@@ -393,7 +393,7 @@ class WorkerAgent:
                 if not t.reported:
                     t.reported = exited = True
                     self.pending_exits.append(
-                        TrainerExit(generation=t.generation, rank=t.rank, code=code, log_tail=_tail(t.log))
+                        TrainerExit(generation=t.generation, rank=t.rank, code=code, log_tail=log_tail(t.log, LOG_TAIL))
                     )
         if exited:
             self._read_events(0)  # a failing trainer's error event precedes its exit
@@ -444,12 +444,3 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _tail(path: Path) -> str:
-    try:
-        with path.open("rb") as f:
-            f.seek(max(path.stat().st_size - LOG_TAIL, 0))
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""

@@ -293,7 +293,7 @@ class _LocalRun:
             return RuntimeFailure([f"trainer rank {rank} failed: {lines[0]}", *lines[1:]])
         rank = killed[0] if killed else min(failed)
         code = failed[rank]
-        tail = _tail(self.logs[rank])
+        tail = log_tail(self.logs[rank])
         if not self.started and _port_taken(tail):
             return _PortTaken()
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
@@ -328,7 +328,8 @@ def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
         proc.send_signal(sig)
 
 
-def _tail(path: Path, size: int = 4000) -> str:
+def log_tail(path: Path, size: int = 4000) -> str:
+    """The last ``size`` bytes of a trainer's log, as text (empty if it cannot be read)."""
     try:
         with path.open("rb") as f:
             f.seek(max(path.stat().st_size - size, 0))

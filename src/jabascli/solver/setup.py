@@ -5,23 +5,28 @@ from __future__ import annotations
 from jabascli.config import LoadedConfig
 from jabascli.errors import InputError
 from jabascli.perfmodel import PerformanceModel
-from jabascli.profiles import load_profile_set
+from jabascli.profiles import ProfileSet, load_profile_set
 from jabascli.solver.cluster import server_specs
 from jabascli.solver.solve import Solver
 
 
-def solver_from_config(loaded: LoadedConfig, servers: str | None = None, weight_sync: str | None = None) -> Solver:
-    """The solver for a job: its profiles, and ``servers`` (None: the available ones, ``auto``, or ``a,b``)."""
+def performance_model_from_config(loaded: LoadedConfig) -> tuple[ProfileSet, PerformanceModel]:
+    """The job's four profiles, and the performance model built on them."""
     dirs = loaded.profile_dirs()
     profiles = load_profile_set(dirs.memory, dirs.computation, dirs.communication, dirs.bucket)
-    profiles.check_precision(loaded.config.job.precision)
     folders = {
         "memory": dirs.memory,
         "computation": dirs.computation,
         "communication": dirs.communication,
         "bucket": dirs.bucket,
     }
-    model = PerformanceModel(profiles, folders)
+    return profiles, PerformanceModel(profiles, folders)
+
+
+def solver_from_config(loaded: LoadedConfig, servers: str | None = None, weight_sync: str | None = None) -> Solver:
+    """The solver for a job: its profiles, and ``servers`` (None: the available ones, ``auto``, or ``a,b``)."""
+    profiles, model = performance_model_from_config(loaded)
+    profiles.check_precision(loaded.config.job.precision)
     auto = servers is not None and servers.strip() == "auto"
     names = None
     if servers is not None and not auto:
