@@ -42,7 +42,8 @@ def warm_up(config: str, cpu: bool) -> None:
     from jabascli.workload import load_workload
 
     with contextlib.suppress(Exception):  # a broken config or workload fails in the trainer, where it is reported
-        job = load_config(config).config.job
+        loaded = load_config(config)
+        job = loaded.config.job
         workload = load_workload(job.workload, job.options, job.data)
         model = workload.build_model()
         optimizer = workload.optimizer(model.parameters())
@@ -58,7 +59,7 @@ def warm_up(config: str, cpu: bool) -> None:
         if cpu:
             from jabascli.engine.trainer import prepare_inputs
 
-            prepare_inputs(load_config(config))  # the trainer this spare becomes takes them
+            prepare_inputs(loaded)  # the trainer this spare becomes takes them
             # The trainer seeds every generator itself, so these random numbers change nothing.
             inputs, target = workload.synthetic_batch(job.lbs or 2)
             output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)

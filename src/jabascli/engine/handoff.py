@@ -90,4 +90,4 @@ def share(handoff: Handoff | None, rank: int, device: torch.device) -> Handoff |
     if rank == 0:
         data.copy_(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
     dist.broadcast(data, 0)
-    return handoff if rank == 0 else Handoff.from_json(json.loads(bytes(data.cpu().tolist())))
+    return handoff if rank == 0 else Handoff.from_json(json.loads(data.cpu().numpy().tobytes()))
