@@ -35,7 +35,7 @@ from jabascli.profiles import (
     write_memory_profile,
 )
 from tests.elastic_support import write_config
-from tests.test_elastic_e2e import Cluster, _check_epochs
+from tests.test_elastic_e2e import Cluster, _assert_equals_the_reference, _check_epochs
 
 EPOCHS = 3
 LBS = 16
@@ -109,3 +109,5 @@ def test_a_growing_job_starts_on_the_cheaper_server_and_the_planner_moves_it_to_
         assert {c["gpus"] for c in d["candidates"]} <= {1, 2} and d["predicted"]["time_s"] > 0
     assert status["scaling"] == decisions[-1]
     _check_epochs(tmp_path, status, epochs=EPOCHS)
+    # Through the growing GBS (and its LR factor) and the move, synchronous SGD at each iteration's GBS.
+    _assert_equals_the_reference(tmp_path)
