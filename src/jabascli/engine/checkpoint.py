@@ -93,7 +93,12 @@ def save_checkpoint(
     plan: dict[str, Any],
     adaptive: dict[str, Any] | None = None,
     grad_scaler: dict[str, Any] | None = None,
-) -> Path:
+) -> dict[str, Any]:
+    """Write the checkpoint atomically; returns what it holds, in memory.
+
+    The returned payload's tensors are the live model's and optimizer's, not copies: it equals
+    the file only until they change (a trainer that stops here may resume from it, not from disk).
+    """
     payload = {
         "format": FORMAT,
         "version": VERSION,
@@ -111,7 +116,8 @@ def save_checkpoint(
     }
     buffer = io.BytesIO()  # serialise first: a failure cannot leave a temporary file behind
     torch.save(payload, buffer)
-    return atomic_write(path, lambda f: f.write(buffer.getbuffer()))
+    atomic_write(path, lambda f: f.write(buffer.getbuffer()))
+    return payload
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
