@@ -50,8 +50,9 @@ from jabascli.workload import load_workload
 
 TOKEN = "benchmark-token-0123456789"
 WARM_S = 12.0
-ROUNDS = 3
-"""Round trips A -> A+B -> A per workload: each move's figures are the median of its three."""
+ROUNDS = 5
+"""Round trips A -> A+B -> A per workload: each move's figures are the median of its five (a 2-core
+machine shared by the scheduler, two agents and the trainers stalls one move in five or so)."""
 WORKLOADS: dict[str, dict[str, Any]] = {
     "digits": {"workload": "digits", "options": {"lr": 0.05}, "lbs": 16},
     "resnet_tiny": {"workload": "resnet", "options": {"variant": "tiny", "synthetic_size": 512}, "lbs": 16},

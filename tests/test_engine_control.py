@@ -55,9 +55,15 @@ def test_an_epoch_request_stops_at_the_epoch_end(tmp_path: Path) -> None:
     loaded = load(_job(tmp_path, TWO))
     control = tmp_path / "control"
     control.write_text("epoch")
-    result = run_local(loaded, TrainOptions(metrics=False), None, {**TRAINER_ENV, CONTROL_FILE_ENV: str(control)})
+    events: list[dict] = []
+    env = {**TRAINER_ENV, CONTROL_FILE_ENV: str(control)}
+    result = run_local(loaded, TrainOptions(metrics=False), events.append, env)
     assert result.done["stopped"] and result.done["step"] == STEPS_PER_EPOCH
     assert [r["epoch"] for r in result.done["results"]] == [0]
+    # Training stopped once the epoch was validated, which it would have been without the stop: a
+    # move's downtime (from `stopping` on) leaves it out.
+    kinds = [e["event"] for e in events]
+    assert kinds.index("stopping") > kinds.index("epoch"), kinds
     saved = checkpoint_of(loaded)["progress"]
     assert (saved["epoch"], saved["position"]) == (1, 0)
 

@@ -23,9 +23,11 @@ it again) and shares the handoff with every rank.
 
 A stopping trainer finishes as after ``--max-steps``: it writes its checkpoint
 and exits 0 with ``stopped`` in its ``done`` event. Rank 0 also reports the wall
-time at which its last iteration ended (``stopping``) and at which the first one
-of a run began and ended (``first_step``, ``started`` and ``time``), from which
-the elastic scheduler measures a move's downtime: the time no iteration ran.
+time at which it stopped training (``stopping``: its last iteration ended, and at
+an epoch end the epoch's validation too, which would have run anyway) and at
+which the first iteration of a run began and ended (``first_step``, ``started``
+and ``time``), from which the elastic scheduler measures a move's downtime: the
+time no iteration ran that would have without the move.
 """
 
 from __future__ import annotations
@@ -148,9 +150,11 @@ class StopControl:
             event.record()
         self._copied = True
         self._slot = 1 - self._slot
-        if self.stop:
-            self._report("stopping", step)
         return self.stop
+
+    def stopped(self, step: int) -> None:
+        """Training stops here for a request: where a move's downtime begins (reported by rank 0)."""
+        self._report("stopping", step)
 
     def handoff(self) -> Handoff | None:
         """After a stop, on every rank: the next generation rank 0's request described, if any.

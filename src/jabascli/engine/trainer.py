@@ -370,6 +370,8 @@ class Trainer:
                 result = self._train_epoch(metrics)
                 if result is not None:
                     results.append(result)
+            if self.control.stop:
+                self.control.stopped(self.progress.step)  # after the epoch's validation, if it ended one
             self._save_checkpoint()
         finally:
             if own and metrics is not None:
