@@ -30,8 +30,6 @@ prints figures, it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +41,7 @@ from jabascli.adaptive.lr_scaling import lr_factor
 from jabascli.config import load_config
 from jabascli.engine.launch import run_local
 from jabascli.engine.options import TrainOptions
-from jabascli.net import free_port
+from model_accuracy import jabas, profile_comm_across_nodes
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     # the quick start: 1,437 training samples, 17 iterations per epoch at GBS 80
@@ -83,15 +81,6 @@ def config_for(workload: str, way: str, folder: Path, args: argparse.Namespace, 
     return path
 
 
-def jabas(*args: str, log: Path) -> None:
-    with log.open("a", encoding="utf-8") as out:
-        out.write(f"$ jabas {' '.join(args)}\n")
-        out.flush()
-        code = subprocess.call([sys.executable, "-m", "jabascli", *args], stdout=out, stderr=subprocess.STDOUT)
-    if code != 0:
-        raise SystemExit(f"`jabas {' '.join(args)}` failed ({code}); see {log}")
-
-
 def profile(config: Path, lbs: int, folder: Path) -> None:
     """Memory, computation and bucket profiles of both servers at ``lbs``, and the inter-node all-reduce profile."""
     log = folder / "profile.log"
@@ -100,29 +89,7 @@ def profile(config: Path, lbs: int, folder: Path) -> None:
               "--search", "static", "--max-vsw", "8", log=log)  # fmt: skip
         jabas("profile", "comp", "-c", str(config), "--threads", "1", "--server", server, "--iters", "20", log=log)
     jabas("profile", "bucket", "-c", str(config), log=log)
-    comm = ["profile", "comm", "-c", str(config), "--nprocs", "1", "--world", "2"]
-    comm += ["--master", f"127.0.0.1:{free_port()}", "--sizes", "0.03125:2"]
-    with (folder / "profile-comm-rank1.log").open("w", encoding="utf-8") as out:
-        rank1 = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "jabascli",
-                *comm,
-                "--server",
-                "slow",
-                "--rank",
-                "1",
-                "--out",
-                str(folder / "comm1"),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            jabas(*comm, "--server", "fast", "--rank", "0", log=log)
-        finally:
-            rank1.wait(timeout=600)
+    profile_comm_across_nodes(config, folder, sizes="0.03125:2")
 
 
 def train(config: Path, target: float) -> dict[str, Any]:

@@ -151,8 +151,8 @@ class Result:
         return (self.predicted_s - self.measured_s) / self.measured_s * 100
 
 
-def jabas(*args: str, log: Path, env: dict[str, str]) -> None:
-    """``jabas ARGS`` in a subprocess; its output goes to ``log`` (shown if it fails)."""
+def jabas(*args: str, log: Path, env: dict[str, str] | None = None) -> None:
+    """``jabas ARGS`` in a subprocess (``env``, else this one's); its output goes to ``log`` (shown if it fails)."""
     command = [sys.executable, "-m", "jabascli", *args]
     with log.open("a", encoding="utf-8") as out:
         out.write(f"$ jabas {' '.join(args)}\n")
@@ -187,9 +187,17 @@ def profile_times(config: Path, folder: Path, args: argparse.Namespace, env: dic
             "profile", "comp", "-c", str(config), "--threads", "1", "--server", server, "--iters", str(args.comp_iters),
             *again, log=log, env=env,
         )  # fmt: skip
-    # The job spans two servers, so the model uses the inter-node profile: two "nodes" of one process each.
+    # The job spans two servers, so the model uses the inter-node profile.
+    profile_comm_across_nodes(config, folder, args.comm_sizes, env, force)
+
+
+def profile_comm_across_nodes(
+    config: Path, folder: Path, sizes: str, env: dict[str, str] | None = None, force: bool = False
+) -> None:
+    """The inter-node all-reduce profile: two "nodes" of one process each, servers fast (rank 0) and slow."""
+    log = folder / "profile.log"
     comm = ["profile", "comm", "-c", str(config), "--nprocs", "1", "--world", "2"]
-    comm += ["--master", f"127.0.0.1:{free_port()}", "--sizes", args.comm_sizes, *again]
+    comm += ["--master", f"127.0.0.1:{free_port()}", "--sizes", sizes, *(["--force"] if force else [])]
     log1 = folder / "profile-comm-rank1.log"
     with log1.open("w", encoding="utf-8") as out:
         rank1 = subprocess.Popen(
