@@ -24,12 +24,19 @@ from jabascli.net import free_port
 TOKEN = "test-token-0123456789abcdef"
 
 # Digits, with every training micro-batch's sample indices appended to a file per process: the
-# tests count, across every trainer of every generation, how often each sample was used.
+# tests count, across every trainer of every generation, how often each sample was used. In float64,
+# so that a job's parameters can be compared with a single process's to 1e-9: in float32, the
+# rounding of sums split differently over ranks grows over a few hundred iterations of this small
+# net to as much as 0.02 on some runs, hiding what the comparison is for.
 RECORDED_DIGITS = """
 import os
 
 from jabascli.builtin_models import digits
-from jabascli.builtin_models.digits import build_model, count_correct, loss, optimizer, synthetic_batch, val_dataset
+from jabascli.builtin_models.digits import count_correct, loss, optimizer
+
+
+def build_model(options):
+    return digits.build_model(options).double()
 
 
 class Recorded:
@@ -40,16 +47,27 @@ class Recorded:
         return len(self.inner)
 
     def __getitem__(self, i):
-        return self.inner[i]
+        x, y = self.inner[i]
+        return x.double(), y
 
     def __getitems__(self, indices):
-        with open(os.path.join(self.folder, f"samples-{os.getpid()}.txt"), "a") as f:
-            f.write(" ".join(map(str, indices)) + "\\n")
-        return [self.inner[i] for i in indices]
+        if self.folder is not None:
+            with open(os.path.join(self.folder, f"samples-{os.getpid()}.txt"), "a") as f:
+                f.write(" ".join(map(str, indices)) + "\\n")
+        return [self[i] for i in indices]
 
 
 def train_dataset(options):
     return Recorded(digits.train_dataset(options), options["record"])
+
+
+def val_dataset(options):
+    return Recorded(digits.val_dataset(options), None)
+
+
+def synthetic_batch(batch_size, options):
+    x, y = digits.synthetic_batch(batch_size, options)
+    return x.double(), y
 """
 TRAINER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
