@@ -111,9 +111,11 @@ def _assert_equals_the_reference(folder: Path) -> None:
 
 @pytest.mark.slow
 def test_a_job_moves_from_a_to_a_and_b_to_b_and_continues_where_it_was(cluster_factory) -> None:  # type: ignore[no-untyped-def]
-    # Emulated slowdowns (sleeps) of 6x on A and 40x on B: epochs of a second or more, so that each
-    # request lands before the epoch it aims at is over, however fast the trainers start.
-    cluster: Cluster = cluster_factory(available=["A"], epochs=EPOCHS, slowdown=(6.0, 40.0))
+    # Emulated slowdowns (sleeps) of 30x on A and 40x on B: epochs of two seconds or more, so that each
+    # request lands before the epoch it aims at is over. The first move waits for B's new rank, whose
+    # spare may still be importing torch when the job starts: 6x on A (0.4 s epochs) was too short on
+    # a loaded machine, and the move slipped to the second epoch end.
+    cluster: Cluster = cluster_factory(available=["A"], epochs=EPOCHS, slowdown=(30.0, 40.0))
     # Asked as soon as the job runs on A (its trainers are still starting): it moves at the first epoch end.
     cluster.wait(lambda s: s["state"] == "running" and len(s["workers"]) == 2)
     assert cluster.post("/v1/job/move", {"servers": ["A", "B"]}).status_code == 200
