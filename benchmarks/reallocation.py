@@ -43,6 +43,7 @@ import tomli_w
 
 from jabascli.config import load_config
 from jabascli.elastic.job import TERMINAL
+from jabascli.elastic.local import agent_environment
 from jabascli.engine.checkpoint import read_checkpoint, restore_checkpoint, save_checkpoint
 from jabascli.engine.layout import checkpoint_path
 from jabascli.net import free_port
@@ -100,7 +101,7 @@ def measure_moves(folder: Path, name: str, in_place: bool) -> tuple[list[dict[st
     config = write_config(folder, name, in_place)
     loaded = load_config(config)
     url = f"http://127.0.0.1:{loaded.config.scheduler.port}"
-    env = {**os.environ, "JABAS_TOKEN": TOKEN}
+    env = agent_environment(loaded, TOKEN, os.environ)  # both servers on this machine: its cores shared
     command = [sys.executable, "-m", "jabascli"]
     logs = [(folder / f"{p}.log").open("wb") for p in ("scheduler", "worker0", "worker1")]
     procs = [subprocess.Popen([*command, "schedule", "-c", str(config)], env=env, stdout=logs[0], stderr=logs[0])]

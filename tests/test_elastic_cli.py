@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import httpx
 from typer.testing import CliRunner
 
 from jabascli.cli.app import app
+from jabascli.elastic.local import agent_environment
+from jabascli.elastic.token import TOKEN_ENV
 from jabascli.net import free_port
 from tests.elastic_support import TOKEN, auth, load, serving, write_config
 
@@ -84,3 +87,14 @@ def test_job_status_and_stop_talk_to_the_scheduler(tmp_path: Path, cli: CliRunne
         result = cli.invoke(app, ["job", "stop", "-c", str(config), "--scheduler", address], env=env)
         assert result.exit_code == 0 and result.output.startswith("stopped")
         assert scheduler.state == "stopped"
+
+
+def test_jabas_run_elastic_shares_this_machines_cores_among_every_servers_trainers(tmp_path: Path) -> None:
+    # Each agent alone would give its trainers every core, as on a node of its own; on one machine
+    # the two servers' trainers then oversubscribe it.
+    loaded = load(write_config(tmp_path))  # two servers of one device each
+    env = agent_environment(loaded, "a-token", {"PATH": "/usr/bin"})
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2)) and env[TOKEN_ENV] == "a-token"
+    assert env["PATH"] == "/usr/bin"
+    # A count the user set stands, as for `jabas run`.
+    assert agent_environment(loaded, "a-token", {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -111,15 +112,15 @@ def is_this_host(host: str) -> bool:
     return host in names
 
 
-def trainer_threads(trainers_here: int) -> int:
+def trainer_threads(trainers_here: int, environ: Mapping[str, str] | None = None) -> int:
     """torch threads of each trainer process ``jabas run`` starts on this machine.
 
-    ``OMP_NUM_THREADS`` when set; otherwise the machine's cores shared equally
-    among the trainers that run on it, at least one each. The computation
-    profiler measures a CPU or emulated device with the same count, so that a
-    profile describes the trainer that will run.
+    ``OMP_NUM_THREADS`` (of ``environ``, else this process's environment) when set;
+    otherwise the machine's cores shared equally among the trainers that run on
+    it, at least one each. The computation profiler measures a CPU or emulated
+    device with the same count, so that a profile describes the trainer that will run.
     """
-    configured = os.environ.get("OMP_NUM_THREADS", "").strip()
+    configured = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()
     if configured.isdigit() and int(configured) > 0:
         return int(configured)
     return max(1, (os.cpu_count() or 1) // max(1, trainers_here))

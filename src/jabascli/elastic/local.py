@@ -16,9 +16,10 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from jabascli.config import LoadedConfig
+from jabascli.devices import trainer_threads
 from jabascli.elastic.client import SchedulerClient, Unreachable
 from jabascli.elastic.job import TERMINAL
 from jabascli.elastic.protocol import JobStatus
@@ -40,7 +41,7 @@ def run_elastic(
     """Run the job under a local scheduler and one agent per server until it is over; its last status."""
     token = token or new_token()
     port = port or free_port()
-    env = {**os.environ, TOKEN_ENV: token}
+    env = agent_environment(loaded, token, os.environ)
     logs = run_folder(loaded) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     jabas = [sys.executable, "-m", "jabascli"]
@@ -65,6 +66,19 @@ def run_elastic(
             client.stop("now")  # the trainers checkpoint, the scheduler and agents end
         _end(procs)
         raise
+
+
+def agent_environment(loaded: LoadedConfig, token: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The scheduler's and agents' environment: the token, and each trainer's share of this machine's cores.
+
+    Every server's trainers run on this one machine, so its cores are shared among all of them, as
+    `jabas run` shares them (``OMP_NUM_THREADS``, unless set). An agent alone would give its own
+    trainers every core, as on a node of its own; oversubscribed OpenMP threads then stall for
+    scheduler quanta (a digits forward of 40-100 ms instead of 1 ms, with two servers on two cores).
+    """
+    trainers = sum(server.devices for server in loaded.config.cluster.servers)
+    threads = trainer_threads(trainers, environ)
+    return {**environ, TOKEN_ENV: token, "OMP_NUM_THREADS": environ.get("OMP_NUM_THREADS", str(threads))}
 
 
 def _follow(
