@@ -64,7 +64,7 @@ def write_config(folder: Path, name: str, in_place: bool = True) -> Path:
     spec = WORKLOADS[name]
     server = {"device_type": "cpu", "devices": 1, "vsw": 1}
     config = {
-        "job": {"name": name, "epochs": 1000, **spec},
+        "job": {"name": name, "epochs": 1_000_000, **spec},  # never reached: the benchmark stops the job
         "batching": {"metric": "fixed"},
         "cluster": {"available_servers": ["A"], "servers": [{"name": "A", **server}, {"name": "B", **server}]},
         "scheduler": {
@@ -86,6 +86,7 @@ def status(url: str) -> dict[str, Any]:
 
 def wait(url: str, until: Any, timeout: float = 300) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
+    s: dict[str, Any] = {}
     while time.monotonic() < deadline:
         try:
             s = status(url)
@@ -94,7 +95,7 @@ def wait(url: str, until: Any, timeout: float = 300) -> dict[str, Any]:
         except httpx.TransportError:
             pass
         time.sleep(0.1)
-    raise SystemExit(f"timed out waiting at {url}")
+    raise SystemExit(f"timed out waiting at {url}; the job's last status: {s}")
 
 
 def measure_moves(folder: Path, name: str, in_place: bool) -> tuple[list[dict[str, Any]], Path]:
