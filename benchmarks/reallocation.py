@@ -14,8 +14,10 @@ also shown beside a steady one (the median of the next ones, from
 ``steps.csv``): its one-off set-up (DDP's bucket rebuild, first kernels) is a
 cost of the move too, outside the downtime.
 
-Then, in this process, the same model's checkpoint (the one the move wrote) is
-written and read back alone (save + read + restore), and::
+Then, in this process, with each trainer's torch thread count (both servers'
+trainers share this machine's cores: ``jabas run --elastic``'s rule), the same
+model's checkpoint (the one the move wrote) is written and read back alone
+(save + read + restore; medians of 15), and::
 
     ratio = downtime / (checkpoint write + read)
 
@@ -40,6 +42,7 @@ from typing import Any
 
 import httpx
 import tomli_w
+import torch
 
 from jabascli.config import load_config
 from jabascli.elastic.job import TERMINAL
@@ -130,8 +133,13 @@ def measure_moves(folder: Path, name: str, in_place: bool) -> tuple[list[dict[st
     return moves, checkpoint_path(loaded)
 
 
-def checkpoint_alone(name: str, path: Path, repeats: int = 5) -> tuple[float, float]:
-    """Median seconds to write and to read back (read + restore) this workload's checkpoint."""
+def checkpoint_alone(name: str, path: Path, threads: int, repeats: int = 15) -> tuple[float, float]:
+    """Median seconds to write and to read back (read + restore) this workload's checkpoint.
+
+    With the trainers' torch thread count, once the job's processes are gone.
+    """
+    torch.set_num_threads(threads)
+    time.sleep(1.0)
     spec = WORKLOADS[name]
     workload = load_workload(spec["workload"], spec["options"], None)
     payload = read_checkpoint(path)
@@ -192,7 +200,9 @@ def main() -> None:
     for name in args.workloads:
         folder = Path(tempfile.mkdtemp(prefix=f"jabas-realloc-{name}-"))
         moves, path = measure_moves(folder, name, in_place=not args.restart)
-        write_s, read_s = checkpoint_alone(name, path)
+        loaded = load_config(folder / f"{name}.toml")
+        threads = int(agent_environment(loaded, TOKEN, os.environ)["OMP_NUM_THREADS"])  # each trainer's
+        write_s, read_s = checkpoint_alone(name, path, threads)
         size_mb = path.stat().st_size / 1e6
         print(f"{name}: checkpoint {size_mb:.1f} MB, write {write_s * 1e3:.1f} ms, read+restore {read_s * 1e3:.1f} ms")
         steps = _iteration_times(folder / "runs" / name / "steps.csv")
