@@ -19,14 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from jabascli.elastic.job import TERMINAL
-from jabascli.engine.layout import checkpoint_path
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from tests.elastic_support import auth, jabas, load, used_samples, wait_status, write_config
-from tests.engine_support import max_abs_diff
+from tests.engine_support import checkpoint_of, max_abs_diff
 
 EPOCHS = 3
 N = 1438  # digits' training samples (sklearn's 1797, less the 20 % validation split)
@@ -84,7 +82,7 @@ def cluster_factory(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def _check_epochs(folder: Path, status: dict[str, Any], epochs: int) -> None:
     """Each epoch used every sample at most once, and exactly N minus the remainder its last GBS left."""
-    history = torch.load(checkpoint_path(load(folder / "job.toml")), weights_only=True)["progress"]["gbs_history"]
+    history = checkpoint_of(load(folder / "job.toml"))["progress"]["gbs_history"]
     counts = used_samples(folder, N, epochs)
     for epoch in range(epochs):
         assert max(counts[epoch].values()) == 1, f"epoch {epoch}: a sample was used twice"
@@ -100,7 +98,7 @@ def _assert_equals_the_reference(folder: Path) -> None:
     Run after :func:`_check_epochs`: the reference reads the same recorded dataset, so it records too.
     """
     loaded = load(folder / "job.toml")
-    final = torch.load(checkpoint_path(loaded), weights_only=True)
+    final = checkpoint_of(loaded)
     history = final["progress"]["gbs_history"]
     reference, _ = reference_run(loaded, load_plan(loaded), steps=final["progress"]["step"], schedule=history)
     diffs = max_abs_diff(final["model"], reference.state_dict())

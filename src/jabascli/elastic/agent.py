@@ -43,7 +43,7 @@ from pathlib import Path
 
 from jabascli.atomic import atomic_write_json, atomic_write_text
 from jabascli.config import LoadedConfig
-from jabascli.devices import detect_devices
+from jabascli.devices import detect_devices, trainer_threads
 from jabascli.elastic.client import Rejected, SchedulerClient, Unreachable
 from jabascli.elastic.protocol import (
     Commands,
@@ -240,7 +240,7 @@ class WorkerAgent:
             argv += ["--resume", str(checkpoint_path(self.loaded))]
         if command.checkpoint_every is not None:
             argv += ["--checkpoint-every", str(command.checkpoint_every)]
-        threads = max(1, (os.cpu_count() or 1) // len(command.ranks))
+        threads = trainer_threads(len(command.ranks))  # this node's cores, shared among its trainers
         trainers: list[Trainer] = []
         try:
             for local, rank in enumerate(command.ranks):
