@@ -48,7 +48,8 @@ from jabascli.config import load_config
 from jabascli.elastic.job import TERMINAL
 from jabascli.elastic.local import agent_environment
 from jabascli.engine.checkpoint import read_checkpoint, restore_checkpoint, save_checkpoint
-from jabascli.engine.layout import checkpoint_path
+from jabascli.engine.checkpoint_store import CheckpointStore
+from jabascli.engine.layout import checkpoint_folder
 from jabascli.net import free_port
 from jabascli.workload import load_workload
 
@@ -130,7 +131,7 @@ def measure_moves(folder: Path, name: str, in_place: bool) -> tuple[list[dict[st
                 p.kill()
         for log in logs:
             log.close()
-    return moves, checkpoint_path(loaded)
+    return moves, checkpoint_folder(loaded)
 
 
 def checkpoint_alone(name: str, path: Path, threads: int, repeats: int = 15) -> tuple[float, float]:
@@ -151,11 +152,11 @@ def checkpoint_alone(name: str, path: Path, threads: int, repeats: int = 15) -> 
 
     writes, reads = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / "checkpoint.pt"
+        store = CheckpointStore(Path(tmp))
         for _ in range(repeats):
             start = time.perf_counter()
-            save_checkpoint(
-                target,
+            _, target = save_checkpoint(
+                store,
                 model=model,
                 optimizer=optimizer,
                 scheduler=scheduler,

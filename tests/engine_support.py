@@ -208,9 +208,13 @@ def write_job(
 
 
 def checkpoint_of(loaded: LoadedConfig) -> dict[str, Any]:
-    from jabascli.engine.layout import checkpoint_path
+    """The job's newest checkpoint, read as any torch.save file is (not through jabas's own reader)."""
+    from jabascli.engine.checkpoint import newest_checkpoint
+    from jabascli.engine.layout import checkpoint_folder
 
-    return torch.load(checkpoint_path(loaded), map_location="cpu", weights_only=True)
+    found = newest_checkpoint(checkpoint_folder(loaded))
+    assert found is not None, f"no checkpoint in {checkpoint_folder(loaded)}"
+    return torch.load(found.path, map_location="cpu", weights_only=True)
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from jabascli.adaptive.estimators import HalfGradients
 from jabascli.engine.distributed import DistEnv, init_process_group
 from jabascli.engine.launch import run_local
-from jabascli.engine.layout import checkpoint_path
+from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
@@ -184,7 +184,7 @@ def test_a_job_killed_after_a_gbs_change_resumes_at_that_gbs_and_lr_and_continue
     assert factor == pytest.approx(math.sqrt(gbs / 28))
 
     events: list[dict[str, Any]] = []
-    run_local(loaded, TrainOptions(resume=checkpoint_path(loaded), bucket_cap_mb=0.0005), events.append, TRAINER_ENV)
+    run_local(loaded, TrainOptions(resume=checkpoint_folder(loaded), bucket_cap_mb=0.0005), events.append, TRAINER_ENV)
     start = next(e for e in events if e["event"] == "start")
     assert (start["gbs"], start["lbs"], start["step"]) == (gbs, lbs, saved["progress"]["step"])
 

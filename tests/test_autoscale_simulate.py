@@ -54,7 +54,7 @@ def test_synthetic_trajectories_reach_their_ends_geometrically() -> None:
 def test_a_run_folder_and_a_csv_give_the_gbs_per_adjustment_point(tmp_path: Path) -> None:
     """The run folder's steps.csv is written by the engine's own MetricsWriter."""
     run = tmp_path / "runs" / "job"
-    writer = MetricsWriter(run, resume_step=None, tensorboard=False)
+    writer = MetricsWriter(run, tensorboard=False)
     for step, gbs in ((1, 64), (3, 64), (10, 128), (15, 128), (20, 256), (31, 256)):
         writer.step(epoch=0, step=step, gbs=gbs, loss=1.0, samples_per_s=100.0, lr=0.1)
     writer.close()

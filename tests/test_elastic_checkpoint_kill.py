@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from jabascli.engine.checkpoint import Progress, save_checkpoint
+from jabascli.engine.checkpoint_store import CheckpointStore
 
 torch.manual_seed(0)
 model = nn.Linear(4000, 4000)
@@ -29,27 +30,27 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(1, 1000):
     with torch.no_grad():
         model.bias.fill_(step)
-    save_checkpoint(Path(sys.argv[1]), model=model, optimizer=optimizer, scheduler=None,
+    save_checkpoint(CheckpointStore(Path(sys.argv[1])), model=model, optimizer=optimizer, scheduler=None,
                     progress=Progress(step=step), workload="big", config={}, plan={})
     print(step, flush=True)
 """
 
 
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
-    path = tmp_path / "checkpoint.pt"
+    path = tmp_path
     for _attempt in range(5):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         saved = int(proc.stdout.readline())  # one whole checkpoint exists
         deadline = time.monotonic() + 60
-        while not list(tmp_path.glob(".checkpoint.pt.*.tmp")) and time.monotonic() < deadline:
+        while not list(tmp_path.glob(".checkpoint-*.pt.*.tmp")) and time.monotonic() < deadline:
             time.sleep(0.001)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         saved = max([saved, *(int(line) for line in proc.stdout.read().split())])
-        if list(tmp_path.glob(".checkpoint.pt.*.tmp")):
+        if list(tmp_path.glob(".checkpoint-*.pt.*.tmp")):
             break  # killed mid-write, as wanted
-    leftovers = list(tmp_path.glob(".checkpoint.pt.*.tmp"))
+    leftovers = list(tmp_path.glob(".checkpoint-*.pt.*.tmp"))
     assert leftovers, "never caught the writer mid-write"
 
     payload = read_checkpoint(path)  # a whole checkpoint: the last one reported (or one renamed in place

@@ -8,7 +8,8 @@ import pytest
 
 from jabascli.elastic.job import Conflict, Scheduler
 from jabascli.elastic.protocol import DeviceInfo, Heartbeat, Registration, StartCommand, StopCommand, TrainerExit
-from jabascli.engine.layout import checkpoint_path
+from jabascli.engine.checkpoint_store import CheckpointStore
+from jabascli.engine.layout import checkpoint_folder
 from jabascli.errors import InputError
 from tests.elastic_support import load, write_config
 
@@ -79,9 +80,8 @@ def test_a_move_stops_at_the_epoch_end_then_starts_the_new_allocation_from_the_c
     assert s.state == "moving"
     [stop] = commands(s, 0)
     assert isinstance(stop, StopCommand) and (stop.generation, stop.when) == (1, "epoch")
-    checkpoint = checkpoint_path(s.loaded)
-    checkpoint.parent.mkdir(parents=True)
-    checkpoint.write_bytes(b"written by the trainers")
+    checkpoint = checkpoint_folder(s.loaded) / "checkpoint-10.pt"
+    CheckpointStore(checkpoint.parent).write(b"written by the trainers", step=10, epoch=0)
     done = {"generation": 1, "event": {"event": "done", "step": 10, "stopped": True, "results": []}}
     stopping = {"generation": 1, "event": {"event": "stopping", "step": 10, "time": 100.0}}
     [a] = commands(s, 0, events=[stopping, done], exits=[TrainerExit(generation=1, rank=0, code=0)])
@@ -258,9 +258,7 @@ def test_a_planner_is_consulted_at_every_epoch_end_and_its_move_is_made(tmp_path
 
 def test_a_new_scheduler_resumes_from_the_checkpoint_only_when_asked(tmp_path: Path) -> None:
     loaded = load(write_config(tmp_path))
-    checkpoint = checkpoint_path(loaded)
-    checkpoint.parent.mkdir(parents=True)
-    checkpoint.write_bytes(b"left by an earlier scheduler")
+    CheckpointStore(checkpoint_folder(loaded)).write(b"left by an earlier scheduler", step=10, epoch=0)
     for resume in (False, True):
         s = Scheduler(loaded, resume=resume)
         register(s, 0)

@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 
 from jabascli.cli.app import app
 from jabascli.engine.checkpoint import Progress, read_checkpoint, save_checkpoint
+from jabascli.engine.checkpoint_store import CheckpointStore
 from jabascli.engine.launch import run_local
-from jabascli.engine.layout import checkpoint_path
+from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
@@ -64,7 +65,7 @@ def test_a_killed_job_resumes_mid_epoch_under_another_world_size_and_equals_an_u
         run_local(
             loaded, TrainOptions(checkpoint_every=3, bucket_cap_mb=0.0005), kill_after_first_checkpoint, TRAINER_ENV
         )
-    saved = read_checkpoint(checkpoint_path(loaded))
+    saved = read_checkpoint(checkpoint_folder(loaded))
     progress = Progress(**saved["progress"])
     assert 3 <= progress.step < 10 and progress.epoch == 0 and progress.position == 20 * progress.step  # mid-epoch
     assert saved["plan"]["assignments"][0]["vsw"] == 2 and saved["lr_scheduler"] is not None
@@ -85,7 +86,7 @@ def test_a_killed_job_resumes_mid_epoch_under_another_world_size_and_equals_an_u
     second = write_job(tmp_path / "b", [(1, 0), (1, 1), (1, 1)], lbs=LBS, options=OPTIONS, vsw_strategy="sequential")
     resumed = load(second)
     events: list[dict[str, Any]] = []
-    run_local(resumed, TrainOptions(resume=checkpoint_path(loaded), metrics=False), events.append, TRAINER_ENV)
+    run_local(resumed, TrainOptions(resume=checkpoint_folder(loaded), metrics=False), events.append, TRAINER_ENV)
     start = next(e for e in events if e["event"] == "start")
     assert (start["step"], start["position"], start["world_size"]) == (progress.step, progress.position, 3)
 
@@ -96,12 +97,12 @@ def test_a_killed_job_resumes_mid_epoch_under_another_world_size_and_equals_an_u
     assert max(diffs.values()) <= 1e-9, diffs
 
 
-def _other_model_checkpoint(path: Path) -> None:
+def _other_model_checkpoint(store: CheckpointStore) -> Path:
     model = nn.Sequential(nn.Linear(6, 32), nn.Linear(32, 4)).double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     config: dict[str, Any] = {}
-    save_checkpoint(
-        path,
+    _, path = save_checkpoint(
+        store,
         model=model,
         optimizer=optimizer,
         scheduler=None,
@@ -110,16 +111,14 @@ def _other_model_checkpoint(path: Path) -> None:
         config=config,
         plan={},
     )
+    return path
 
 
 def test_a_checkpoint_of_another_model_is_refused_and_nothing_is_overwritten(tmp_path: Path) -> None:
     config = write_job(tmp_path, [(1, 0)], lbs=LBS, options=OPTIONS)
     loaded = load(config)
-    mine = checkpoint_path(loaded)
-    mine.parent.mkdir(parents=True)
-    mine.write_bytes(b"the job's own checkpoint")
-    other = tmp_path / "other.pt"
-    _other_model_checkpoint(other)
+    mine = CheckpointStore(checkpoint_folder(loaded)).write(b"the job's own checkpoint", step=3, epoch=0)
+    other = _other_model_checkpoint(CheckpointStore(tmp_path / "other"))
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     cli = CliRunner()
     for command in ("run", "train"):
@@ -128,15 +127,15 @@ def test_a_checkpoint_of_another_model_is_refused_and_nothing_is_overwritten(tmp
         assert f"{other}: model: checkpoint is of another model (workload 'other')" in result.stderr
         assert "tensors differ" in result.stderr and "Traceback" not in result.output
         result = cli.invoke(app, [command, "-c", str(config), "--resume", str(tmp_path / "garbage.pt")])
-        assert result.exit_code == 2 and "not a readable checkpoint" in result.stderr
+        assert result.exit_code == 2 and "corrupt or not a checkpoint" in result.stderr
     assert mine.read_bytes() == b"the job's own checkpoint"
     assert not (tmp_path / "runs").exists()
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> None:
-    path = tmp_path / "c.pt"
-    _other_model_checkpoint(path)
-    before = path.read_bytes()
+    store = CheckpointStore(tmp_path)
+    path = _other_model_checkpoint(store)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
 
     class Unsaveable:
         def state_dict(self) -> dict[str, Any]:
@@ -145,7 +144,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> N
     model = nn.Linear(2, 2)
     with pytest.raises(Exception, match="lambda"):
         save_checkpoint(
-            path,
+            store,
             model=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=1),
             scheduler=Unsaveable(),
@@ -154,6 +153,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> N
             config={},
             plan={},
         )
-    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert read_checkpoint(tmp_path)["workload"] == "other" and read_checkpoint(path)["workload"] == "other"
     with pytest.raises(InputError, match="checkpoint not found"):
         read_checkpoint(tmp_path / "missing.pt")

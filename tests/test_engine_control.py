@@ -9,7 +9,7 @@ import torch
 
 from jabascli.engine.control import CONTROL_FILE_ENV, StopControl, read_request
 from jabascli.engine.launch import run_local
-from jabascli.engine.layout import checkpoint_path
+from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
@@ -44,7 +44,7 @@ def test_a_now_request_stops_every_rank_after_the_same_iteration_and_training_re
 
     # Resume on one rank at the same GBS: it ends where an uninterrupted run ends.
     resumed = load(_job(tmp_path, ONE))
-    done = run_local(resumed, TrainOptions(resume=checkpoint_path(resumed), metrics=False), None, TRAINER_ENV).done
+    done = run_local(resumed, TrainOptions(resume=checkpoint_folder(resumed), metrics=False), None, TRAINER_ENV).done
     assert not done["stopped"] and done["step"] == 2 * STEPS_PER_EPOCH
     reference, _ = reference_run(loaded, load_plan(loaded), steps=2 * STEPS_PER_EPOCH)
     diffs = max_abs_diff(checkpoint_of(resumed)["model"], reference.state_dict())

@@ -16,7 +16,7 @@ import pytest
 
 from jabascli.engine.control import CONTROL_FILE_ENV
 from jabascli.engine.distributed import GENERATION_ENV
-from jabascli.engine.layout import checkpoint_path
+from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.plan import read_plan_file
 from jabascli.engine.reference import reference_run
 from jabascli.net import free_port
@@ -67,7 +67,7 @@ def test_trainers_hand_the_job_over_in_place_and_it_ends_as_one_process_that_nev
 
     procs = [trainer(0, 2, 1, plans["two"]), trainer(1, 2, 1, plans["two"])]
     # The joiner starts ahead and waits for generation 2 to open; it resumes from the checkpoint of the stop.
-    procs.append(trainer(2, 3, 2, plans["three"], "--resume", str(checkpoint_path(loaded))))
+    procs.append(trainer(2, 3, 2, plans["three"], "--resume", str(checkpoint_folder(loaded))))
     try:
         deadline = time.monotonic() + 120
         while not control.with_name("control.taken").exists():  # the first handoff took the request

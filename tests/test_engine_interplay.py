@@ -24,7 +24,7 @@ import pytest
 
 from jabascli.engine.control import CONTROL_FILE_ENV
 from jabascli.engine.launch import run_local
-from jabascli.engine.layout import checkpoint_path
+from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
@@ -136,7 +136,7 @@ def test_a_now_request_after_plan_changes_stops_every_rank_together_and_resumes_
 
     (tmp_path / "control").unlink()  # served: the resumed run is not asked to stop
     events.clear()
-    done = run_local(loaded, TrainOptions(resume=checkpoint_path(loaded), metrics=False), events.append, env).done
+    done = run_local(loaded, TrainOptions(resume=checkpoint_folder(loaded), metrics=False), events.append, env).done
     start = next(e for e in events if e["event"] == "start")
     assert (start["gbs"], start["lbs"], start["step"]) == (plan["gbs"], plan["lbs"], 7)
     assert not done["stopped"]

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from jabascli.engine.checkpoint import read_checkpoint
 from tests.conftest import run_jabas
 from tests.engine_support import write_job
 
@@ -48,10 +49,10 @@ def test_run_trains_every_rank_and_reports_epochs_and_metrics(tmp_path: Path) ->
     assert all(float(r["iteration_s"]) > 0 for r in rows)  # the median duration of the row's iterations
     kinds = {json.loads(line)["kind"] for line in (run / "metrics.jsonl").read_text().splitlines()}
     assert kinds == {"step", "epoch"}
-    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
-    assert (tmp_path / "checkpoints" / "job" / "checkpoint.pt").is_file()
+    assert list((run / "tensorboard" / "attempt-1").glob("events.out.tfevents.*"))
+    assert (tmp_path / "checkpoints" / "job" / "checkpoint-12.pt").is_file()
 
-    table = run_jabas("run", "-c", str(config))
+    table = run_jabas("run", "-c", str(config), "--fresh")
     assert table.returncode == 0, table.stderr
     assert "GBS 16 = LBS 4 x 4 workers" in table.stdout and "val accuracy" in table.stdout
     assert table.stdout.strip().splitlines()[-1].startswith("validation accuracy: ")
@@ -82,18 +83,20 @@ def test_ctrl_c_stops_every_trainer_and_leaves_no_partial_files(tmp_path: Path) 
         stderr=subprocess.PIPE,
         text=True,
     )
-    checkpoint = tmp_path / "checkpoints" / "job" / "checkpoint.pt"
+    manifest = tmp_path / "checkpoints" / "job" / "checkpoints.json"
     deadline = time.monotonic() + 120
-    while not checkpoint.exists() and time.monotonic() < deadline and proc.poll() is None:
+    while not manifest.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
-    assert checkpoint.exists(), proc.communicate()
+    assert manifest.exists(), proc.communicate()
     assert len(live_trainers(config)) == 2
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
-    assert "interrupted" in stderr and "Traceback" not in stderr
+    assert f"interrupted: `jabas run -c {config}` resumes from the last checkpoint" in stderr
+    assert "Traceback" not in stderr
     assert live_trainers(config) == []
-    leftovers = [p.name for p in checkpoint.parent.iterdir() if p.name != "checkpoint.pt"]
-    assert leftovers == []
+    names = [p.name for p in manifest.parent.iterdir()]
+    assert [n for n in names if not n.startswith("checkpoint-") and n != manifest.name] == []  # no partial file
+    read_checkpoint(manifest.parent)  # the newest checkpoint is whole
     for line in (tmp_path / "runs" / "job" / "metrics.jsonl").read_text().splitlines():
         json.loads(line)  # whole lines only

@@ -52,7 +52,7 @@ def test_a_crashed_trainer_restarts_from_the_latest_checkpoint_and_ends_as_an_un
     options = TrainOptions(checkpoint_every=3, metrics=False)
     result = run_local(loaded, options, events.append, TRAINER_ENV, max_restarts=1)
     [restart] = [e for e in events if e["event"] == "restart"]
-    assert restart["resume"].endswith("checkpoint.pt")  # (the reason names whichever rank reported first)
+    assert restart["resume"].endswith("checkpoint-3.pt")  # (the reason names whichever rank reported first)
     starts = [e for e in events if e["event"] == "start"]
     assert [s["step"] for s in starts] == [0, 3]  # one iteration (step 4) is done twice
     assert result.done["step"] == 10 and not result.done["stopped"]

@@ -58,7 +58,7 @@ def schedule(
     from jabascli.elastic.job import Scheduler
     from jabascli.elastic.service import serve
     from jabascli.elastic.token import load_token, read_token_file, write_token
-    from jabascli.engine.layout import checkpoint_path
+    from jabascli.engine.layout import checkpoint_folder
 
     loaded = load_config(config)
     if new_token is not None:
@@ -66,7 +66,7 @@ def schedule(
         token = read_token_file(new_token)
     else:
         token = load_token(loaded)
-    check_writable(checkpoint_path(loaded).parent)
+    check_writable(checkpoint_folder(loaded))
     cfg = loaded.config.scheduler
     host, bind_port = address or cfg.address, port or cfg.port
     err_console.print(f"scheduler of {loaded.config.job.name!r} listening on {host}:{bind_port}", highlight=False)
@@ -213,8 +213,11 @@ def job_stop(
     console.print(f"{status.state}: {status.message}", highlight=False, markup=False)
 
 
-def run_elastic_here(loaded: LoadedConfig, json_out: bool, **unsupported: object) -> None:
-    """``jabas run --elastic``: the scheduler and an agent per server on this machine, with a progress bar."""
+def run_elastic_here(loaded: LoadedConfig, json_out: bool, resuming: bool = False, **unsupported: object) -> None:
+    """``jabas run --elastic``: the scheduler and an agent per server on this machine, with a progress bar.
+
+    ``resuming``: the job's checkpoint folder holds a checkpoint to continue from.
+    """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from jabascli.elastic.local import run_elastic
@@ -260,7 +263,7 @@ def run_elastic_here(loaded: LoadedConfig, json_out: bool, **unsupported: object
                 loss=loss,
             )
 
-        status = run_elastic(loaded, show)
+        status = run_elastic(loaded, show, resume=resuming)
     if json_out:
         print_json(status.model_dump(mode="json"))
     else:

@@ -11,14 +11,16 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
+from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, err_console, print_json
 from jabascli.config import load_config
 from jabascli.engine.options import TrainOptions
 
 PlanOption = Annotated[
     Path | None, typer.Option("--plan", help="A plan from `jabas solve --out` (default: \\[job] plan).")
 ]
-ResumeOption = Annotated[Path | None, typer.Option("--resume", help="Checkpoint to resume from.")]
+ResumeOption = Annotated[
+    Path | None, typer.Option("--resume", help="Checkpoint to resume from: a file, or a job's checkpoint folder.")
+]
 CheckpointEveryOption = Annotated[
     int | None,
     typer.Option(
@@ -104,6 +106,14 @@ def run(
     checkpoint_every: CheckpointEveryOption = None,
     max_steps: MaxStepsOption = None,
     bucket_cap_mb: BucketCapOption = None,
+    fresh: Annotated[
+        bool,
+        typer.Option(
+            "--fresh",
+            help="Start the job from scratch: its checkpoint and run folders are moved aside (renamed "
+            "<job>.<time>), not deleted. Without it a rerun resumes from the newest intact checkpoint.",
+        ),
+    ] = False,
     gbs: Annotated[
         int | None,
         typer.Option(
@@ -135,6 +145,11 @@ def run(
     profiles (`jabas profile all`), it trains the solver's plan for that GBS and
     ends with the predicted beside the measured iteration time.
 
+    A rerun continues the job: it resumes from the newest intact checkpoint in
+    [storage] checkpoint_dir (a corrupt one falls back to the one before) and
+    appends to the run folder's metrics; --fresh starts over, moving the old
+    folders aside.
+
     Shows progress (epoch, step, GBS, samples/s, loss), a line per GBS change of
     an adaptive job ([batching] metric), and a validation table; metrics also go
     to the run folder as CSV (adjustments.csv for GBS decisions), JSON lines and
@@ -144,24 +159,45 @@ def run(
 
         jabas run -c examples/quickstart.toml
 
+        jabas run -c examples/quickstart.toml --fresh
+
         jabas run -c examples/two_servers.toml --gbs 256
     """
     from jabascli.cli.run_plan import report_predicted, solve_own_plan
     from jabascli.engine.launch import run_local
+    from jabascli.engine.rerun import choose_start
 
     loaded = load_config(config)
+    start = choose_start(loaded, resume=resume, fresh=fresh, max_steps=max_steps)
+    for note in start.notes:
+        err_console.print(note, highlight=False, markup=False)
+    if start.done is not None:
+        err_console.print(f"nothing to train: {start.done}; --fresh starts over", highlight=False, markup=False)
+        return
+    if start.resume is not None and resume is None and not json_out:
+        where = f"resuming {loaded.config.job.name} from {start.resume} (epoch {start.epoch + 1}, step {start.step})"
+        console.print(f"{where}; --fresh starts over", highlight=False, markup=False)
     own = solve_own_plan(loaded, gbs, plan, quiet=json_out)
     plan = own.path if own is not None else plan
     if elastic or loaded.config.scaling.enabled:
         from jabascli.cli.elastic import run_elastic_here
 
-        run_elastic_here(loaded, json_out, plan=plan, resume=resume, max_steps=max_steps)
+        given = {"plan": plan, "resume": resume, "max_steps": max_steps}
+        run_elastic_here(loaded, json_out, resuming=start.resume is not None, **given)
         return
     options = TrainOptions(
-        plan=plan, resume=resume, checkpoint_every=checkpoint_every, max_steps=max_steps, bucket_cap_mb=bucket_cap_mb
+        plan=plan,
+        resume=start.resume,
+        checkpoint_every=checkpoint_every,
+        max_steps=max_steps,
+        bucket_cap_mb=bucket_cap_mb,
     )
-    with _RunDisplay(disable=json_out) as display:
-        result = run_local(loaded, options, on_event=display, max_restarts=max_restarts)
+    try:
+        with _RunDisplay(disable=json_out) as display:
+            result = run_local(loaded, options, on_event=display, max_restarts=max_restarts)
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted: `{_rerun_command(config)}` resumes from the last checkpoint", markup=False)
+        raise typer.Exit(130) from None
     results = result.done["results"]
     if json_out:
         for r in results:  # adaptive jobs: each epoch lists its GBS adjustments
@@ -171,6 +207,12 @@ def run(
     _print_results(loaded.config.job.name, display.start, results)
     if own is not None:
         report_predicted(loaded, own, display.start)
+
+
+def _rerun_command(config: Path) -> str:
+    import shlex
+
+    return f"jabas run -c {shlex.quote(str(config))}"
 
 
 class _RunDisplay:

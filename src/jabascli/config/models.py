@@ -176,6 +176,8 @@ class SchedulerConfig(Section):
 
 class StorageConfig(Section):
     checkpoint_dir: Path = Path("checkpoints")
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many checkpoints a job keeps: a corrupt newest one falls back to the one before."""
     run_dir: Path = Path("runs")
     """Metrics (CSV, JSONL, TensorBoard) go to ``run_dir/<job name>``."""
 

@@ -61,7 +61,7 @@ from jabascli.engine.control import CONTROL_FILE_ENV
 from jabascli.engine.distributed import GENERATION_ENV
 from jabascli.engine.events import EVENT_FD_ENV
 from jabascli.engine.launch import GRACE_S, log_tail, terminate
-from jabascli.engine.layout import checkpoint_path, run_folder
+from jabascli.engine.layout import checkpoint_folder, run_folder
 from jabascli.errors import InputError, RuntimeFailure
 
 EXITING_S = 0.5
@@ -144,7 +144,7 @@ class WorkerAgent:
             raise InputError.at(
                 self.loaded.path, "cluster.servers", f"--rank {self.rank}: the config has {len(servers)} servers"
             )
-        check_writable(checkpoint_path(self.loaded).parent)
+        check_writable(checkpoint_folder(self.loaded))
         self.folder.mkdir(parents=True, exist_ok=True)
         self._retrying(self._register)
         last_ok = self.clock()
@@ -237,7 +237,7 @@ class WorkerAgent:
         logs.mkdir(parents=True, exist_ok=True)
         argv = ["train", "-c", str(self.loaded.path), "--plan", str(plan_file)]
         if command.resume:
-            argv += ["--resume", str(checkpoint_path(self.loaded))]
+            argv += ["--resume", str(checkpoint_folder(self.loaded))]
         if command.checkpoint_every is not None:
             argv += ["--checkpoint-every", str(command.checkpoint_every)]
         threads = trainer_threads(len(command.ranks))  # this node's cores, shared among its trainers

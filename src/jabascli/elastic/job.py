@@ -55,7 +55,7 @@ from jabascli.elastic.protocol import (
     When,
     WorkerStatus,
 )
-from jabascli.engine.layout import checkpoint_path
+from jabascli.engine.layout import checkpoint_folder, checkpoint_store
 from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_config, plan_from_solver
 from jabascli.errors import InputError, JabasError, Problem
 from jabascli.net import free_port
@@ -187,8 +187,8 @@ class Scheduler:
         self.generations = 0
         self.restarts = 0
         self.max_restarts = cfg.scheduler.max_restarts
-        self.checkpoint: Path | None = checkpoint_path(loaded) if resume else None
-        """The job's checkpoint, once a trainer of this scheduler reported writing it (or, resuming, at once)."""
+        self.checkpoint: Path | None = checkpoint_folder(loaded) if resume else None
+        """The job's checkpoint folder, once a trainer of this scheduler reported writing it (or, resuming, at once)."""
         self.epoch, self.step = 0, 0
         self.loss: float | None = None
         self.initial_loss: float | None = None
@@ -389,7 +389,7 @@ class Scheduler:
             self.adjusted = []
             self._consult_planner()
         elif kind == "checkpoint":
-            self.checkpoint = checkpoint_path(self.loaded)
+            self.checkpoint = checkpoint_folder(self.loaded)
             self.checkpoint_step = _int(event.get("step"))
         elif kind == "done":
             gen.done = event
@@ -398,7 +398,7 @@ class Scheduler:
                 if self.generation is not None:
                     self._send_stop(self.generation, "kill")  # the joiners wait for ranks that will not come
             self.step = _int(event.get("step")) or self.step
-            self.checkpoint = checkpoint_path(self.loaded)  # written on every exit
+            self.checkpoint = checkpoint_folder(self.loaded)  # written on every exit
             self.checkpoint_step = self.step
         elif kind == "ready" and self.retiring is not None and gen is self.generation:
             self.retiring.joiners.discard(_int(event.get("rank")) or 0)
@@ -520,7 +520,7 @@ class Scheduler:
             plan, source = plan_for(self.loaded, servers, self.gbs if previous is not None else None)
         first = self.loaded.config.server(servers[0])
         gen = self._new_generation(servers, plan, (self.master_addr or first.host, free_port()))
-        resume = self.checkpoint is not None and self.checkpoint.is_file()
+        resume = self.checkpoint is not None and bool(checkpoint_store(self.loaded).entries())
         for server, ranks in gen.ranks_on.items():
             self._send_start(gen, server, ranks, resume)
         if reason is not None and previous is not None:

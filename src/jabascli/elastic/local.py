@@ -37,8 +37,12 @@ def run_elastic(
     on_status: Callable[[JobStatus], None] | None = None,
     token: str | None = None,
     port: int | None = None,
+    resume: bool = False,
 ) -> JobStatus:
-    """Run the job under a local scheduler and one agent per server until it is over; its last status."""
+    """Run the job under a local scheduler and one agent per server until it is over; its last status.
+
+    ``resume``: continue from the job's newest checkpoint (``jabas schedule --resume``).
+    """
     token = token or new_token()
     port = port or free_port()
     env = agent_environment(loaded, token, os.environ)
@@ -47,6 +51,8 @@ def run_elastic(
     jabas = [sys.executable, "-m", "jabascli"]
     config = str(loaded.path)
     commands = {"scheduler": [*jabas, "schedule", "-c", config, "--port", str(port), "--loopback-trainers"]}
+    if resume:
+        commands["scheduler"].append("--resume")
     for rank, server in enumerate(loaded.config.cluster.servers):
         commands[f"worker-{server.name}"] = [
             *jabas, "worker", "-c", config, "--rank", str(rank), "--scheduler", f"127.0.0.1:{port}"

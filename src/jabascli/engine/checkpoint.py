@@ -9,8 +9,9 @@ once per iteration on the whole model, and the sampler resumes at
 ``perm[position:]`` (see :mod:`jabascli.engine.sampler`). So a checkpoint can be
 resumed by a different number of trainers with a different configuration.
 
-Written atomically by rank 0 (temporary file in the same folder, fsync, rename):
-an interrupted save leaves the previous checkpoint in place.
+Written by rank 0 into the job's :class:`~jabascli.engine.checkpoint_store.CheckpointStore`,
+which keeps the last few, each with its digest: an interrupted save leaves the
+previous checkpoints in place, and a damaged newest one falls back to the one before.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from jabascli.atomic import atomic_write
+from jabascli.engine.checkpoint_store import CheckpointStore, Entry, Found
 from jabascli.errors import InputError
 
 FORMAT = "jabas-checkpoint"
@@ -82,7 +83,7 @@ def _tuples(value: Any) -> Any:
 
 
 def save_checkpoint(
-    path: Path,
+    store: CheckpointStore,
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -93,8 +94,8 @@ def save_checkpoint(
     plan: dict[str, Any],
     adaptive: dict[str, Any] | None = None,
     grad_scaler: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Write the checkpoint atomically; returns what it holds, in memory.
+) -> tuple[dict[str, Any], Path]:
+    """Add the checkpoint to ``store`` as its newest; returns what it holds, in memory, and its file.
 
     The returned payload's tensors are the live model's and optimizer's, not copies: it equals
     the file only until they change (a trainer that stops here may resume from it, not from disk).
@@ -116,18 +117,48 @@ def save_checkpoint(
     }
     buffer = io.BytesIO()  # serialise first: a failure cannot leave a temporary file behind
     torch.save(payload, buffer)
-    atomic_write(path, lambda f: f.write(buffer.getbuffer()))
-    return payload
+    path = store.write(buffer.getvalue(), step=progress.step, epoch=progress.epoch)
+    return payload, path
+
+
+def newest_checkpoint(folder: Path) -> Found | None:
+    """The newest intact checkpoint of a job's checkpoint folder (None: it holds none); see CheckpointStore."""
+    return CheckpointStore(folder).newest() if folder.is_dir() else None
+
+
+def resolve_checkpoint(path: Path) -> Found:
+    """``path``, a checkpoint file or a job's checkpoint folder (then its newest intact checkpoint), read and
+    checked against the digest it was written with; InputError when there is none or it is corrupt."""
+    if path.is_dir():
+        found = newest_checkpoint(path)
+        if found is None:
+            raise InputError.at(path, None, "no checkpoint in this folder")
+        return found
+    if not path.is_file():
+        raise InputError.at(path, None, "checkpoint not found")
+    data = path.read_bytes()
+    store = CheckpointStore(path.parent)
+    store.verify(path, data)
+    entry = next((e for e in store.entries() if e.file == path.name), None)
+    return Found(path, data, entry or Entry(path.name, -1, -1, None, len(data)))
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint file onto the CPU; anything that is not a jabas checkpoint is an InputError."""
-    if not path.is_file():
-        raise InputError.at(path, None, "checkpoint not found")
+    """Load a checkpoint (a file, or a job's folder: its newest intact one) onto the CPU.
+
+    Anything that is not an intact jabas checkpoint is an InputError.
+    """
+    found = resolve_checkpoint(path)
+    return load_payload(found.path, found.data)
+
+
+def load_payload(path: Path, data: bytes) -> dict[str, Any]:
+    """The payload of a checkpoint's bytes; InputError naming ``path`` unless it is a jabas checkpoint."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise InputError.at(path, None, f"not a readable checkpoint: {type(exc).__name__}: {exc}") from None
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InputError.at(path, None, f"corrupt or not a checkpoint (torch.load: {reason})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise InputError.at(path, None, "not a jabas checkpoint")
     if payload.get("version") != VERSION:
@@ -179,7 +210,9 @@ def check_same_model(payload: dict[str, Any], path: Path, model: nn.Module) -> N
     raise InputError.at(path, "model", f"checkpoint is of another model (workload {workload!r}): {'; '.join(details)}")
 
 
-def check_resumable(path: Path, workload: Any) -> None:
-    """Fail early (InputError) unless ``path`` is a checkpoint of ``workload``'s model."""
-    payload = read_checkpoint(path)
-    check_same_model(payload, path, workload.build_model())
+def check_resumable(path: Path, workload: Any) -> Found:
+    """Fail early (InputError) unless ``path`` (a file or a job's folder) holds a checkpoint of ``workload``'s
+    model; returns the checkpoint found, so that every rank resumes that one file."""
+    found = resolve_checkpoint(path)
+    check_same_model(load_payload(found.path, found.data), found.path, workload.build_model())
+    return found

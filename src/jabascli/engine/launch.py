@@ -79,7 +79,11 @@ def run_local(
         from jabascli.workload import load_workload
 
         job = loaded.config.job
-        check_resumable(options.resume, load_workload(job.workload, job.options, job.data))
+        found = check_resumable(options.resume, load_workload(job.workload, job.options, job.data))
+        options = dataclasses.replace(options, resume=found.path)  # every rank resumes this one file
+        if on_event is not None:
+            for line in found.passed_over:
+                on_event({"event": "note", "server": None, "message": f"{line}; resuming from {found.path}"})
     logs = run_folder(loaded) / "logs"
     from jabascli.engine.conditions import profile_notes
 
@@ -90,27 +94,30 @@ def run_local(
     rank_notes = {r.rank: notes[r.server] for r in plan.ranks if r.server in notes}
     if max_restarts == 0:
         return launch_local(loaded.path, plan, options.train_args(), logs, on_event, env, rank_notes)
-    from jabascli.engine.layout import checkpoint_path
+    from jabascli.engine.layout import checkpoint_folder
 
     def attempt(resume: Path | None) -> LaunchResult:
         opts = options if resume is None else dataclasses.replace(options, resume=resume)
         return launch_local(loaded.path, plan, opts.train_args(), logs, on_event, env, rank_notes)
 
-    return restarting(attempt, checkpoint_path(loaded), max_restarts, on_event)
+    return restarting(attempt, checkpoint_folder(loaded), max_restarts, on_event)
 
 
 def restarting(
     attempt: Callable[[Path | None], LaunchResult],
-    checkpoint: Path,
+    checkpoints: Path,
     max_restarts: int,
     on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> LaunchResult:
     """Call ``attempt(resume)`` until it succeeds, at most ``1 + max_restarts`` times.
 
-    The first attempt resumes from what the options say; each restart from
-    ``checkpoint`` if an attempt of this run wrote it since (its modification time
-    says so), else again from the start. Bad input (:class:`InputError`) is never retried.
+    The first attempt resumes from what the options say; each restart from the
+    newest intact checkpoint in the folder ``checkpoints`` if an attempt of this run
+    wrote it (its modification time says so), else as the first attempt did.
+    Bad input (:class:`InputError`) is never retried.
     """
+    from jabascli.engine.checkpoint import newest_checkpoint
+
     started = time.time()
     resume: Path | None = None
     for restarts in range(max_restarts + 1):
@@ -121,9 +128,10 @@ def restarting(
         except RuntimeFailure as exc:
             if restarts == max_restarts:
                 raise RuntimeFailure([*exc.lines(), f"gave up after {max_restarts} restarts"]) from None
-            with contextlib.suppress(OSError):
-                if checkpoint.stat().st_mtime >= started:
-                    resume = checkpoint
+            with contextlib.suppress(OSError, InputError):
+                found = newest_checkpoint(checkpoints)
+                if found is not None and found.path.stat().st_mtime >= started:
+                    resume = found.path
             if on_event is not None:
                 reason = exc.lines()[0] if exc.lines() else "failed"
                 on_event({"event": "restart", "restarts": restarts + 1, "reason": reason, "resume": str(resume)})

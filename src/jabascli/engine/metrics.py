@@ -11,14 +11,19 @@ In the run folder (``[storage] run_dir / <job name>``):
 * ``adjustments.csv``: one row per adaptive-batching decision (adaptive jobs only):
   the metrics measured, old and new GBS, LBS and plan, LR factor and LR, why;
 * ``metrics.jsonl``: every row of these, as ``{"kind": "step" | "epoch" | "adjustment", ...}``;
-* ``tensorboard/``: ``train/loss``, ``train/samples_per_s``, ``train/gbs``,
+* ``tensorboard/attempt-<N>/`` (one folder per run attempt, so TensorBoard shows each as a run):
+  ``train/loss``, ``train/samples_per_s``, ``train/gbs``,
   ``train/lr``, ``train/iteration_s``, ``val/loss``, ``val/accuracy``, and for adaptive jobs
   ``adaptive/gbs``, ``adaptive/similarity``, ``adaptive/noise_scale``, ``adaptive/lr``, ``adaptive/lr_factor``,
   against the step.
 
-A fresh run starts new files; a resumed run appends, and TensorBoard is told to
-drop events past the resumed step (``purge_step``). Rows are written whole and
-flushed one by one, so a killed trainer leaves complete lines.
+Files are never truncated: every attempt at the job (a rerun resuming it, a
+restart after a failure) appends to the CSV and JSON lines files, so rows of
+steps that an interrupted attempt trained past its last checkpoint stay, and
+the resumed attempt writes those steps again after them (the later row of a
+step is the one that counts). ``jabas run --fresh`` moves the old run folder aside
+instead. Rows are written whole and flushed one by one, so a killed trainer
+leaves complete lines.
 """
 
 from __future__ import annotations
@@ -38,10 +43,10 @@ ADJUSTMENT_FIELDS = (
 
 
 class MetricsWriter:
-    def __init__(self, folder: Path, *, resume_step: int | None, tensorboard: bool = True) -> None:
+    def __init__(self, folder: Path, *, tensorboard: bool = True) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
-        mode = "a" if resume_step is not None else "w"
+        mode = "a"  # never truncate what an earlier attempt wrote
         self._steps = self._open_csv("steps.csv", STEP_FIELDS, mode)
         self._epochs = self._open_csv("epochs.csv", EPOCH_FIELDS, mode)
         self._adjustments: tuple[Any, Any] | None = None  # adjustments.csv, opened at the first adjustment
@@ -51,11 +56,11 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(folder / "tensorboard"), purge_step=resume_step or 0)
+            self._tb = SummaryWriter(str(next_attempt_folder(folder / "tensorboard")))
 
     def _open_csv(self, name: str, fields: tuple[str, ...], mode: str) -> tuple[Any, Any]:
         path = self.folder / name
-        new = mode == "w" or not path.exists() or path.stat().st_size == 0
+        new = not path.exists() or path.stat().st_size == 0
         f = path.open(mode, encoding="utf-8", newline="")
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         if new:
@@ -122,6 +127,12 @@ class MetricsWriter:
             self._adjustments[0].close()
         if self._tb is not None:
             self._tb.close()
+
+
+def next_attempt_folder(parent: Path) -> Path:
+    """``parent/attempt-<N>``, N one more than the highest there (1 for the first)."""
+    numbers = [int(p.name.split("-", 1)[1]) for p in parent.glob("attempt-*") if p.name.split("-", 1)[1].isdigit()]
+    return parent / f"attempt-{max(numbers, default=0) + 1}"
 
 
 def median_iteration_s(steps_csv: Path, first_step: int = 0, warmup: int = 5) -> tuple[float, int] | None:

@@ -53,7 +53,7 @@ from jabascli.engine.distributed import (
     wrap_ddp,
 )
 from jabascli.engine.events import EventSink
-from jabascli.engine.layout import checkpoint_path, run_folder
+from jabascli.engine.layout import checkpoint_folder, checkpoint_store, run_folder
 from jabascli.engine.loader import MicroBatchFeed, default_loader_workers
 from jabascli.engine.memory_limit import MemoryLimit
 from jabascli.engine.metrics import MetricsWriter
@@ -150,7 +150,7 @@ def run_trainer(
                 if old_model() is not None:
                     gc.collect()  # a reference cycle holds the old model: free it before the new one is built
                 env, plan = following, plan_from_dict(handoff.plan, loaded, "handoff")
-                options = dataclasses.replace(options, resume=checkpoint_path(loaded))
+                options = dataclasses.replace(options, resume=checkpoint_folder(loaded))
                 if on_event is not None:
                     on_event({"event": "handoff", "generation": env.generation, "rank": env.rank})
                 wait_for_generation(env)  # rank 0 opens it: the new ranks read the checkpoint meanwhile
@@ -583,9 +583,8 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         if self.rank != 0:
             return
-        path = checkpoint_path(self.loaded)
-        self.saved = save_checkpoint(
-            path,
+        self.saved, path = save_checkpoint(
+            checkpoint_store(self.loaded),
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
@@ -606,8 +605,7 @@ class Trainer:
         """Rank 0's metrics writer (None elsewhere, or with metrics off)."""
         if self.rank != 0 or not self.options.metrics:
             return None
-        resume_step = self.progress.step if self.options.resume is not None else None
-        return MetricsWriter(run_folder(self.loaded), resume_step=resume_step)
+        return MetricsWriter(run_folder(self.loaded))
 
     def _report_start(self) -> None:
         if not self.emit:

@@ -1,0 +1,149 @@
+"""A job's checkpoints on disk: the last ``keep`` of them, each with the digest it was written with.
+
+In the job's checkpoint folder (``[storage] checkpoint_dir / <job name>``)::
+
+    checkpoint-<step>.pt    one checkpoint (engine/checkpoint.py's payload, torch.save)
+    checkpoints.json        the manifest: newest first, {file, step, epoch, sha256, bytes} each
+
+A checkpoint is written whole to its own file (atomically: temporary name,
+fsync, rename), then the manifest is replaced (atomically) to name it first
+and to drop all but the newest ``keep``; files the manifest no longer names
+are removed last. The manifest's rename is the commit point: a save cut off
+before it leaves the previous manifest, whose checkpoints are untouched.
+
+Reading takes the newest checkpoint whose bytes still have the SHA-256 written
+with them; one that does not (truncated, overwritten, a disk error) is named
+as corrupt and the one before it is used, so a damaged newest checkpoint costs
+the iterations since the previous one, never the job. A folder written before
+the manifest existed holds a single ``checkpoint.pt``, read without a digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from jabascli.atomic import atomic_write_bytes, atomic_write_json
+from jabascli.errors import InputError
+
+MANIFEST = "checkpoints.json"
+LEGACY = "checkpoint.pt"
+DEFAULT_KEEP = 2
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One checkpoint the manifest names."""
+
+    file: str
+    step: int
+    epoch: int
+    sha256: str | None
+    """None only for a folder written before digests (``checkpoint.pt``)."""
+    bytes: int | None
+
+
+@dataclass(frozen=True)
+class Found:
+    """The newest intact checkpoint of a folder, and what was passed over to reach it."""
+
+    path: Path
+    data: bytes
+    entry: Entry
+    passed_over: list[str] = field(default_factory=list)
+    """One line per newer checkpoint that failed its integrity check."""
+
+
+class CheckpointStore:
+    """The checkpoints of one job: write the next, find the newest intact one."""
+
+    def __init__(self, folder: Path, keep: int = DEFAULT_KEEP) -> None:
+        self.folder = folder
+        self.keep = max(1, keep)
+
+    @property
+    def manifest(self) -> Path:
+        return self.folder / MANIFEST
+
+    def entries(self) -> list[Entry]:
+        """The checkpoints the folder holds, newest first (empty when it holds none)."""
+        if not self.manifest.is_file():
+            legacy = self.folder / LEGACY
+            return [Entry(LEGACY, -1, -1, None, None)] if legacy.is_file() else []
+        try:
+            rows = json.loads(self.manifest.read_text(encoding="utf-8"))["checkpoints"]
+            return [Entry(**row) for row in rows]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InputError.at(self.manifest, None, f"not a readable checkpoint manifest: {exc}") from None
+
+    def write(self, data: bytes, *, step: int, epoch: int) -> Path:
+        """Add a checkpoint (the serialised payload) as the newest; keep the newest ``keep``."""
+        name = f"checkpoint-{step}.pt"
+        path = self.folder / name
+        atomic_write_bytes(path, data)
+        entry = Entry(name, step, epoch, hashlib.sha256(data).hexdigest(), len(data))
+        older = [e for e in self._entries_for_update() if e.file != name]
+        kept = [entry, *older][: self.keep]
+        atomic_write_json(self.manifest, {"checkpoints": [asdict(e) for e in kept]}, indent=1)
+        self._remove_unlisted({e.file for e in kept})
+        return path
+
+    def newest(self) -> Found | None:
+        """The newest checkpoint whose bytes match their digest; None when the folder holds none.
+
+        Raises InputError when it holds checkpoints but none is intact.
+        """
+        passed_over: list[str] = []
+        entries = self.entries()
+        for entry in entries:
+            path = self.folder / entry.file
+            problem, data = self._check(path, entry)
+            if problem is None:
+                return Found(path, data, entry, passed_over)
+            passed_over.append(f"{path}: {problem}")
+        if passed_over:
+            raise InputError.at(self.folder, None, "no intact checkpoint: " + "; ".join(passed_over))
+        return None
+
+    def verify(self, path: Path, data: bytes) -> None:
+        """InputError unless ``data`` (read from ``path``) is what the manifest says was written there."""
+        if path.parent.resolve() != self.folder.resolve() or not self.manifest.is_file():
+            return  # a file outside a manifest's folder: nothing to check it against
+        for entry in self.entries():
+            if entry.file == path.name:
+                problem = _digest_problem(entry, data)
+                if problem is not None:
+                    raise InputError.at(path, None, problem)
+
+    def _check(self, path: Path, entry: Entry) -> tuple[str | None, bytes]:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return "corrupt: missing (the manifest names it)", b""
+        except OSError as exc:
+            return f"corrupt: unreadable ({exc.strerror})", b""
+        return _digest_problem(entry, data), data
+
+    def _entries_for_update(self) -> list[Entry]:
+        try:
+            return [e for e in self.entries() if e.file != LEGACY]
+        except InputError:
+            return []  # an unreadable manifest is replaced: the checkpoint just written is intact
+
+    def _remove_unlisted(self, listed: set[str]) -> None:
+        """Remove older checkpoints, and what saves cut off by a kill left (only rank 0 ever writes here)."""
+        for path in [*self.folder.glob("checkpoint-*.pt"), *self.folder.glob(".checkpoint-*.pt.*.tmp")]:
+            if path.name not in listed:
+                path.unlink(missing_ok=True)
+
+
+def _digest_problem(entry: Entry, data: bytes) -> str | None:
+    if entry.sha256 is None:
+        return None
+    if entry.bytes is not None and len(data) != entry.bytes:
+        return f"corrupt: {len(data)} bytes, {entry.bytes} were written (cut off?)"
+    if hashlib.sha256(data).hexdigest() != entry.sha256:
+        return "corrupt: its SHA-256 differs from the one written with it"
+    return None
