@@ -1,0 +1,141 @@
+"""Reruns keep what the job had: `jabas run` resumes the newest intact checkpoint, never starts over silently.
+
+Every run here is the real `jabas` command with real trainer processes; the
+parameters at the end are compared with a single process that trained the
+same iterations without interruption (engine/reference.py).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jabascli.engine.checkpoint import read_checkpoint
+from jabascli.engine.plan import load_plan
+from jabascli.engine.reference import reference_run
+from tests.conftest import run_jabas
+from tests.engine_support import checkpoint_of, load, max_abs_diff, write_job
+from tests.test_engine_launch import live_trainers
+
+STEPS = 20  # 80 samples at GBS 8 (two ranks of LBS 4), two epochs
+
+
+def _job(folder: Path, **options: object) -> Path:
+    return write_job(folder, [(1, 0), (1, 0)], options={"samples": 80, **options}, epochs=2)
+
+
+def _steps(folder: Path) -> list[int]:
+    with (folder / "runs" / "job" / "steps.csv").open() as f:
+        return [int(row["step"]) for row in csv.DictReader(f)]
+
+
+def _ends_as_uninterrupted(config: Path) -> None:
+    loaded = load(config)
+    final = checkpoint_of(loaded)
+    assert final["progress"]["step"] == STEPS
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=STEPS)
+    assert max(max_abs_diff(final["model"], reference.state_dict()).values()) < 1e-9
+
+
+def test_a_rerun_resumes_the_job_and_fresh_moves_the_old_run_aside(tmp_path: Path) -> None:
+    config = _job(tmp_path)
+    checkpoints = tmp_path / "checkpoints" / "job"
+    first = run_jabas("run", "-c", str(config), "--max-steps", "12", "--checkpoint-every", "5")
+    assert first.returncode == 0, first.stderr
+    assert sorted(p.name for p in checkpoints.glob("*.pt")) == ["checkpoint-10.pt", "checkpoint-12.pt"]  # keep 2
+    kept = (checkpoints / "checkpoint-12.pt").read_bytes()
+    metrics = (tmp_path / "runs" / "job" / "steps.csv").read_text()
+
+    fewer = run_jabas("run", "-c", str(config), "--max-steps", "7")  # the issue's rerun: it destroyed step 12
+    assert fewer.returncode == 0, fewer.stderr
+    assert "nothing to train: the job is already at step 12" in fewer.stderr
+    assert (checkpoints / "checkpoint-12.pt").read_bytes() == kept
+    assert (tmp_path / "runs" / "job" / "steps.csv").read_text() == metrics
+
+    rest = run_jabas("run", "-c", str(config))
+    assert rest.returncode == 0, rest.stderr
+    assert f"resuming job from {checkpoints / 'checkpoint-12.pt'} (epoch 2, step 12)" in rest.stdout
+    assert (tmp_path / "runs" / "job" / "steps.csv").read_text().startswith(metrics)  # appended, never truncated
+    assert _steps(tmp_path)[-1] == STEPS
+    tensorboard = tmp_path / "runs" / "job" / "tensorboard"
+    assert sorted(p.name for p in tensorboard.iterdir()) == ["attempt-1", "attempt-2"]
+    _ends_as_uninterrupted(config)
+
+    done = run_jabas("run", "-c", str(config))
+    assert done.returncode == 0 and "nothing to train: the job has already trained its 2 epochs" in done.stderr
+
+    final = (checkpoints / f"checkpoint-{STEPS}.pt").read_bytes()
+    fresh = run_jabas("run", "-c", str(config), "--fresh", "--max-steps", "3")
+    assert fresh.returncode == 0, fresh.stderr
+    [aside] = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("job.")]
+    assert f"moved {checkpoints} aside to {aside}" in fresh.stderr
+    assert (aside / f"checkpoint-{STEPS}.pt").read_bytes() == final  # the old run is kept whole
+    assert read_checkpoint(checkpoints)["progress"]["step"] == 3 and _steps(tmp_path)[-1] == 3
+
+
+def test_a_cut_off_newest_checkpoint_falls_back_to_the_previous_and_training_stays_exact(tmp_path: Path) -> None:
+    config = _job(tmp_path)
+    checkpoints = tmp_path / "checkpoints" / "job"
+    first = run_jabas("run", "-c", str(config), "--max-steps", "12", "--checkpoint-every", "5")
+    assert first.returncode == 0, first.stderr
+    newest = checkpoints / "checkpoint-12.pt"
+    whole = newest.read_bytes()
+    newest.write_bytes(whole[: len(whole) // 2])
+
+    named = run_jabas("run", "-c", str(config), "--resume", str(newest))
+    assert named.returncode == 2 and "Traceback" not in named.stderr
+    assert named.stderr.strip() == (
+        f"error: {newest}: corrupt: {len(whole) // 2} bytes, {len(whole)} were written (cut off?)"
+    )
+
+    rerun = run_jabas("run", "-c", str(config))
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{newest}: corrupt: {len(whole) // 2} bytes" in rerun.stderr
+    assert f"resuming from {checkpoints / 'checkpoint-10.pt'}" in rerun.stderr
+    _ends_as_uninterrupted(config)  # iterations 11 and 12 trained again, once each in the parameters
+
+    for path in checkpoints.glob("checkpoint-*.pt"):
+        path.write_bytes(b"overwritten")
+    broken = run_jabas("run", "-c", str(config))
+    assert broken.returncode == 2 and "Traceback" not in broken.stderr
+    assert broken.stderr.startswith(f"error: {checkpoints}: no intact checkpoint: ")
+    assert len(broken.stderr.strip().splitlines()) == 1
+
+
+def test_a_rerun_after_ctrl_c_or_kill_9_resumes_the_checkpoint_the_run_left(tmp_path: Path) -> None:
+    config = _job(tmp_path, sleep=0.3)
+    manifest = tmp_path / "checkpoints" / "job" / "checkpoints.json"
+    for how in (signal.SIGINT, signal.SIGKILL):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--checkpoint-every", "2"],
+            env={**os.environ, "COLUMNS": "200"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if manifest.exists() and read_checkpoint(manifest.parent)["progress"]["step"] >= 4:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        if how == signal.SIGKILL:  # the machine is lost: the launcher and its trainers at once
+            for pid in [proc.pid, *live_trainers(config)]:
+                os.kill(pid, signal.SIGKILL)
+        else:
+            proc.send_signal(how)
+        _, stderr = proc.communicate(timeout=60)
+        if how == signal.SIGINT:
+            assert f"`jabas run -c {config}` resumes from the last checkpoint" in stderr
+        left = read_checkpoint(manifest.parent)["progress"]["step"]
+        rerun = run_jabas("run", "-c", str(config), "--max-steps", str(left + 1))
+        assert rerun.returncode == 0, rerun.stderr
+        assert f"(epoch 1, step {left})" in rerun.stdout or f"(epoch 2, step {left})" in rerun.stdout
+        assert read_checkpoint(manifest.parent)["progress"]["step"] == left + 1
+    steps = _steps(tmp_path)
+    assert steps[0] <= 2 and steps[-1] == left + 1  # every attempt's rows, the first run's included
