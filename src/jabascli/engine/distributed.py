@@ -22,12 +22,20 @@ the old group is retired, not destroyed, because freeing a gloo group waits
 (key ``g<N>/open``) when it arrives; the others wait for that first, with no
 practical time limit, so that ranks started ahead of a move (at an epoch end
 maybe minutes away) do not run into the process group's rendezvous timeout.
+
+Where trainers listen: the store of every job (with or without generations)
+is rank 0's, bound to ``MASTER_ADDR`` only (torch's own TCPStore listens on
+every interface, and a store has no authentication: anyone who reaches it can
+write keys into the job); gloo's sockets are bound to the interface this node
+reaches ``MASTER_ADDR`` through (``GLOO_SOCKET_IFNAME``, unless set): loopback
+when the job runs on one machine. See docs/security.md.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,7 +46,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from jabascli.engine.plan import TrainingPlan
-from jabascli.errors import InputError
+from jabascli.errors import InputError, RuntimeFailure
+from jabascli.net import interface_of, listening_socket, local_address_towards
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 SHARE_GPUS_ENV = "JABAS_SHARE_GPUS"
@@ -50,6 +59,8 @@ STORE_TIMEOUT = timedelta(minutes=5)
 
 _stores: dict[tuple[str, int], dist.TCPStore] = {}
 """The TCP stores this process joined (or hosts, on rank 0), kept for later generations."""
+_listening: list[socket.socket] = []
+"""The sockets rank 0's stores listen on (bound here, to ``MASTER_ADDR`` only)."""
 _retired: list[object] = []
 """Process groups of earlier generations, freed when the trainer ends (:func:`release_retired`)."""
 
@@ -120,9 +131,10 @@ def init_process_group(env: DistEnv, device: torch.device) -> bool:
     if env.world_size == 1 and env.master_addr is None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     elif env.generation is None:
-        dist.init_process_group(
-            backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank, world_size=env.world_size
-        )
+        assert env.master_addr is not None and env.master_port is not None
+        bind_gloo_towards(env.master_addr)
+        store = rendezvous_store(env.master_addr, env.master_port, env.rank == 0)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size)
     else:
         _join_generation(env, backend)
     return True
@@ -157,21 +169,45 @@ def wait_for_generation(env: DistEnv) -> None:
 
 def _store(env: DistEnv) -> dist.TCPStore:
     assert env.master_addr is not None and env.master_port is not None
-    key = (env.master_addr, env.master_port)
+    return rendezvous_store(env.master_addr, env.master_port, env.rank == 0)
+
+
+def rendezvous_store(host: str, port: int, is_master: bool, timeout: timedelta = STORE_TIMEOUT) -> dist.TCPStore:
+    """The job's TCP store at ``host:port``, joined once per process; the master hosts it, bound to ``host`` only."""
+    key = (host, port)
     store = _stores.get(key)
     if store is None:
+        listen_fd = None
+        if is_master:
+            try:
+                sock = listening_socket(host, port)
+            except OSError as exc:
+                raise RuntimeFailure.at(
+                    "environment", "MASTER_ADDR", f"rank 0 cannot listen on {host}:{port}: {exc.strerror or exc}"
+                ) from None
+            _listening.append(sock)
+            listen_fd = sock.fileno()
         store = dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            is_master=env.rank == 0,
-            timeout=STORE_TIMEOUT,
-            wait_for_workers=False,
+            host, port, is_master=is_master, timeout=timeout, wait_for_workers=False, master_listen_fd=listen_fd
         )
         _stores[key] = store
     return store
 
 
+def bind_gloo_towards(master_addr: str) -> None:
+    """Make gloo listen only on the interface this node reaches ``master_addr`` through (unless the
+    user chose one with ``GLOO_SOCKET_IFNAME``); without it gloo binds to what the host name resolves to."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    local = local_address_towards(master_addr)
+    interface = interface_of(local) if local is not None else None
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
 def _join_generation(env: DistEnv, backend: str) -> None:
+    assert env.master_addr is not None
+    bind_gloo_towards(env.master_addr)
     wait_for_generation(env)
     store = dist.PrefixStore(f"g{env.generation}/", _store(env))
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size)

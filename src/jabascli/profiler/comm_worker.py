@@ -28,6 +28,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from jabascli.engine.distributed import bind_gloo_towards, rendezvous_store
+
     rank, world = int(spec["rank"]), int(spec["world_size"])
     backend = spec["backend"]
     if spec.get("threads"):
@@ -37,13 +39,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{spec['master_addr']}:{spec['master_port']}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=float(spec.get("timeout", 300))),
-    )
+    timeout = timedelta(seconds=float(spec.get("timeout", 300)))
+    bind_gloo_towards(spec["master_addr"])  # listen only where the other ranks reach this one
+    store = rendezvous_store(spec["master_addr"], int(spec["master_port"]), rank == 0, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         rows = []
         sizes = [int(s) for s in spec["sizes_bytes"]]
