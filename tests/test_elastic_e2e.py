@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -201,19 +202,46 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_jabas_run_elastic_runs_the_scheduler_and_an_agent_per_server_on_this_machine(tmp_path: Path) -> None:
-    config = write_config(tmp_path, available=["A", "B"], epochs=1)
+def test_jabas_run_elastic_runs_the_scheduler_and_an_agent_per_server_and_can_be_steered(tmp_path: Path) -> None:
+    config = write_config(tmp_path, available=["A", "B"], epochs=2, slowdown=(20.0, 30.0))
     env = {k: v for k, v in os.environ.items() if k != "JABAS_TOKEN"}  # it makes its own
-    run = subprocess.run(
-        [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--elastic", "--json"],
-        env={**env, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
+    env.update(OMP_NUM_THREADS="1", COLUMNS="200")
+    run = subprocess.Popen(
+        [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--elastic"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
     )
-    assert run.returncode == 0, run.stderr
-    status = json.loads(run.stdout)
-    assert status["state"] == "succeeded" and status["allocation"] == ["A", "B"]
-    assert [e["step"] for e in status["epoch_history"]] == [N // 48]  # GBS 16 x (2 + 1)
-    logs = tmp_path / "runs" / "digits" / "logs"
+    folder = tmp_path / "runs" / "digits"
+    steering = folder / "scheduler.json"
+    deadline = time.monotonic() + 120
+    while not steering.exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert steering.exists(), run.communicate()
+    token_file = Path(json.loads(steering.read_text())["token_file"])
+    assert (steering.stat().st_mode & 0o777, token_file.stat().st_mode & 0o777) == (0o600, 0o600)
+    # A user steers it from the config alone, as the start line says (no token in the environment).
+    while run.poll() is None and time.monotonic() < deadline:
+        status = subprocess.run(
+            [sys.executable, "-m", "jabascli", "job", "status", "-c", str(config), "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if status.returncode == 0 and json.loads(status.stdout)["state"] == "running":
+            break
+        time.sleep(0.2)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["allocation"] == ["A", "B"]
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr
+    assert f"token in {token_file} (steer it: `jabas job status -c {config}`)" in stdout
+    assert "digits: succeeded" in stdout
+    rows = [line for line in stdout.splitlines() if re.match(r"^[│|]\s+[12]\s+[│|]", line)]
+    assert len(rows) == 2, stdout  # the validation table, one row per epoch, as `jabas run` ends
+    assert stdout.strip().splitlines()[-1].startswith("validation accuracy: ")
+    assert not steering.exists() and not token_file.exists()  # gone with the run
+    logs = folder / "logs"
     assert {p.name for p in logs.glob("*.log")} >= {"scheduler.log", "worker-A.log", "worker-B.log"}

@@ -132,9 +132,13 @@ job_app = typer.Typer(help="Look at and steer a job run by `jabas schedule`.", n
 
 def _client(config: Path, scheduler: str | None):  # type: ignore[no-untyped-def]
     from jabascli.elastic.client import SchedulerClient
-    from jabascli.elastic.token import load_token
+    from jabascli.elastic.local import find_steering
+    from jabascli.elastic.token import load_token, read_token_file
 
     loaded = load_config(config)
+    steering = find_steering(loaded) if scheduler is None else None
+    if steering is not None:  # a `jabas run --elastic` of this job is running here
+        return SchedulerClient(steering.address, read_token_file(steering.token_file))
     return SchedulerClient(_address(loaded, scheduler), load_token(loaded))
 
 
@@ -213,14 +217,26 @@ def job_stop(
     console.print(f"{status.state}: {status.message}", highlight=False, markup=False)
 
 
-def run_elastic_here(loaded: LoadedConfig, json_out: bool, resuming: bool = False, **unsupported: object) -> None:
+def run_elastic_here(
+    loaded: LoadedConfig,
+    json_out: bool,
+    config: Path,
+    resuming: bool = False,
+    port: int | None = None,
+    token_file: Path | None = None,
+    **unsupported: object,
+) -> None:
     """``jabas run --elastic``: the scheduler and an agent per server on this machine, with a progress bar.
 
-    ``resuming``: the job's checkpoint folder holds a checkpoint to continue from.
+    ``resuming``: the job's checkpoint folder holds a checkpoint to continue from. Prints where the
+    scheduler listens and its token file, and at the end the validation table as ``jabas run`` does.
     """
+    import shlex
+
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from jabascli.elastic.local import run_elastic
+    from jabascli.cli.train import print_results
+    from jabascli.elastic.local import Steering, run_elastic
 
     given = [f"--{name.replace('_', '-')}" for name, value in unsupported.items() if value is not None]
     if given:
@@ -263,10 +279,18 @@ def run_elastic_here(loaded: LoadedConfig, json_out: bool, resuming: bool = Fals
                 loss=loss,
             )
 
-        status = run_elastic(loaded, show, resume=resuming)
+        def steering(where: Steering) -> None:
+            steer = f"jabas job status -c {shlex.quote(str(config))}"
+            line = f"scheduler on {where.address}, token in {where.token_file} (steer it: `{steer}`)"
+            (err_console if json_out else progress.console).print(line, highlight=False, markup=False)
+
+        status = run_elastic(loaded, show, port=port, resume=resuming, token_file=token_file, on_steering=steering)
     if json_out:
         print_json(status.model_dump(mode="json"))
-    else:
-        console.print(f"{status.job}: {status.state}: {status.message}", highlight=False, markup=False)
+        return
+    console.print(f"{status.job}: {status.state}: {status.message}", highlight=False, markup=False)
+    if status.epoch_history:
+        results = [record.model_dump() for record in status.epoch_history]
+        print_results(f"{status.job}: GBS {status.gbs or '-'}, {status.plan or ''}", results)
     if status.state == "failed":
         raise typer.Exit(1)

@@ -14,6 +14,7 @@ from rich.table import Table
 from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, err_console, print_json
 from jabascli.config import load_config
 from jabascli.engine.options import TrainOptions
+from jabascli.errors import InputError
 
 PlanOption = Annotated[
     Path | None, typer.Option("--plan", help="A plan from `jabas solve --out` (default: \\[job] plan).")
@@ -137,6 +138,17 @@ def run(
             "`jabas job move` can move the job between servers; also with \\[scaling] enabled = true.",
         ),
     ] = False,
+    port: Annotated[
+        int | None, typer.Option(help="With --elastic: the scheduler's port on 127.0.0.1 (default: a free one).")
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file",
+            help="With --elastic: the scheduler's token, read from this file or written there (mode 0600) "
+            "if missing (default: a fresh token in the run folder, removed at the end).",
+        ),
+    ] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Train the whole job on this machine: one trainer process per device (or emulated device).
@@ -183,8 +195,11 @@ def run(
         from jabascli.cli.elastic import run_elastic_here
 
         given = {"plan": plan, "resume": resume, "max_steps": max_steps}
-        run_elastic_here(loaded, json_out, resuming=start.resume is not None, **given)
+        steer = {"port": port, "token_file": token_file}
+        run_elastic_here(loaded, json_out, config, resuming=start.resume is not None, **steer, **given)
         return
+    if port is not None or token_file is not None:
+        raise InputError.at(None, "--port" if port is not None else "--token-file", "is used with --elastic only")
     options = TrainOptions(
         plan=plan,
         resume=start.resume,
@@ -204,7 +219,9 @@ def run(
             r["adjustments"] = [a for a in display.adjustments if a["epoch"] == r["epoch"]]
         print_json(results)
         return
-    _print_results(loaded.config.job.name, display.start, results)
+    start_event = display.start
+    title = f"GBS {start_event.get('gbs', '?')} (LBS {start_event.get('lbs', '?')}), {start_event.get('plan', '')}"
+    print_results(f"{loaded.config.job.name}: {title}", results)
     if own is not None:
         report_predicted(loaded, own, display.start)
 
@@ -305,8 +322,8 @@ def _adjustment_line(e: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _print_results(job: str, start: dict[str, Any], results: list[dict[str, Any]]) -> None:
-    title = f"{job}: GBS {start.get('gbs', '?')} (LBS {start.get('lbs', '?')}), {start.get('plan', '')}"
+def print_results(title: str, results: list[dict[str, Any]]) -> None:
+    """The validation table of a run's epochs, then its last ``validation accuracy: X`` line."""
     table = Table(title=title)
     for column in ("epoch", "train loss", "val loss", "val accuracy", "samples/s"):
         table.add_column(column, justify="right")

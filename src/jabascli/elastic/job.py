@@ -381,6 +381,7 @@ class Scheduler:
                     servers=list(gen.servers),
                     train_loss=_float(event.get("train_loss")),
                     val_loss=_float(event.get("val_loss")),
+                    val_accuracy=_float(event.get("val_accuracy")),
                     samples_per_s=_float(event.get("samples_per_s")) or 0.0,
                     time_s=_float(event.get("time_s")) or 0.0,
                     gbs_history=self.adjusted,

@@ -191,6 +191,7 @@ class EpochRecord(Message):
     val_loss: float | None
     samples_per_s: float
     time_s: float
+    val_accuracy: float | None = None
     gbs_history: list[int] = Field(default_factory=list)
     """The GBS after each adjustment point of this epoch (adaptive jobs; empty for a fixed GBS)."""
 
