@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ast
+import json
+import logging
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -13,6 +16,7 @@ from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, given, settings
 
 from jabascli.elastic.job import Scheduler
+from jabascli.elastic.protocol import TrainerEvent, finite_only
 from jabascli.elastic.service import OPEN_ROUTES, create_app
 from jabascli.elastic.token import TOKEN_ENV, load_token, read_token_file, write_token
 from jabascli.errors import InputError
@@ -68,6 +72,45 @@ def test_malformed_bodies_get_422_without_a_traceback(tmp_path: Path) -> None:
         r = httpx.post(url + "/v1/job/move", json={"servers": ["A", "nowhere"]}, headers=auth())
         assert r.status_code == 422 and "unknown server 'nowhere'" in r.text
         assert scheduler.state == "waiting" and scheduler.allocation == ["A"]  # nothing disturbed
+
+
+POST_ROUTES = ["/v1/workers", "/v1/workers/0/heartbeat", "/v1/job/move", "/v1/job/stop"]
+
+
+def test_non_finite_numbers_and_huge_bodies_get_422_and_413_without_a_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    json_headers = {**auth(), "Content-Type": "application/json"}
+    huge = b'{"servers": ["' + b"A" * 5_000_000 + b'"]}'  # 5 MB
+
+    def streamed() -> Iterator[bytes]:  # no Content-Length: the limit must count what arrives
+        for start in range(0, len(huge), 65536):
+            yield huge[start : start + 65536]
+
+    with caplog.at_level(logging.WARNING), serving(load(write_config(tmp_path))) as (url, scheduler):
+        for path in POST_ROUTES:
+            for body in (b"1e999999", b'{"rank": 1e999999}', b'{"when": NaN}', b"[Infinity]"):
+                r = httpx.post(url + path, content=body, headers=json_headers)
+                assert r.status_code == 422, (path, body, r.status_code, r.text)
+            beat = {"events": [{"generation": 1, "event": {"event": "step", "loss": 1e999999}}]}
+            r = httpx.post(url + "/v1/workers/0/heartbeat", content=json.dumps(beat), headers=json_headers)
+            assert r.status_code == 422 and "non-finite" in r.text
+            for content in (huge, streamed()):
+                r = httpx.post(url + path, content=content, headers=json_headers, timeout=30)
+                assert r.status_code == 413 and "max_body_bytes" in r.text, (path, r.status_code)
+        # A body under the limit that fails validation is not echoed back: an excerpt at most.
+        big_name = b'{"servers": ["' + b"B" * 900_000 + b'"]}'
+        r = httpx.post(url + "/v1/job/move", content=big_name, headers=json_headers)
+        assert r.status_code == 422 and len(r.content) < 2000, len(r.content)
+        assert scheduler.state == "waiting" and scheduler.workers == {}  # nothing disturbed
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
+    assert "Traceback" not in caplog.text
+
+
+def test_agents_send_a_nan_loss_as_null() -> None:
+    event = {"event": "step", "loss": float("nan"), "nested": [{"x": float("inf")}], "step": 3}
+    assert finite_only(event) == {"event": "step", "loss": None, "nested": [{"x": None}], "step": 3}
+    TrainerEvent(generation=1, event=finite_only(event))  # accepted as sent
 
 
 def test_fuzzing_the_openapi_schema_with_the_token_finds_no_server_error(tmp_path: Path) -> None:

@@ -167,6 +167,8 @@ class SchedulerConfig(Section):
     """Restarts after failures before the job is given up (moves do not count)."""
     checkpoint_every: PositiveInt | None = None
     """Also checkpoint every this many iterations, so a crash loses at most that much work."""
+    max_body_bytes: PositiveInt = 1_000_000
+    """The scheduler answers 413 to a request whose body is larger."""
     connect_timeout_s: float = Field(60.0, gt=0)
     """How long a worker agent retries an unreachable scheduler before it gives up."""
     in_place_moves: bool = True

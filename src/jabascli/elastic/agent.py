@@ -55,6 +55,7 @@ from jabascli.elastic.protocol import (
     StopCommand,
     TrainerEvent,
     TrainerExit,
+    finite_only,
 )
 from jabascli.elastic.token import TOKEN_ENV
 from jabascli.engine.control import CONTROL_FILE_ENV
@@ -361,7 +362,7 @@ class WorkerAgent:
                     if isinstance(event, dict):
                         if event.get("event") == "handoff":
                             run = self._handed_over(run, t, event)
-                        self.pending_events.append(TrainerEvent(generation=run.generation, event=event))
+                        self.pending_events.append(TrainerEvent(generation=run.generation, event=finite_only(event)))
 
     def _handed_over(self, run: Run, t: Trainer, event: dict[str, object]) -> Run:
         """Trainer ``t`` of ``run`` carries on as a rank of the next generation: count it there."""

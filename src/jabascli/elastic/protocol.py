@@ -17,14 +17,18 @@ list for ``jabas train``.
 ``GET  /openapi.json``       the schema
 ===========================  ==========================================================
 
-Every route but ``/healthz`` needs ``Authorization: Bearer <token>``.
+Every route but ``/healthz`` needs ``Authorization: Bearer <token>``. No
+message carries a non-finite number (JSON has none: ``1e999999`` parses to
+infinity in Python): one is refused with 422, and agents send a trainer's NaN
+loss as null (:func:`finite_only`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator
 
 When = Literal["epoch", "now"]
 """When a job moves or stops: at the next epoch end, or at the next iteration boundary."""
@@ -34,7 +38,28 @@ Name = Annotated[str, Field(min_length=1, max_length=200)]
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def finite_only(value: Any) -> Any:
+    """``value`` with every non-finite float (inf, NaN) replaced by None, at any depth."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_only(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_only(v) for v in value]
+    return value
+
+
+def _has_non_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_has_non_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_has_non_finite(v) for v in value)
+    return False
 
 
 class DeviceInfo(Message):
@@ -73,6 +98,13 @@ class TrainerEvent(Message):
 
     generation: NonNegativeInt
     event: dict[str, Any]
+
+    @field_validator("event")
+    @classmethod
+    def _finite(cls, event: dict[str, Any]) -> dict[str, Any]:
+        if _has_non_finite(event):
+            raise ValueError("a non-finite number (send null instead)")
+        return event
 
 
 class RunningTrainer(Message):

@@ -3,9 +3,11 @@
 Every request but ``GET /healthz`` must carry ``Authorization: Bearer <token>``;
 the check is a middleware in front of routing, so it also covers the OpenAPI
 schema, unknown paths and any route added later. Request bodies are pydantic
-models (:mod:`jabascli.elastic.protocol`): a malformed one gets FastAPI's 422
-with the offending fields, never a traceback. Library errors map to HTTP:
-:class:`InputError` -> 422, :class:`Conflict` -> 409.
+models (:mod:`jabascli.elastic.protocol`): a malformed one (a non-finite
+number included) gets 422 naming the offending fields, with at most a short
+excerpt of the input, never a traceback; a body over ``[scheduler]
+max_body_bytes`` gets 413 before it is read whole. Library errors map to
+HTTP: :class:`InputError` -> 422, :class:`Conflict` -> 409.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jabascli.elastic.job import Conflict, Scheduler
 from jabascli.elastic.protocol import Commands, Heartbeat, JobStatus, MoveRequest, Registered, Registration, StopRequest
@@ -25,10 +29,14 @@ from jabascli.errors import InputError, RuntimeFailure
 
 OPEN_ROUTES = {("GET", "/healthz")}
 WATCHDOG_S = 0.2
+DEFAULT_MAX_BODY_BYTES = 1_000_000
+EXCERPT_CHARS = 80
+"""The most of a request's input an error body repeats."""
 
 
-def create_app(scheduler: Scheduler, token: str) -> FastAPI:
-    """The API of ``scheduler``, answering only requests that present ``token``."""
+def create_app(scheduler: Scheduler, token: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The API of ``scheduler``, answering only requests that present ``token`` with bodies of at most
+    ``max_body_bytes``."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,6 +65,10 @@ def create_app(scheduler: Scheduler, token: str) -> FastAPI:
                 {"detail": "missing or wrong bearer token"}, status_code=401, headers={"WWW-Authenticate": "Bearer"}
             )
         return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": [_brief(error) for error in exc.errors()]}, status_code=422)
 
     @app.exception_handler(InputError)
     async def input_error(request: Request, exc: InputError) -> JSONResponse:
@@ -95,7 +107,63 @@ def create_app(scheduler: Scheduler, token: str) -> FastAPI:
         with scheduler.lock:
             return scheduler.stop(request.when)
 
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # the outermost: before anything reads a body
     return app
+
+
+def _brief(error: dict[str, Any]) -> dict[str, Any]:
+    """One validation error, with a short excerpt of its input instead of the input (which may be huge, or
+    a float JSON cannot encode)."""
+    brief = {"loc": list(error.get("loc", ())), "msg": str(error.get("msg", "")), "type": str(error.get("type", ""))}
+    if "input" in error:
+        text = repr(error["input"])
+        brief["input"] = text if len(text) <= EXCERPT_CHARS else text[:EXCERPT_CHARS] + " ..."
+    return brief
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request whose body is over ``max_bytes``, declared or streamed.
+
+    The body is read here first (at most ``max_bytes`` of it), then handed on whole: FastAPI turns any
+    error raised while it reads a body into a 400, so the limit cannot be enforced from inside.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", ())).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is None:
+                return await receive()
+            message, body = body, None
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        detail = f"request body over {self.max_bytes} bytes ([scheduler] max_body_bytes)"
+        await JSONResponse({"detail": detail}, status_code=413)(scope, receive, send)
 
 
 async def _watchdog(scheduler: Scheduler) -> None:
@@ -112,7 +180,8 @@ def serve(scheduler: Scheduler, token: str, host: str, port: int, linger_s: floa
 
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, token), host=host, port=port, log_level="warning"))
+    app = create_app(scheduler, token, scheduler.loaded.config.scheduler.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
 
     def until_over() -> None:
         while not server.started and not server.should_exit:
