@@ -9,6 +9,7 @@ import torch
 
 from jabascli.errors import InputError
 from jabascli.workload import builtin_workloads, load_workload
+from tests.conftest import run_jabas
 
 
 def test_digits_is_builtin_and_real() -> None:
@@ -43,3 +44,28 @@ def test_workload_import_error_and_unknown_name(tmp_path: Path) -> None:
         load_workload(str(path))
     with pytest.raises(InputError, match="unknown workload 'nope'"):
         load_workload("nope")
+
+
+def test_validate_rejects_the_workloads_that_run_rejects_with_the_same_line(tmp_path: Path) -> None:
+    (tmp_path / "broken.py").write_text("import os\n\n\nraise RuntimeError('broken at import')\n")
+    server = '[[cluster.servers]]\nname = "a"\ndevice_type = "cpu"\n'
+    cases = {
+        "unknown": ('workload = "no_such_workload"', "job.workload: unknown workload 'no_such_workload'"),
+        "broken": (f'workload = "{tmp_path / "broken.py"}"', f"{tmp_path / 'broken.py'}: line 4: failed to import"),
+    }
+    for name, (line, expected) in cases.items():
+        config = tmp_path / f"{name}.toml"
+        config.write_text(f"[job]\n{line}\nlbs = 4\n{server}")
+        validated = run_jabas("validate", "-c", str(config))
+        ran = run_jabas("run", "-c", str(config))
+        for result in (validated, ran):
+            assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+            [error] = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+            assert expected in error
+        assert validated.stderr.strip() == next(x for x in ran.stderr.splitlines() if x.startswith("error: "))
+        if name == "unknown":
+            assert validated.stderr.startswith(f"error: {config}: job.workload: ")  # names the config file
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    result = run_jabas("validate", "-c", str(empty))
+    assert result.returncode == 2 and f"{empty}: job.workload: no workload given" in result.stderr

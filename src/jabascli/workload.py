@@ -31,13 +31,17 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jabascli.errors import InputError
+
+if TYPE_CHECKING:
+    from jabascli.config import LoadedConfig
 
 REQUIRED = ("build_model", "train_dataset", "loss", "optimizer", "synthetic_batch")
 OPTIONAL = ("val_dataset", "count_correct", "lr_scheduler", "collate", "clip_grad_norm")
@@ -102,8 +106,8 @@ class Workload:
         return getattr(self.module, "collate", None)
 
 
-def resolve_workload_path(spec: str) -> Path:
-    """A workload file from a built-in name or a path."""
+def resolve_workload_path(spec: str, config: Path | None = None) -> Path:
+    """A workload file from a built-in name or a path; errors name ``config``'s ``job.workload``."""
     builtins = builtin_workloads()
     if spec in builtins:
         return builtins[spec]
@@ -113,14 +117,26 @@ def resolve_workload_path(spec: str) -> Path:
             raise InputError.at(path, None, "workload file not found")
         return path
     known = ", ".join(builtins) or "none"
-    raise InputError.at(None, "job.workload", f"unknown workload {spec!r}: expected a built-in ({known}) or a .py file")
+    raise InputError.at(
+        config, "job.workload", f"unknown workload {spec!r}: expected a built-in ({known}) or a .py file"
+    )
 
 
-def load_workload(spec: str | None, options: Mapping[str, Any] | None = None, data: Path | None = None) -> Workload:
-    """Import a workload file and check it defines what jabas needs."""
+def workload_of(loaded: LoadedConfig) -> Workload:
+    """The job's workload (``[job] workload``, ``options`` and ``data``), imported and checked."""
+    job = loaded.config.job
+    return load_workload(job.workload, job.options, job.data, config=loaded.path)
+
+
+def load_workload(
+    spec: str | None, options: Mapping[str, Any] | None = None, data: Path | None = None, config: Path | None = None
+) -> Workload:
+    """Import a workload file and check it defines what jabas needs; errors about the spec name ``config``."""
     if spec is None:
-        raise InputError.at(None, "job.workload", "no workload given: set [job] workload to a built-in name or a file")
-    path = resolve_workload_path(spec).resolve()
+        raise InputError.at(
+            config, "job.workload", "no workload given: set [job] workload to a built-in name or a file"
+        )
+    path = resolve_workload_path(spec, config).resolve()
     module_name = f"jabas_workload_{path.stem}_{abs(hash(str(path)))}"
     module = sys.modules.get(module_name)
     if module is None:
@@ -136,7 +152,9 @@ def load_workload(spec: str | None, options: Mapping[str, Any] | None = None, da
             raise InputError.at(path, f"line {exc.lineno}", f"syntax error: {exc.msg}") from None
         except Exception as exc:
             del sys.modules[module_name]
-            raise InputError.at(path, None, f"failed to import: {type(exc).__name__}: {exc}") from None
+            lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path]
+            where = f"line {lines[-1]}" if lines else None  # the workload's own line that failed
+            raise InputError.at(path, where, f"failed to import: {type(exc).__name__}: {exc}") from None
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
         raise InputError.at(

@@ -321,9 +321,9 @@ def dataset_size_of(loaded: Any) -> int:
             "--dataset-size",
             "the config names no job.workload to take the training set size from: give --dataset-size N",
         )
-    from jabascli.workload import load_workload
+    from jabascli.workload import workload_of
 
-    workload = load_workload(job.workload, job.options, job.data)
+    workload = workload_of(loaded)
     return len(workload.train_dataset())
 
 

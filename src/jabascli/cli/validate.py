@@ -13,7 +13,9 @@ def validate(config: ConfigOption, json_out: JsonOption = False) -> None:
     """Check a job config (TOML, or the seed JSON format) and print a summary.
 
     Every problem is printed on its own line with the file and the field path;
-    the exit code is 2 when there is any.
+    the exit code is 2 when there is any. The workload is imported, so a name
+    that is no workload, or a file that fails to import, is caught here as
+    `jabas run` would catch it.
 
     Example:
 
@@ -21,7 +23,10 @@ def validate(config: ConfigOption, json_out: JsonOption = False) -> None:
 
         jabas validate -c quickstart/config.json --json
     """
+    from jabascli.workload import workload_of
+
     loaded = load_config(config)
+    workload_of(loaded)  # what `jabas run` checks first: the workload exists and imports
     if json_out:
         print_json({"file": str(loaded.path), "format": loaded.format, "config": loaded.config.model_dump(mode="json")})
         return

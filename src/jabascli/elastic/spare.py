@@ -39,12 +39,12 @@ def warm_up(config: str, cpu: bool) -> None:
     import jabascli.cli.app
     import jabascli.engine.trainer  # noqa: F401
     from jabascli.config import load_config
-    from jabascli.workload import load_workload
+    from jabascli.workload import workload_of
 
     with contextlib.suppress(Exception):  # a broken config or workload fails in the trainer, where it is reported
         loaded = load_config(config)
         job = loaded.config.job
-        workload = load_workload(job.workload, job.options, job.data)
+        workload = workload_of(loaded)
         model = workload.build_model()
         optimizer = workload.optimizer(model.parameters())
         workload.lr_scheduler(optimizer)

@@ -76,10 +76,9 @@ def run_local(
     check_job_precision_inputs(loaded, plan)
     if options.resume is not None:
         from jabascli.engine.checkpoint import check_resumable
-        from jabascli.workload import load_workload
+        from jabascli.workload import workload_of
 
-        job = loaded.config.job
-        found = check_resumable(options.resume, load_workload(job.workload, job.options, job.data))
+        found = check_resumable(options.resume, workload_of(loaded))
         options = dataclasses.replace(options, resume=found.path)  # every rank resumes this one file
         if on_event is not None:
             for line in found.passed_over:

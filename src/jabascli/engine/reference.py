@@ -37,7 +37,7 @@ from jabascli.engine.data import BatchLoader, seed_worker
 from jabascli.engine.plan import TrainingPlan
 from jabascli.engine.sampler import IIDPSampler
 from jabascli.engine.step_policy import PRECISIONS, step_settings
-from jabascli.workload import load_workload
+from jabascli.workload import workload_of
 
 
 def reference_run(
@@ -57,7 +57,7 @@ def reference_run(
     """
     device = torch.device(device)
     cfg = loaded.config
-    workload = load_workload(cfg.job.workload, cfg.job.options, cfg.job.data)
+    workload = workload_of(loaded)
     torch.manual_seed(cfg.job.seed)
     model = workload.build_model().to(device)
     optimizer = workload.optimizer(model.parameters())

@@ -72,7 +72,7 @@ from jabascli.engine.weight_sync import (
     supports_overlap,
 )
 from jabascli.errors import InputError, JabasError
-from jabascli.workload import Workload, load_workload
+from jabascli.workload import Workload, workload_of
 
 LOG_INTERVAL_S = 0.25
 """Rank 0 reports (and reads the loss from the device) at most this often, and at every epoch end."""
@@ -200,8 +200,7 @@ def prepare_inputs(loaded: LoadedConfig) -> None:
     move has its data before the move happens rather than during it.
     """
     global _prepared
-    job = loaded.config.job
-    workload = load_workload(job.workload, job.options, job.data)
+    workload = workload_of(loaded)
     _prepared = (_job_key(loaded), Inputs(workload, workload.train_dataset(), workload.val_dataset(), None))
 
 
@@ -237,7 +236,7 @@ class Trainer:
 
         # What to train, and where training stands.
         self.workload: Workload = (
-            inputs.workload if inputs else load_workload(cfg.job.workload, cfg.job.options, cfg.job.data)
+            inputs.workload if inputs else workload_of(loaded)
         )
         torch.manual_seed(cfg.job.seed)
         model = self.workload.build_model().to(device)

@@ -17,7 +17,7 @@ from jabascli.config.loader import LoadedConfig
 from jabascli.config.models import ServerConfig
 from jabascli.devices import NodeDevices, detect_devices, is_this_host, trainer_threads
 from jabascli.errors import InputError
-from jabascli.workload import Workload, load_workload
+from jabascli.workload import Workload, workload_of
 
 DeviceKind = Literal["cuda", "cpu", "emulated"]
 
@@ -169,9 +169,7 @@ def check_reusable(path: Path, measured: str | None, precision: str) -> None:
 def job_workload(loaded: LoadedConfig) -> tuple[Workload, dict[str, Any]]:
     """The job's workload, checked in this process, and how a child process loads it again."""
     job = loaded.config.job
-    if job.workload is None:
-        raise InputError.at(loaded.path, "job.workload", "no workload: set [job] workload to a built-in name or a file")
-    workload = load_workload(job.workload, job.options, job.data)
+    workload = workload_of(loaded)
     spec = {
         "workload": str(workload.path),
         "options": job.options,
