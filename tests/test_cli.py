@@ -67,6 +67,8 @@ def test_init_writes_a_valid_config_and_never_overwrites(cli: CliRunner, tmp_pat
     assert result.exit_code == 0, result.output
     cfg = load_config(out).config
     assert cfg.job.workload == "digits" and cfg.cluster.servers
+    [server] = cfg.cluster.servers
+    assert f"for {server.devices} " in result.output  # what it says is what it wrote (not "1 x cpu" for 2)
     out.write_text("# mine\n")
     result = cli.invoke(app, ["init", "--out", str(out)])
     assert result.exit_code == 2 and "already exists" in result.stderr
@@ -94,3 +96,5 @@ def test_help_texts_survive_rich_markup(cli: CliRunner) -> None:
         for param in command.params:
             for tag in re.findall(r"\[[a-z_.]+\]", (getattr(param, "help", None) or "").replace("\\[", "[")):
                 assert tag in output, f"jabas {' '.join(path)} {param.name}: help lost {tag}"
+        for tag in re.findall(r"\[[a-z_.]+\]", (command.help or "").replace("\\[", "[")):  # the description
+            assert tag in output, f"jabas {' '.join(path)}: help lost {tag}"

@@ -9,7 +9,7 @@ import typer
 
 from jabascli.atomic import atomic_write_text
 from jabascli.cli.common import cli_command, console
-from jabascli.config.template import render_starting_config
+from jabascli.config.template import render_starting_config, starting_devices
 from jabascli.devices import detect_devices
 from jabascli.errors import InputError
 
@@ -33,4 +33,9 @@ def init(
         raise InputError.at(out, None, "already exists; pass --force to overwrite it")
     devices = detect_devices()
     atomic_write_text(out, render_starting_config(devices, workload))
-    console.print(f"wrote {out} for {devices.count} x {devices.device_type} ({devices.source})", highlight=False)
+    count = starting_devices(devices)
+    if devices.backend == "cpu":
+        what = f"{count} trainer processes on the CPU (no GPU found; each stands for a device)"
+    else:
+        what = f"{count} x {devices.device_type} ({devices.source})"
+    console.print(f"wrote {out} for {what}", highlight=False)

@@ -153,17 +153,17 @@ def run(
 ) -> None:
     """Train the whole job on this machine: one trainer process per device (or emulated device).
 
-    Without a plan file, given a GBS (--gbs or [batching] initial_gbs) and the
+    Without a plan file, given a GBS (--gbs or \\[batching] initial_gbs) and the
     profiles (`jabas profile all`), it trains the solver's plan for that GBS and
     ends with the predicted beside the measured iteration time.
 
     A rerun continues the job: it resumes from the newest intact checkpoint in
-    [storage] checkpoint_dir (a corrupt one falls back to the one before) and
+    \\[storage] checkpoint_dir (a corrupt one falls back to the one before) and
     appends to the run folder's metrics; --fresh starts over, moving the old
     folders aside.
 
     Shows progress (epoch, step, GBS, samples/s, loss), a line per GBS change of
-    an adaptive job ([batching] metric), and a validation table; metrics also go
+    an adaptive job (\\[batching] metric), and a validation table; metrics also go
     to the run folder as CSV (adjustments.csv for GBS decisions), JSON lines and
     TensorBoard scalars. --json prints the epochs, each with its adjustments.
 

@@ -35,6 +35,11 @@ ga = 0                  # extra gradient-accumulation micro-steps per virtual st
 """
 
 
+def starting_devices(devices: NodeDevices) -> int:
+    """The ``devices`` the starting config gives this node: its GPUs, or CPU_TRAINERS trainer processes."""
+    return CPU_TRAINERS if devices.backend == "cpu" else devices.count
+
+
 def render_starting_config(devices: NodeDevices, workload: str, filename: str = "jabas.toml") -> str:
     on_cpu = devices.backend == "cpu"
     return _TEMPLATE.format(
@@ -43,7 +48,7 @@ def render_starting_config(devices: NodeDevices, workload: str, filename: str = 
         workload=json.dumps(workload),
         server=socket.gethostname().split(".")[0] or "node0",
         device_type=json.dumps(devices.device_type),
-        devices=CPU_TRAINERS if on_cpu else devices.count,
+        devices=starting_devices(devices),
         devices_comment="          # no GPU: each device is one trainer process on the CPU" if on_cpu else "",
         memory=devices.memory_bytes,
     )
