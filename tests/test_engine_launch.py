@@ -47,6 +47,9 @@ def test_run_trains_every_rank_and_reports_epochs_and_metrics(tmp_path: Path) ->
     steps = [int(r["step"]) for r in rows]
     assert steps and steps == sorted(steps) and steps[-1] == 12
     assert all(float(r["iteration_s"]) > 0 for r in rows)  # the median duration of the row's iterations
+    with (run / "changes.csv").open() as f:  # the workload's StepLR(7, 0.5): iteration 8 is the first at half
+        changes = [(int(r["step"]), int(r["gbs"]), float(r["lr"])) for r in csv.DictReader(f)]
+    assert changes == [(1, 16, 0.1), (8, 16, 0.05)]
     kinds = {json.loads(line)["kind"] for line in (run / "metrics.jsonl").read_text().splitlines()}
     assert kinds == {"step", "epoch"}
     assert list((run / "tensorboard" / "attempt-1").glob("events.out.tfevents.*"))

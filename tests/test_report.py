@@ -136,8 +136,86 @@ def test_report_of_a_simulation(cli: CliRunner, reference_dir: Path, tmp_path: P
         tmp_path / "sim-report", {"allocation.png", "gbs.png", "time.png", "cost.png", "trajectory.png"}
     )
     for policy in json.loads(sim.read_text())["policies"]:
-        assert f"<th>{policy['policy']}</th><td>{policy['time_s'] / 3600:.2f} h" in index
+        assert f"<th>{policy['policy']}</th><td>{_as_read(policy['time_s'])}" in index
         assert math.isfinite(policy["time_s"])
+
+
+def _as_read(seconds: float) -> str:
+    """How a report must show a duration: seconds under 2 minutes, minutes under 2 hours, else hours."""
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.2f} h"
+
+
+def _trace_sim(path: Path, cost: float) -> Path:
+    """A trace simulation as `jabas simulate --trace --json` writes it: two adaptive policies on two GPU types."""
+    timeline = [
+        {"start_s": 0.0, "progress": 0.0, "gbs": 64, "gpus": {"aws": 2, "rtx": 1}},
+        {"start_s": 20.0, "progress": 0.5, "gbs": 128, "gpus": {"rtx": 2}},
+    ]
+    policies = [
+        {"policy": "pollux", "time_s": 45.0, "cost": cost, "gpu_hours": 0.03, "moves": 1, "timeline": timeline},
+        {"policy": "jabas", "time_s": 45.0, "cost": cost, "gpu_hours": 0.03, "moves": 1,
+         "timeline": [{**timeline[1], "start_s": 0.0}, {**timeline[0], "start_s": 30.0}]},
+        {"policy": "fixed-64", "time_s": 5400.0, "cost": cost, "gpu_hours": 2.0, "moves": 0,
+         "timeline": [timeline[0]]},
+    ]  # fmt: skip
+    path.write_text(json.dumps({"trace": "cifar10", "cluster": {"aws": 2, "rtx": 2}, "policies": policies}))
+    return path
+
+
+def test_a_trace_report_reads_short_times_names_missing_costs_and_keeps_gpu_colours(
+    cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jabascli.report import plots
+
+    drawn: list[tuple[list[str], dict]] = []
+    real = plots.stacked_allocation
+
+    def spy(path, title, xlabel, xs, by_server, end=None, colours=None):  # type: ignore[no-untyped-def]
+        drawn.append((list(by_server), dict(colours or {})))
+        return real(path, title, xlabel, xs, by_server, end, colours)
+
+    monkeypatch.setattr(plots, "stacked_allocation", spy)
+    result = report(cli, str(_trace_sim(tmp_path / "sim.json", cost=0.0)), "--out", str(tmp_path / "free"))
+    assert result.exit_code == 0, result.output
+    index = (tmp_path / "free" / "index.html").read_text()
+    assert "<th>pollux</th><td>45.0 s, cost n/a" in index and "<th>fixed-64</th><td>90.0 min" in index
+    assert "0.00 h" not in index and "cost 0.00" not in index
+    assert "not available: no server has price_per_hour" in index
+    # Every allocation plot gives a GPU type the same colour, whichever types it shows and in whatever order.
+    assert len(drawn) == 2 and drawn[0][0] != drawn[1][0]
+    colour = {}
+    for types, colours in drawn:
+        for gpu_type in types:
+            assert colour.setdefault(gpu_type, colours[gpu_type]) == colours[gpu_type]
+    assert colour["aws"] != colour["rtx"]
+    priced = report(cli, str(_trace_sim(tmp_path / "priced.json", cost=1.5)), "--out", str(tmp_path / "priced"))
+    assert priced.exit_code == 0 and "cost 1.50" in (tmp_path / "priced" / "index.html").read_text()
+
+
+def test_coinciding_series_are_each_labelled_and_styled() -> None:
+    from jabascli.report.plots import coincident
+
+    same = ([0.0, 1.0], [2.0, 2.0])
+    labels = coincident([("jabas", *same), ("pollux", [0.0, 1.0], [3.0, 3.0]), ("oracle", *same)])
+    assert [label for label, _ in labels] == ["jabas", "pollux", "oracle (= jabas)"]
+    assert labels[0][1] != labels[2][1]  # another line style and marker: neither hides the other
+
+
+def test_gbs_and_lr_are_drawn_from_their_exact_change_steps(tmp_path: Path) -> None:
+    from jabascli.report.build import setting_series
+    from jabascli.report.sources import read_source
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [f"{step},0,{step},{64 if step <= 60 else 128},1.0,10,0.1,0.01" for step in range(5, 75, 5)]
+    (run / "steps.csv").write_text("time,epoch,step,gbs,loss,samples_per_s,lr,iteration_s\n" + "\n".join(rows))
+    (run / "changes.csv").write_text("step,gbs,lr\n1,64,0.1\n61,128,0.2\n")  # the change took effect at step 61
+    xs, gbs = setting_series(read_source(run), "gbs")  # type: ignore[arg-type]
+    assert (xs, gbs) == ([1.0, 61.0, 70.0], [64.0, 128.0, 128.0])  # not at 65, the next logged row
+    xs, lr = setting_series(read_source(run), "lr")  # type: ignore[arg-type]
+    assert lr == [0.1, 0.2, 0.2]
 
 
 @pytest.mark.parametrize(

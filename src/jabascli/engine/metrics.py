@@ -8,6 +8,9 @@ In the run folder (``[storage] run_dir / <job name>``):
   ``iteration_s`` is their median duration (what a performance model's
   prediction is compared with: a median, as the profiles' times are);
 * ``epochs.csv``: ``epoch, step, train_loss, val_loss, val_accuracy, samples_per_s, time_s``;
+* ``changes.csv``: ``step, gbs, lr``: the GBS and LR that iteration ``step`` trained
+  with, one row each time either changes (and at the start of each attempt), so
+  plots show a change at the iteration it took effect, not at the next logged row;
 * ``adjustments.csv``: one row per adaptive-batching decision (adaptive jobs only):
   the metrics measured, old and new GBS, LBS and plan, LR factor and LR, why;
 * ``metrics.jsonl``: every row of these, as ``{"kind": "step" | "epoch" | "adjustment", ...}``;
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 STEP_FIELDS = ("time", "epoch", "step", "gbs", "loss", "samples_per_s", "lr", "iteration_s")
+CHANGE_FIELDS = ("step", "gbs", "lr")
 EPOCH_FIELDS = ("epoch", "step", "train_loss", "val_loss", "val_accuracy", "samples_per_s", "time_s")
 ADJUSTMENT_FIELDS = (
     "time", "epoch", "position", "step", "metric", "similarity", "noise_scale", "target_gbs", "old_gbs", "new_gbs",
@@ -50,6 +54,8 @@ class MetricsWriter:
         self._steps = self._open_csv("steps.csv", STEP_FIELDS, mode)
         self._epochs = self._open_csv("epochs.csv", EPOCH_FIELDS, mode)
         self._adjustments: tuple[Any, Any] | None = None  # adjustments.csv, opened at the first adjustment
+        self._changes = self._open_csv("changes.csv", CHANGE_FIELDS, mode)
+        self._setting: tuple[int, float | None] | None = None
         self._mode = mode
         self._jsonl = (folder / "metrics.jsonl").open(mode, encoding="utf-8")
         self._tb = None
@@ -91,6 +97,15 @@ class MetricsWriter:
             if iteration_s is not None:
                 self._tb.add_scalar("train/iteration_s", iteration_s, step)
 
+    def settings(self, *, step: int, gbs: int, lr: float | None) -> None:
+        """The GBS and LR iteration ``step`` trains with: a ``changes.csv`` row when they differ from the last."""
+        if (gbs, lr) == self._setting:
+            return
+        self._setting = (gbs, lr)
+        f, writer = self._changes
+        writer.writerow({"step": step, "gbs": gbs, "lr": lr})
+        f.flush()
+
     def epoch(self, row: dict[str, Any]) -> None:
         self._write(self._epochs, "epoch", row)
         if self._tb is not None:
@@ -121,7 +136,7 @@ class MetricsWriter:
         self._jsonl.flush()
 
     def close(self) -> None:
-        for f in (self._steps[0], self._epochs[0], self._jsonl):
+        for f in (self._steps[0], self._epochs[0], self._changes[0], self._jsonl):
             f.close()
         if self._adjustments is not None:
             self._adjustments[0].close()

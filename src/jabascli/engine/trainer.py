@@ -235,9 +235,7 @@ class Trainer:
         self.validate_every = cfg.job.validate_every
 
         # What to train, and where training stands.
-        self.workload: Workload = (
-            inputs.workload if inputs else workload_of(loaded)
-        )
+        self.workload: Workload = inputs.workload if inputs else workload_of(loaded)
         torch.manual_seed(cfg.job.seed)
         model = self.workload.build_model().to(device)
         self.model = model
@@ -389,6 +387,7 @@ class Trainer:
         epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for iteration in self._iterations(epoch):
             self.control.before_iteration()
+            log.settings()  # the GBS and LR this iteration trains with, when they change
             with self.memory_limit.watch():
                 loss = self.train_step(iteration)
             self.progress.position = iteration.position + self.plan.gbs
@@ -654,6 +653,12 @@ class _StepLog:
         self.steps = 0
         self.durations: list[float] = []
         self.since = self.last = self.step_end = time.perf_counter()
+
+    def settings(self) -> None:
+        """Record the GBS and LR of the iteration about to run (``changes.csv`` keeps only changes)."""
+        if self.metrics is not None:
+            t = self.trainer
+            self.metrics.settings(step=t.progress.step + 1, gbs=t.plan.gbs, lr=t.current_lr())
 
     def step(self, loss: torch.Tensor) -> None:
         if not self.active:

@@ -49,6 +49,16 @@ def _column(rows: list[dict[str, float]], key: str) -> list[float]:
     return [row.get(key, math.nan) for row in rows]
 
 
+def setting_series(run: RunData, key: str) -> tuple[list[float], list[float]]:
+    """``key`` (gbs or lr) against the step, from the exact change points of ``changes.csv`` (held to the last
+    logged step); from the logged steps where a run has no ``changes.csv``."""
+    if not run.changes:
+        return _column(run.steps, "step"), _column(run.steps, key)
+    xs, ys = _column(run.changes, "step"), _column(run.changes, key)
+    last = max([*xs, *_column(run.steps, "step")])
+    return [*xs, last], [*ys, ys[-1]]
+
+
 def _run_plots(run: RunData, report: Report) -> None:
     steps, epochs, out = run.steps, run.epochs, report.folder
     step_x, epoch_x = _column(steps, "step"), _column(epochs, "step")
@@ -60,8 +70,8 @@ def _run_plots(run: RunData, report: Report) -> None:
         plots.lines(out / "accuracy.png", "Validation accuracy", "step", "accuracy",
                     [("validation", epoch_x, _column(epochs, "val_accuracy"))], markers=True),
         plots.lines(out / "gbs.png", "Global batch size", "step", "GBS",
-                    [("GBS", step_x, _column(steps, "gbs"))], step=True),
-        plots.lines(out / "lr.png", "Learning rate", "step", "LR", [("LR", step_x, _column(steps, "lr"))]),
+                    [("GBS", *setting_series(run, "gbs"))], step=True),
+        plots.lines(out / "lr.png", "Learning rate", "step", "LR", [("LR", *setting_series(run, "lr"))], step=True),
         plots.lines(out / "throughput.png", "Throughput", "step", "samples/s",
                     [("samples/s", step_x, _column(steps, "samples_per_s"))]),
     ]  # fmt: skip
@@ -109,19 +119,28 @@ def _simulation_plots(sim: SimulationData, report: Report) -> None:
         return rows
 
     trajectory = sim.data.get("trajectory", {}).get("gbs", [])
+    colours = plots.palette([p["policy"] for p in policies])
+    unit, per = _time_unit(max((p.get("time_s") or 0.0) for p in policies))
     report.images += [
-        plots.lines(out / "allocation.png", "GPUs per epoch", "epoch", "GPUs", series("gpus"), step=True),
-        plots.lines(out / "gbs.png", "GBS (mean per epoch)", "epoch", "GBS", series("mean_gbs")[:1], step=True),
-        plots.lines(out / "time.png", "Completion time", "epoch", "hours", series("time_s", 3600, cumulative=True)),
-        plots.lines(out / "cost.png", "Cost", "epoch", "cost", series("cost", 1.0, cumulative=True)),
+        plots.lines(out / "allocation.png", "GPUs per epoch", "epoch", "GPUs", series("gpus"), step=True,
+                    colours=colours),
+        plots.lines(out / "gbs.png", "GBS (mean per epoch)", "epoch", "GBS", series("mean_gbs")[:1], step=True,
+                    colours=colours),
+        plots.lines(out / "time.png", "Completion time", "epoch", unit, series("time_s", per, cumulative=True),
+                    colours=colours),
+        plots.lines(out / "cost.png", "Cost", "epoch", "cost", series("cost", 1.0, cumulative=True),
+                    colours=colours),
         plots.lines(out / "trajectory.png", "GBS per adjustment point", "adjustment point", "GBS",
                     [("GBS", list(map(float, range(len(trajectory)))), list(map(float, trajectory)))], step=True),
     ]  # fmt: skip
     report.summary = [("simulation", str(sim.path)), ("epochs", str(sim.data.get("epochs", "?")))]
+    no_cost = _no_cost_reason(sim)
+    if no_cost:
+        report.summary.append(("cost", no_cost))
     for p in policies:
-        hours = p.get("time_s")
-        text = "cannot run" if hours is None else (
-            f"{hours / 3600:.2f} h, cost {p.get('cost', math.nan):.2f}, {p.get('gpu_hours', math.nan):.1f} GPU-h, "
+        seconds = p.get("time_s")
+        text = "cannot run" if seconds is None else (
+            f"{_duration(seconds)}, {_cost(p, no_cost)}, {p.get('gpu_hours', math.nan):.1f} GPU-h, "
             f"{p.get('moves', 0)} moves"
         )  # fmt: skip
         report.summary.append((p["policy"], text))
@@ -134,6 +153,9 @@ def _trace_plots(sim: SimulationData, report: Report) -> None:
     until the policy's ``time_s``, where the job ends at its final ``progress``.
     """
     out, policies = report.folder, sim.policies
+    colours = plots.palette([p["policy"] for p in policies])
+    gpu_types = list(dict.fromkeys(t for p in policies for e in p["timeline"] for t in (e.get("gpus") or {})))
+    type_colours = plots.palette(sorted(gpu_types))  # one colour per GPU type in every allocation plot
 
     def held(p: dict[str, Any], value: Any) -> tuple[list[float], list[float]]:
         xs = [float(e["start_s"]) / 3600 for e in p["timeline"]] + [float(p["time_s"]) / 3600]
@@ -150,11 +172,11 @@ def _trace_plots(sim: SimulationData, report: Report) -> None:
         progress.append((p["policy"], xs, ys))
     report.images += [
         plots.lines(out / "gbs.png", "Global batch size", "hours", "GBS",
-                    [(p["policy"], *held(p, lambda e: e["gbs"])) for p in policies], step=True),
+                    [(p["policy"], *held(p, lambda e: e["gbs"])) for p in policies], step=True, colours=colours),
         plots.lines(out / "gpus.png", "GPUs allocated", "hours", "GPUs",
-                    [(p["policy"], *held(p, gpus)) for p in policies], step=True),
+                    [(p["policy"], *held(p, gpus)) for p in policies], step=True, colours=colours),
         plots.lines(out / "progress.png", "Statistical progress (samples at the base batch size)", "hours",
-                    "progress", progress),
+                    "progress", progress, colours=colours),
     ]  # fmt: skip
     # fixed-* and ddp-all keep one allocation all along (gpus.png shows it); the adaptive policies get one plot each
     for p in policies:
@@ -166,7 +188,7 @@ def _trace_plots(sim: SimulationData, report: Report) -> None:
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", p["policy"])
         report.images.append(
             plots.stacked_allocation(out / f"allocation-{name}.png", f"Allocation: {p['policy']}", "hours",
-                                     xs, by_type, end=float(p["time_s"]) / 3600)
+                                     xs, by_type, end=float(p["time_s"]) / 3600, colours=type_colours)
         )  # fmt: skip
     report.summary = [
         ("simulation", str(sim.path)),
@@ -174,10 +196,13 @@ def _trace_plots(sim: SimulationData, report: Report) -> None:
         ("cluster", ", ".join(f"{t}: {n} nodes" for t, n in (sim.data.get("cluster") or {}).items())),
         ("target metric", str(sim.data.get("target_metric") or "none: to the trace's end")),
     ]  # fmt: skip
+    no_cost = _no_cost_reason(sim)
+    if no_cost:
+        report.summary.append(("cost", no_cost))
     for p in policies:
         report.summary.append((
             p["policy"],
-            f"{p['time_s'] / 3600:.2f} h, cost {p.get('cost', math.nan):.2f}, "
+            f"{_duration(p['time_s'])}, {_cost(p, no_cost)}, "
             f"{p.get('gpu_hours', math.nan):.1f} GPU-h, {p.get('moves', 0)} moves",
         ))  # fmt: skip
     comparison = sim.data.get("comparison")
@@ -187,6 +212,37 @@ def _trace_plots(sim: SimulationData, report: Report) -> None:
             f"time {_fmt(comparison.get('time_ratio'), '{:.2f}')}x {comparison.get('fastest_baseline')}, "
             f"cost {_fmt(comparison.get('cost_ratio_vs_cheapest'), '{:.2f}')}x {comparison.get('cheapest_baseline')}",
         ))  # fmt: skip
+
+
+def _time_unit(seconds: float) -> tuple[str, float]:
+    """The unit a duration of up to ``seconds`` reads best in, and the seconds in one of it."""
+    if seconds < 120:
+        return "seconds", 1.0
+    if seconds < 2 * 3600:
+        return "minutes", 60.0
+    return "hours", 3600.0
+
+
+def _duration(seconds: float) -> str:
+    """``45.2 s``, ``12.5 min`` or ``3.21 h``: a short job does not print as 0.00 h."""
+    unit, per = _time_unit(seconds)
+    return f"{seconds / per:.{1 if per < 3600 else 2}f} {dict(seconds='s', minutes='min', hours='h')[unit]}"
+
+
+def _no_cost_reason(sim: SimulationData) -> str | None:
+    """Why every policy costs 0, when they all do (instead of a bare $0)."""
+    if any((p.get("cost") or 0) > 0 for p in sim.policies if p.get("time_s") is not None):
+        return None
+    if sim.data.get("seed_prices", True):
+        return (
+            "not available: no server has price_per_hour, and the seed's price rule (3.06 $ x TFLOPS / 14.13 "
+            "per GPU-hour) gives 0 for servers without tflops; set either in [[cluster.servers]]"
+        )
+    return "not available: every server's price_per_hour is 0"
+
+
+def _cost(policy: dict[str, Any], no_cost: str | None) -> str:
+    return "cost n/a" if no_cost else f"cost {policy.get('cost', math.nan):.2f}"
 
 
 def _fmt(value: float | None, pattern: str) -> str:

@@ -1,4 +1,11 @@
-"""One PNG per figure, drawn with matplotlib's Agg backend (no display needed) and written atomically."""
+"""One PNG per figure, drawn with matplotlib's Agg backend (no display needed) and written atomically.
+
+Colours: a report gives every policy and every GPU type one colour for all its
+figures (:func:`palette`), so "rtx" is the same colour in each allocation plot.
+Series that coincide (two policies that made the same choices) are drawn with
+their own line style and marker on top of each other, and the legend says
+which they equal, so that neither hides the other.
+"""
 
 from __future__ import annotations
 
@@ -40,6 +47,30 @@ def _finite(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[float], list
     return [x for x, _ in pairs], [y for _, y in pairs]
 
 
+STYLES = [("-", None), ("--", "o"), (":", "s"), ("-.", "^"), ((0, (1, 3)), "v"), ((0, (5, 2, 1, 2)), "D")]
+"""Line style and marker of the first, second ... series that coincide with an earlier one."""
+
+
+def palette(names: Sequence[str]) -> dict[str, Any]:
+    """One colour per name, in the order given (tab10, then tab20 for more than ten)."""
+    import matplotlib
+
+    colours = matplotlib.colormaps["tab10" if len(names) <= 10 else "tab20"].colors
+    return {name: colours[i % len(colours)] for i, name in enumerate(dict.fromkeys(names))}
+
+
+def coincident(series: Sequence[tuple[str, Sequence[float], Sequence[float]]]) -> list[tuple[str, Any]]:
+    """Each series' legend label and (line style, marker): one that repeats an earlier series point for point
+    gets the next style and ``"<label> (= <first>)"``."""
+    seen: dict[tuple[tuple[float, ...], tuple[float, ...]], list[str]] = {}
+    shown = []
+    for label, xs, ys in series:
+        same = seen.setdefault(tuple(map(tuple, _finite(xs, ys))), [])  # type: ignore[arg-type]
+        shown.append((f"{label} (= {same[0]})" if same else label, STYLES[len(same) % len(STYLES)]))
+        same.append(label)
+    return shown
+
+
 def lines(
     path: Path,
     title: str,
@@ -49,24 +80,27 @@ def lines(
     *,
     step: bool = False,
     markers: bool = False,
+    colours: dict[str, Any] | None = None,
 ) -> Path:
-    """One line per ``(label, xs, ys)``; NaN points left out; an empty series still gives a titled plot."""
-    fig, ax = _figure(title, xlabel, ylabel)
-    if len(series) > 10:  # the default cycle repeats after 10: two policies would share a colour
-        import matplotlib
+    """One line per ``(label, xs, ys)``; NaN points left out; an empty series still gives a titled plot.
 
-        ax.set_prop_cycle(color=matplotlib.colormaps["tab20"].colors)
+    ``colours``: label -> colour (default: one each, in the order given).
+    """
+    fig, ax = _figure(title, xlabel, ylabel)
+    colours = colours or palette([label for label, _, _ in series])
     drawn = False
-    for label, xs, ys in series:
+    for (label, xs, ys), (shown, (linestyle, marker)) in zip(series, coincident(series), strict=True):
         x, y = _finite(xs, ys)
         if not x:
             continue
         drawn = True
+        style = {"color": colours.get(label), "linestyle": linestyle, "label": shown}
         if step:
-            ax.step(x, y, where="post", label=label)
+            ax.step(x, y, where="post", marker=marker, markevery=max(1, len(x) // 12), **style)
         else:
             few = len(x) < 3  # a line through one or two points is hard to see
-            ax.plot(x, y, marker="o" if markers or few else None, markersize=4 if few else 3, label=label)
+            shape = marker or ("o" if markers or few else None)
+            ax.plot(x, y, marker=shape, markersize=4 if few or marker else 3, **style)
     if not drawn:
         ax.text(0.5, 0.5, "nothing logged yet", ha="center", va="center", transform=ax.transAxes)
     elif len(series) > 1:
@@ -81,13 +115,16 @@ def stacked_allocation(
     xs: Sequence[float],
     by_server: dict[str, list[float]],
     end: float | None = None,
+    colours: dict[str, Any] | None = None,
 ) -> Path:
-    """GPUs used per server over time, stacked, held until the next decision (the last one until ``end``)."""
+    """GPUs used per server (or GPU type) over time, stacked, held until the next decision (the last one until
+    ``end``); ``colours``: name -> colour, the same in every plot of a report."""
     fig, ax = _figure(title, xlabel, "GPUs")
     if xs:
         x = [*xs, xs[-1] + 1 if end is None else end]
         ys = [[*values, values[-1]] for values in by_server.values()]
-        ax.stackplot(x, ys, labels=list(by_server), step="post")
+        colours = colours or palette(list(by_server))
+        ax.stackplot(x, ys, labels=list(by_server), step="post", colors=[colours[n] for n in by_server])
         ax.legend(fontsize="small", loc="upper left")
     else:
         ax.text(0.5, 0.5, "no decisions yet", ha="center", va="center", transform=ax.transAxes)

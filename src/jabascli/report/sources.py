@@ -1,7 +1,8 @@
 """What a report shows, read from a run folder or a simulation's JSON.
 
 A run folder (``[storage] run_dir/<job>``, see ``engine/metrics.py``) has
-``steps.csv``, ``epochs.csv`` and, under automatic scaling, ``scaling.jsonl``
+``steps.csv``, ``epochs.csv``, ``changes.csv`` (the exact steps where GBS or LR
+changed) and, under automatic scaling, ``scaling.jsonl``
 (one planner decision per line, :func:`jabascli.autoscale.decide.decide`).
 Rows are read leniently: a run that is still going may end in a line being
 written, and that line is skipped. A simulation file is what
@@ -63,6 +64,8 @@ class RunData:
     steps: list[dict[str, float]]
     epochs: list[dict[str, float]]
     scaling: list[dict[str, Any]] = field(default_factory=list)
+    changes: list[dict[str, float]] = field(default_factory=list)
+    """``changes.csv``: the GBS and LR from each step on (empty for runs written before it existed)."""
 
 
 @dataclass
@@ -84,7 +87,11 @@ def read_source(path: Path) -> RunData | SimulationData:
     """A run folder with metrics, or a simulation JSON file; InputError for anything else."""
     if path.is_dir():
         run = RunData(
-            path, read_rows(path / "steps.csv"), read_rows(path / "epochs.csv"), read_jsonl(path / "scaling.jsonl")
+            path,
+            read_rows(path / "steps.csv"),
+            read_rows(path / "epochs.csv"),
+            read_jsonl(path / "scaling.jsonl"),
+            read_rows(path / "changes.csv"),
         )
         if not run.steps and not run.epochs:
             raise InputError.at(path, None, "is not a run folder with metrics: no rows in steps.csv or epochs.csv")
