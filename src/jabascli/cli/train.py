@@ -127,6 +127,10 @@ def run(
             "`jabas job move` can move the job between servers; also with \\[scaling] enabled = true.",
         ),
     ] = False,
+    servers: Annotated[
+        str | None,
+        typer.Option(help="Servers of a solved plan: auto (default: leave out any that slows the job), all, or a,b."),
+    ] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Train the whole job on this machine: one trainer process per device (or emulated device).
@@ -144,13 +148,13 @@ def run(
 
         jabas run -c examples/quickstart.toml
 
-        jabas run -c examples/two_servers.toml --gbs 256
+        jabas run -c examples/two_servers.toml --gbs 256 --servers all
     """
     from jabascli.cli.run_plan import report_predicted, solve_own_plan
     from jabascli.engine.launch import run_local
 
     loaded = load_config(config)
-    own = solve_own_plan(loaded, gbs, plan, quiet=json_out)
+    own = solve_own_plan(loaded, gbs, plan, quiet=json_out, servers=servers)
     plan = own.path if own is not None else plan
     if elastic or loaded.config.scaling.enabled:
         from jabascli.cli.elastic import run_elastic_here
