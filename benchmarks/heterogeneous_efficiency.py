@@ -209,6 +209,7 @@ def main() -> None:
                 f"{'' if slowdown == slowdowns[0] else '; the fast server from disk'})",
                 flush=True,
             )
+            print("  where the time went: " + ", ".join(f"{x['name']} {x['seconds']:.0f} s" for x in report["stages"]))
             for gbs in gbs_values:
                 if gbs not in fast_alone:
                     fast_alone[gbs] = bench.train(bench.solve(gbs, "fast"), args.seconds, args.quick)

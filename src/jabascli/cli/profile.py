@@ -470,16 +470,18 @@ def all_(
                 "lbs_values": run.lbs_values,
                 "expected_s": round(run.expected_s, 1),
                 "took_s": round(took, 1),
-                "stages": [{"name": s.name, "ok": s.ok, "detail": s.detail} for s in run.stages],
+                "stages": [
+                    {"name": s.name, "ok": s.ok, "detail": s.detail, "seconds": round(s.seconds, 1)} for s in run.stages
+                ],
                 "commands": run.commands,
             }
         )
     else:
         table = Table(title="Profiles" + (f" (up to GBS {run.gbs_max})" if run.gbs_max else ""))
-        for column in ("profile", "", "result"):
+        for column in ("profile", "", "result", "seconds"):
             table.add_column(column)
         for s in run.stages:
-            table.add_row(s.name, "ok" if s.ok else "[red]failed[/red]", escape(s.detail))
+            table.add_row(s.name, "ok" if s.ok else "[red]failed[/red]", escape(s.detail), f"{s.seconds:.0f}")
         console.print(table)
         console.print(f"took {took:.0f} s (expected about {run.expected_s:.0f} s)", highlight=False)
         if run.commands:

@@ -34,6 +34,7 @@ command each node runs.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,6 +62,8 @@ class StageResult:
     """``bucket``, ``mem fast``, ``comp fast``, ``intra``, ``inter``."""
     ok: bool
     detail: str
+    seconds: float = 0.0
+    """How long the stage took."""
 
 
 @dataclass
@@ -221,11 +224,13 @@ def profile_all(
         nonlocal done
         sub = _StageReporter(reporter, done, weight, total, name)
         sub.progress(0, 1, "starting")
+        began = time.monotonic()
         try:
             run.stages.append(StageResult(name, True, work(sub)))
         except (RuntimeFailure, InputError) as exc:
             run.stages.append(StageResult(name, False, "; ".join(exc.lines())))
             reporter.note(f"{name}: failed: {'; '.join(exc.lines())}")
+        run.stages[-1].seconds = time.monotonic() - began
         done += weight
         reporter.progress(done, total, f"{name}: done")
         return run.stages[-1].ok
