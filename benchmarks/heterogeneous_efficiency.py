@@ -10,6 +10,8 @@ GBS (``--gbs``, default 64 and 256), through the commands a user types:
    whole two-server profile (printed beside the time it said it expected);
 2. ``jabas solve --servers fast`` / ``slow`` / ``auto`` (jabas's own choice,
    the default of ``jabas run``), each plan trained with ``jabas run --plan``;
+   where ``auto`` left the slow server out, ``--servers all`` too (was
+   leaving it out right?);
 3. plain DDP: both servers at LBS ``GBS / 2``, one worker each.
 
 Printed per row: samples/s of each server alone, of jabas's plan and of plain
@@ -77,7 +79,7 @@ device_type = "cpu"
 devices = 1
 
 [[cluster.servers]]
-name = "slow"
+name = "{slow}"
 device_type = "cpu-x{slowdown:g}"
 devices = 1
 emulate = {{ slowdown = {slowdown}, memory_bytes = 2_000_000_000 }}
@@ -119,7 +121,9 @@ class Measured:
 class Bench:
     def __init__(self, root: Path, key: str, workload: str, options: dict[str, Any], slowdown: float, gbs: list[int]):
         self.root, self.key, self.slowdown, self.runs = root, key, slowdown, 0
+        self.slow = f"slow{slowdown:g}"  # a name per slow server: their profiles share the fast one's folder
         self.fields = {
+            "slow": self.slow,
             "workload": workload,
             "options": toml_inline(options),
             "gbs_min": min(gbs),
@@ -149,10 +153,11 @@ class Bench:
 
     def ddp(self, gbs: int) -> Plan:
         lbs = gbs // 2
-        assignments = (Assignment("fast", "cpu", 1, 1, 0), Assignment("slow", f"cpu-x{self.slowdown:g}", 1, 1, 0))
+        assignments = (Assignment("fast", "cpu", 1, 1, 0), Assignment(self.slow, f"cpu-x{self.slowdown:g}", 1, 1, 0))
         plan = Plan(gbs, lbs, "sequential", None, None, assignments)
         try:
-            predicted = solver_from_config(load_config(self.config), "fast,slow", "sequential").predict(plan).time_s
+            solver = solver_from_config(load_config(self.config), f"fast,{self.slow}", "sequential")
+            predicted = solver.predict(plan).time_s
         except InputError:  # no profile at LBS GBS / 2: trained, not predicted
             return plan
         return Plan(gbs, lbs, "sequential", predicted, gbs / predicted, assignments)
@@ -213,12 +218,14 @@ def main() -> None:
             for gbs in gbs_values:
                 if gbs not in fast_alone:
                     fast_alone[gbs] = bench.train(bench.solve(gbs, "fast"), args.seconds, args.quick)
-                slow = bench.train(bench.solve(gbs, "slow"), args.seconds, args.quick)
+                slow = bench.train(bench.solve(gbs, bench.slow), args.seconds, args.quick)
                 own = bench.solve(gbs, "auto")
                 same = own.assignments == fast_alone[gbs].plan.assignments and own.lbs == fast_alone[gbs].plan.lbs
                 mine = fast_alone[gbs] if same else bench.train(own, args.seconds, args.quick)
+                # Was leaving the slow server out right? Its best plan with both, measured too.
+                every = bench.train(bench.solve(gbs, "all"), args.seconds, args.quick) if same else mine
                 ddp = bench.train(bench.ddp(gbs), args.seconds, args.quick)
-                rows.append((key, slowdown, gbs, fast_alone[gbs], slow, mine, ddp))
+                rows.append((key, slowdown, gbs, fast_alone[gbs], slow, mine, every, ddp))
                 print(row_line(rows[-1]), flush=True)
     print()
     print(table(rows))
@@ -226,20 +233,29 @@ def main() -> None:
 
 
 def row_line(row: tuple[Any, ...]) -> str:
-    key, slowdown, gbs, fast, slow, mine, ddp = row
+    key, slowdown, gbs, fast, slow, mine, every, ddp = row
+    both = "" if every is mine else f", both servers' best plan {every.samples_per_s:.0f}/s"
     return (
         f"{key} x{slowdown:g} GBS {gbs}: fast {fast.samples_per_s:.0f}/s, slow {slow.samples_per_s:.0f}/s, "
-        f"jabas {mine.samples_per_s:.0f}/s ({mine.servers}, LBS {mine.plan.lbs}), DDP {ddp.samples_per_s:.0f}/s"
+        f"jabas {mine.samples_per_s:.0f}/s ({mine.servers}, LBS {mine.plan.lbs}){both}, DDP {ddp.samples_per_s:.0f}/s"
     )
+
+
+def both_cell(every: Measured, mine: Measured) -> str:
+    """The best plan with both servers, when jabas left one out: measured, and as predicted."""
+    if every is mine:
+        return "(jabas's)"
+    predicted = f", predicted {every.predicted_s * 1e3:.1f} ms" if every.predicted_s else ""
+    return f"{every.samples_per_s:.0f}/s ({every.measured_s * 1e3:.1f} ms{predicted})"
 
 
 def table(rows: list[tuple[Any, ...]]) -> str:
     head = (
-        "| workload | slow | GBS | fast alone | slow alone | jabas (plan) | plain DDP | efficiency | jabas/fast "
-        "| jabas/DDP | predicted | measured | error |"
+        "| workload | slow | GBS | fast alone | slow alone | jabas (plan) | both, best plan | plain DDP | efficiency "
+        "| jabas/fast | jabas/DDP | predicted | measured | error |"
     )
-    lines = [head, "|" + " --- |" * 13]
-    for key, slowdown, gbs, fast, slow, mine, ddp in rows:
+    lines = [head, "|" + " --- |" * 14]
+    for key, slowdown, gbs, fast, slow, mine, every, ddp in rows:
         efficiency = mine.samples_per_s / (fast.samples_per_s + slow.samples_per_s)
         both = len(mine.plan.assignments) > 1
         if mine.predicted_s and both:
@@ -250,7 +266,8 @@ def table(rows: list[tuple[Any, ...]]) -> str:
         plan = f"{mine.plan.seed_form()}, LBS {mine.plan.lbs}"
         lines.append(
             f"| {key} | {slowdown:g}x | {gbs} | {fast.samples_per_s:.0f}/s | {slow.samples_per_s:.0f}/s "
-            f"| {mine.samples_per_s:.0f}/s ({plan}) | {ddp.samples_per_s:.0f}/s | {efficiency:.2f} "
+            f"| {mine.samples_per_s:.0f}/s ({plan}) | {both_cell(every, mine)} | {ddp.samples_per_s:.0f}/s "
+            f"| {efficiency:.2f} "
             f"| {mine.samples_per_s / fast.samples_per_s:.2f} | {mine.samples_per_s / ddp.samples_per_s:.2f} "
             f"| {predicted} | {mine.measured_s * 1e3:.1f} ms | {error} |"
         )
