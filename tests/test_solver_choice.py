@@ -66,6 +66,12 @@ def test_run_solves_with_the_same_rule(reference_dir: Path, tmp_path: Path) -> N
         solve_for_run(loaded, None, has_plan_file=True, servers="fast")
 
 
+def test_run_refuses_servers_beside_a_plan_file(cli: CliRunner, reference_dir: Path, tmp_path: Path) -> None:
+    config = slow_link_config(tmp_path, reference_dir)
+    result = cli.invoke(app, ["run", "-c", str(config), "--plan", str(tmp_path / "p.json"), "--servers", "fast"])
+    assert result.exit_code == 2 and "--servers" in result.stderr and "Traceback" not in result.output
+
+
 def cpu(name: str, slowdown: float | None = None, devices: int = 1) -> ServerConfig:
     emulate = None if slowdown is None else {"slowdown": slowdown, "memory_bytes": 10**9}
     device_type = "cpu" if slowdown is None else f"cpu-{name}"
