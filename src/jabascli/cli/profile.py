@@ -420,7 +420,7 @@ def all_(
     ] = None,
     gbs_min: Annotated[
         int | None,
-        typer.Option(help="Smallest GBS the job trains (default: \\[batching] gbs_min, else initial_gbs)."),
+        typer.Option(help="Smallest GBS the job trains, e.g. 64 (default: \\[batching] gbs_min, else initial_gbs)."),
     ] = None,
     iters: Annotated[int, typer.Option(help="Measured iterations per computation point (more until stable).")] = 20,
     sizes: Annotated[

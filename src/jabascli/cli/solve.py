@@ -23,7 +23,7 @@ def solve(
     range_: Annotated[str | None, typer.Option("--range", help="LO:HI: the best plan for every feasible GBS.")] = None,
     servers: Annotated[
         str | None,
-        typer.Option(help="auto (default: leave out any server that slows the job), all, or a comma list."),
+        typer.Option(help="auto (default: leave out any server that slows the job), all, or a list: node0,node1."),
     ] = None,
     weight_sync: Annotated[
         str | None, typer.Option(help="recommend, sequential or overlap (default: \\[job] weight_sync).")

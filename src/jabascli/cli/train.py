@@ -129,7 +129,9 @@ def run(
     ] = False,
     servers: Annotated[
         str | None,
-        typer.Option(help="Servers of a solved plan: auto (default: leave out any that slows the job), all, or a,b."),
+        typer.Option(
+            help="Servers of a solved plan: auto (default: leave out any that slows the job), all, or a list: a,b."
+        ),
     ] = None,
     json_out: JsonOption = False,
 ) -> None:
