@@ -8,12 +8,17 @@ where the slowest device holds exactly one worker:
     LBS_bal(g) = g * s_min / sum_i s_i
 
 A larger LBS leaves the slow device either idle-heavy (one worker, too much
-for it) or out; a smaller one only splits finer. The profile plan is every
-power of two from ``LBS_bal(gbs_min)`` rounded down to a power of two (at
-least ``MIN_LBS``) up to ``gbs_max``; the memory sweep stops earlier where not
-even one VSW fits. Powers of two: each halving of the LBS doubles the workers,
-so a split within a factor of two of the balance is always a candidate, and
-the sweep is ``log2(gbs_max / LBS_bal)`` points instead of ``gbs_max / step``.
+for it) or out. Whole workers round the split: with speeds 1 and 1/1.5, GBS 64
+at LBS 16 is 4 workers, and the best split (3 + 1 or 2 + 2) takes 3 units of
+time where the balance takes 2.4 (:func:`split_efficiency` 0.8); at LBS 8, 5 +
+3 workers take 5 units for 4.8 (0.96). So the smallest LBS of the plan is the
+largest power of two at or below ``LBS_bal(gbs_min)`` whose best split of
+``gbs_min`` is within ``BALANCE`` of the perfect one (at least ``MIN_LBS``),
+and the plan is every power of two from it up to ``gbs_max``; the memory sweep
+stops earlier where not even one VSW fits. Powers of two: each halving of the
+LBS doubles the workers, so a split within a factor of two of the balance is
+always a candidate, in ``log2(gbs_max / LBS_min)`` points instead of
+``gbs_max / step``.
 
 Speeds: an emulated server runs ``emulate.slowdown`` times slower than a plain
 CPU server; servers that all state ``tflops`` use them; otherwise devices of
@@ -28,6 +33,8 @@ from collections.abc import Sequence
 from jabascli.config.models import ServerConfig
 
 MIN_LBS = 1
+BALANCE = 0.9
+"""The smallest LBS planned splits the smallest GBS within 10% of the perfect balance."""
 UNKNOWN_RATIO = 4.0
 """Assumed speed ratio between device types whose speeds the config does not state."""
 
@@ -47,9 +54,32 @@ def balanced_lbs(gbs: int, speeds: Sequence[float]) -> int:
     return max(MIN_LBS, floor_pow2(gbs * min(speeds) / sum(speeds)))
 
 
+def split_efficiency(workers: int, speeds: Sequence[float]) -> float:
+    """The perfect balance's time over the best split's of ``workers`` whole workers, one device each at least.
+
+    Workers go one at a time to the device that would finish them soonest, which minimises
+    ``max_i w_i / s_i``; the perfect balance takes ``workers / sum s_i``.
+    """
+    if workers < len(speeds):
+        return 0.0
+    counts = [1] * len(speeds)
+    for _ in range(workers - len(speeds)):
+        best = min(range(len(speeds)), key=lambda i: (counts[i] + 1) / speeds[i])
+        counts[best] += 1
+    return workers / sum(speeds) / max(c / s for c, s in zip(counts, speeds, strict=True))
+
+
+def smallest_lbs(gbs: int, speeds: Sequence[float]) -> int:
+    """The largest power of two at or below ``LBS_bal(gbs)`` that splits ``gbs`` within ``BALANCE``."""
+    lbs = balanced_lbs(gbs, speeds)
+    while lbs > MIN_LBS and (gbs % lbs or split_efficiency(gbs // lbs, speeds) < BALANCE):
+        lbs //= 2
+    return lbs
+
+
 def lbs_plan(gbs_min: int, gbs_max: int, speeds: Sequence[float]) -> list[int]:
-    """Powers of two from the balanced LBS of ``gbs_min`` up to ``gbs_max`` (the memory sweep may stop sooner)."""
-    lbs, out = balanced_lbs(min(gbs_min, gbs_max), speeds), []
+    """Powers of two from :func:`smallest_lbs` of ``gbs_min`` up to ``gbs_max`` (memory may stop the sweep sooner)."""
+    lbs, out = smallest_lbs(min(gbs_min, gbs_max), speeds), []
     while lbs <= gbs_max:
         out.append(lbs)
         lbs *= 2
