@@ -45,6 +45,7 @@ from typing import Any
 
 from jabascli.config import load_config
 from jabascli.engine.metrics import median_iteration_s
+from jabascli.engine.trainer import LOG_INTERVAL_S
 from jabascli.errors import InputError
 from jabascli.solver import read_plan, solver_from_config, write_plan
 from jabascli.solver.plan import Assignment, Plan
@@ -169,7 +170,9 @@ class Bench:
         path = write_plan(self.root / "plans" / f"{name}.json", plan)
         predicted = plan.iteration_time_s or None
         guess = predicted or 0.5
-        steps = max(12 if quick else 15, min(60, 5 + math.ceil(steps_budget_s / guess)))
+        # steps.csv has a row per LOG_INTERVAL_S at most: a fast workload needs many steps for a few rows.
+        seconds = max(steps_budget_s, 4 * LOG_INTERVAL_S)
+        steps = max(12 if quick else 15, min(5000, 5 + math.ceil(seconds / guess)))
         jabas("run", "-c", str(config), "--plan", str(path), "--max-steps", str(steps))
         found = median_iteration_s(self.root / "runs" / name / "steps.csv")
         if found is None:
