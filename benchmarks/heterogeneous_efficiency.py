@@ -219,28 +219,42 @@ def main() -> None:
             )
             print("  where the time went: " + ", ".join(f"{x['name']} {x['seconds']:.0f} s" for x in report["stages"]))
             for gbs in gbs_values:
-                if gbs not in fast_alone:
-                    fast_alone[gbs] = bench.train(bench.solve(gbs, "fast"), args.seconds, args.quick)
-                slow = bench.train(bench.solve(gbs, bench.slow), args.seconds, args.quick)
-                own = bench.solve(gbs, "auto")
-                same = own.assignments == fast_alone[gbs].plan.assignments and own.lbs == fast_alone[gbs].plan.lbs
-                mine = fast_alone[gbs] if same else bench.train(own, args.seconds, args.quick)
-                # Was leaving the slow server out right? Its best plan with both, measured too.
-                every = bench.train(bench.solve(gbs, "all"), args.seconds, args.quick) if same else mine
-                ddp = bench.train(bench.ddp(gbs), args.seconds, args.quick)
-                rows.append((key, slowdown, gbs, fast_alone[gbs], slow, mine, every, ddp))
+                try:
+                    rows.append(measure_row(bench, key, slowdown, gbs, fast_alone, args))
+                except RuntimeError as exc:  # one failed run does not lose the others' figures
+                    print(f"{key} x{slowdown:g} GBS {gbs}: failed: {exc}", flush=True)
+                    continue
                 print(row_line(rows[-1]), flush=True)
     print()
     print(table(rows))
     print(f"\nafter: {load()}; {time.monotonic() - began:.0f} s in all")
 
 
+def measure_row(
+    bench: Bench, key: str, slowdown: float, gbs: int, fast_alone: dict[int, Measured], args: argparse.Namespace
+) -> tuple[Any, ...]:
+    """Each server alone, jabas's plan (and both servers' best where it left one out), plain DDP."""
+    if gbs not in fast_alone:  # the same fast server for every slow one
+        fast_alone[gbs] = bench.train(bench.solve(gbs, "fast"), args.seconds, args.quick)
+    fast = fast_alone[gbs]
+    slow = bench.train(bench.solve(gbs, bench.slow), args.seconds, args.quick)
+    own = bench.solve(gbs, "auto")
+    same = own.lbs == fast.plan.lbs and own.assignments == fast.plan.assignments
+    mine = fast if same else bench.train(own, args.seconds, args.quick)
+    # Was leaving the slow server out right? Its best plan with both servers, measured too.
+    every = bench.train(bench.solve(gbs, "all"), args.seconds, args.quick) if len(own.assignments) == 1 else mine
+    ddp = bench.train(bench.ddp(gbs), args.seconds, args.quick)
+    return (key, slowdown, gbs, fast, slow, mine, every, ddp)
+
+
 def row_line(row: tuple[Any, ...]) -> str:
     key, slowdown, gbs, fast, slow, mine, every, ddp = row
     both = "" if every is mine else f", both servers' best plan {every.samples_per_s:.0f}/s"
+    predicted = f"predicted {mine.predicted_s * 1e3:.1f} ms, " if mine.predicted_s else ""
     return (
         f"{key} x{slowdown:g} GBS {gbs}: fast {fast.samples_per_s:.0f}/s, slow {slow.samples_per_s:.0f}/s, "
-        f"jabas {mine.samples_per_s:.0f}/s ({mine.servers}, LBS {mine.plan.lbs}){both}, DDP {ddp.samples_per_s:.0f}/s"
+        f"jabas {mine.samples_per_s:.0f}/s ({mine.servers}, LBS {mine.plan.lbs}; {predicted}"
+        f"measured {mine.measured_s * 1e3:.1f} ms){both}, DDP {ddp.samples_per_s:.0f}/s"
     )
 
 
