@@ -113,3 +113,17 @@ def test_balanced_lbs_counts_every_device() -> None:
     assert balanced_lbs(224, device_speeds([cpu("fast", devices=2), cpu("slow", 3.0)])) == 32
     assert balanced_lbs(8, [1.0, 0.1]) == 1  # never below one sample
     assert lbs_plan(256, 64, [1.0]) == [64]  # a GBS range given upside down still plans the bound
+
+
+def test_too_many_allocations_for_auto_fall_back_to_every_server(
+    cli: CliRunner, reference_dir: Path, tmp_path: Path
+) -> None:
+    """Seven server types of 4 GPUs are 5^7 - 1 allocations: more than auto compares, so the default uses all."""
+    servers = "".join(
+        server(f"n{i}", "Tesla V100-PCIE-16GB") + f"inter_bandwidth = {(i + 1) * 1e9}\n\n" for i in range(7)
+    )
+    config = toml_config(tmp_path, reference_dir, servers)
+    choice = choose_plan(load_config(config), 896)
+    assert choice.plan.gpus == 28 and choice.left_out == ()
+    refused = cli.invoke(app, ["solve", "-c", str(config), "--gbs", "896", "--servers", "auto"], env=WIDE)
+    assert refused.exit_code == 2 and "candidate allocations" in refused.stderr

@@ -50,8 +50,8 @@ def solve(
         raise InputError.at(None, "--gbs", "give exactly one of --gbs N and --range LO:HI")
     if range_ is not None and out is not None:
         raise InputError.at(None, "--out", "writes one plan: use it with --gbs, not --range")
-    from jabascli.solver import solver_from_config, write_plan  # numpy: only when solving
-    from jabascli.solver.choice import choose_plan, servers_argument
+    from jabascli.solver import write_plan  # numpy: only when solving
+    from jabascli.solver.choice import choose_plan, solver_for
 
     loaded = load_config(config)
     if gbs is not None:
@@ -65,7 +65,7 @@ def solve(
             if choice.line():
                 console.print(f"{choice.line()} (--servers all keeps every server)", highlight=False)
         return
-    solver = solver_from_config(loaded, servers_argument(servers), weight_sync)
+    solver = solver_for(loaded, servers, weight_sync)
     lo, hi = parse_range(range_ or "")
     plans = solver.solve_range(lo, hi)
     if not plans:

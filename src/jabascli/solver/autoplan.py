@@ -32,7 +32,7 @@ class RunPlan:
 
 
 def solve_for_run(
-    loaded: LoadedConfig, gbs: int | None = None, has_plan_file: bool = False, servers: str | None = AUTO
+    loaded: LoadedConfig, gbs: int | None = None, has_plan_file: bool = False, servers: str | None = None
 ) -> RunPlan | None:
     """The solver's plan for ``jabas run``, or None when the config's plan is to be trained."""
     if has_plan_file:

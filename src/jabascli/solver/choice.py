@@ -24,6 +24,7 @@ from jabascli.config import LoadedConfig
 from jabascli.errors import InputError
 from jabascli.solver.plan import Plan
 from jabascli.solver.setup import solver_from_config
+from jabascli.solver.solve import Solver
 
 AUTO, ALL = "auto", "all"
 
@@ -57,13 +58,26 @@ def servers_argument(servers: str | None) -> str | None:
     return None if text == ALL else text
 
 
-def choose_plan(
-    loaded: LoadedConfig, gbs: int, servers: str | None = AUTO, weight_sync: str | None = None
-) -> ServerChoice:
-    """The fastest plan for ``gbs`` on the servers ``servers`` selects (``auto``: by the rule above)."""
+def solver_for(loaded: LoadedConfig, servers: str | None = None, weight_sync: str | None = None) -> Solver:
+    """The solver ``--servers`` asks for; by default ``auto``, or every server where ``auto`` would have
+    too many allocations to compare (a large cluster of many server types: as before ``auto`` was the
+    default)."""
     chosen = servers_argument(servers)
-    plan = solver_from_config(loaded, chosen, weight_sync).solve(gbs)
-    if chosen != AUTO:
+    try:
+        return solver_from_config(loaded, chosen, weight_sync)
+    except InputError as exc:
+        if servers is None and any(p.field == "--servers auto" for p in exc.problems):
+            return solver_from_config(loaded, None, weight_sync)
+        raise
+
+
+def choose_plan(
+    loaded: LoadedConfig, gbs: int, servers: str | None = None, weight_sync: str | None = None
+) -> ServerChoice:
+    """The fastest plan for ``gbs`` on the servers ``servers`` selects (None or ``auto``: by the rule above)."""
+    solver = solver_for(loaded, servers, weight_sync)
+    plan = solver.solve(gbs)
+    if not solver.auto:
         return ServerChoice(plan)
     available = [s.name for s in loaded.config.available()]
     used = {a.server for a in plan.assignments}
