@@ -38,6 +38,7 @@ def test_a_slowing_server_is_left_out_and_said_so(cli: CliRunner, reference_dir:
     assert {a.server for a in choice.plan.assignments} == {"fast"} and choice.left_out == ("slow",)
     assert choice.plan.iteration_time_s < everyone.iteration_time_s
     with_ms, without_ms = everyone.iteration_time_s * 1e3, choice.plan.iteration_time_s * 1e3
+    assert with_ms >= 100 and without_ms >= 100  # shown to the millisecond (below 100 ms, to a tenth)
     assert choice.line() == f"slow left out: {with_ms:.0f} ms with it, {without_ms:.0f} ms without"
 
     result = cli.invoke(app, ["solve", "-c", str(config), "--gbs", "256"], env=WIDE)

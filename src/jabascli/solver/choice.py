@@ -44,10 +44,16 @@ class ServerChoice:
             return None
         names = ", ".join(self.left_out)
         it = "it" if len(self.left_out) == 1 else "them"
-        without = f"{self.plan.iteration_time_s * 1e3:.0f} ms without"
+        without = f"{_ms(self.plan.iteration_time_s)} without"
         if self.with_all is None:
             return f"{names} left out: no plan reaches GBS {self.plan.gbs} with {it}, {without}"
-        return f"{names} left out: {self.with_all.iteration_time_s * 1e3:.0f} ms with {it}, {without}"
+        return f"{names} left out: {_ms(self.with_all.iteration_time_s)} with {it}, {without}"
+
+
+def _ms(seconds: float | None) -> str:
+    """``291 ms``, ``5.9 ms``: three figures or so."""
+    ms = (seconds or 0.0) * 1e3
+    return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.1f} ms"
 
 
 def servers_argument(servers: str | None) -> str | None:
