@@ -113,7 +113,8 @@ def test_balanced_lbs_counts_every_device() -> None:
     # Two fast devices and one 3x slower: 7 shares; GBS 224 puts one worker of LBS 32 on the slow one.
     assert balanced_lbs(224, device_speeds([cpu("fast", devices=2), cpu("slow", 3.0)])) == 32
     assert balanced_lbs(8, [1.0, 0.1]) == 1  # never below one sample
-    assert lbs_plan(256, 64, [1.0]) == [64]  # a GBS range given upside down still plans the bound
+    assert lbs_plan(256, 64, [1.0]) == [32, 64]  # a GBS range given upside down still plans the bound
+    assert lbs_plan(1024, 4096, [1.0] * 4)[0] == 32  # never above 32: GBS steps of 32 stay reachable
 
 
 def test_too_many_allocations_for_auto_fall_back_to_every_server(

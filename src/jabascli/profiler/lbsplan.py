@@ -14,7 +14,8 @@ time where the balance takes 2.4 (:func:`split_efficiency` 0.8); at LBS 8, 5 +
 3 workers take 5 units for 4.8 (0.96). So the smallest LBS of the plan is the
 largest power of two at or below ``LBS_bal(gbs_min)`` whose best split of
 ``gbs_min`` is within ``BALANCE`` of the perfect one (at least ``MIN_LBS``),
-and the plan is every power of two from it up to ``gbs_max``; the memory sweep
+and the plan is every power of two from it (or from ``MAX_FIRST_LBS``, if
+smaller) up to ``gbs_max``; the memory sweep
 stops earlier where not even one VSW fits. Powers of two: each halving of the
 LBS doubles the workers, so a split within a factor of two of the balance is
 always a candidate, in ``log2(gbs_max / LBS_min)`` points instead of
@@ -33,6 +34,9 @@ from collections.abc import Sequence
 from jabascli.config.models import ServerConfig
 
 MIN_LBS = 1
+MAX_FIRST_LBS = 32
+"""The plan never starts above LBS 32 (where the profilers' sweep used to start): GBS values in steps
+of 32 stay reachable, whatever the cluster (one server alone would otherwise start at ``gbs_min``)."""
 BALANCE = 0.9
 """The smallest LBS planned splits the smallest GBS within 10% of the perfect balance."""
 UNKNOWN_RATIO = 4.0
@@ -79,7 +83,7 @@ def smallest_lbs(gbs: int, speeds: Sequence[float]) -> int:
 
 def lbs_plan(gbs_min: int, gbs_max: int, speeds: Sequence[float]) -> list[int]:
     """Powers of two from :func:`smallest_lbs` of ``gbs_min`` up to ``gbs_max`` (memory may stop the sweep sooner)."""
-    lbs, out = smallest_lbs(min(gbs_min, gbs_max), speeds), []
+    lbs, out = min(smallest_lbs(min(gbs_min, gbs_max), speeds), MAX_FIRST_LBS), []
     while lbs <= gbs_max:
         out.append(lbs)
         lbs *= 2
