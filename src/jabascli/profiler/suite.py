@@ -44,6 +44,7 @@ from jabascli.devices import is_this_host
 from jabascli.errors import InputError, JabasError, RuntimeFailure
 from jabascli.profiler.common import Reporter, pick_server
 from jabascli.profiler.lbsplan import device_speeds, lbs_plan
+from jabascli.profiles.formats import comm_profile_path
 
 INTER_PORT = 29510
 
@@ -125,7 +126,7 @@ def planned_lbs(
     return lbs_plan(gbs_floor(loaded, gbs_min, bound), bound, device_speeds(everyone or servers))
 
 
-def expected_seconds(lbs_values: list[int], bound: int | None, servers: int, comm_stages: int) -> dict[str, float]:
+def expected_seconds(lbs_values: list[int], bound: int | None, servers: int, comm_s: float) -> dict[str, float]:
     """Expected seconds per stage kind: memory and computation per server, and the rest.
 
     Per LBS, the memory search's doubling up to ``GBS_max // LBS`` VSWs (at most 64) and one
@@ -135,7 +136,7 @@ def expected_seconds(lbs_values: list[int], bound: int | None, servers: int, com
     caps = [min(64, bound // b) if bound else 64 for b in lbs_values]
     mem = sum(max(1, c).bit_length() for c in caps) * TRIAL_S
     comp = (len(lbs_values) + 2) * (CHILD_S + 1.5 * POINT_SECONDS) + POINT_SECONDS
-    total = FIXED_S["bucket"] + servers * (mem + comp) + comm_stages * FIXED_S["intra"]
+    total = FIXED_S["bucket"] + servers * (mem + comp) + comm_s
     return {"bucket": FIXED_S["bucket"], "mem": mem, "comp": comp, "total": total}
 
 
@@ -206,8 +207,13 @@ def profile_all(
     # A server whose computation profiles are on disk for every planned LBS costs next to nothing.
     comp_dir = loaded.profile_dirs().computation
     measured = {x.name for x in mine if not force and all((comp_dir / str(b) / x.name).is_dir() for b in sweep)}
-    comm_stages = int(need_intra) + int(inter_here)
-    expected = expected_seconds(sweep, bound, len(mine) - len(measured), comm_stages)
+    comm_dir = loaded.profile_dirs().communication
+    comm_weight = {
+        kind: 0.0 if not force and comm_profile_path(comm_dir, kind).is_file() else FIXED_S[kind]
+        for kind in ("intra", "inter")
+    }
+    comm_s = comm_weight["intra"] * need_intra + comm_weight["inter"] * inter_here
+    expected = expected_seconds(sweep, bound, len(mine) - len(measured), comm_s)
     weights = {x.name: (0.0, 0.0) if x.name in measured else (expected["mem"], expected["comp"]) for x in mine}
     run = SuiteRun(gbs_max=bound, lbs_values=lbs_values, expected_s=expected["total"])
     total, done = expected["total"], 0.0
@@ -290,9 +296,9 @@ def profile_all(
         )
 
     if need_intra:
-        stage("intra", FIXED_S["intra"], lambda sub: comm(sub, "intra"))
+        stage("intra", comm_weight["intra"], lambda sub: comm(sub, "intra"))
     if inter_here:
-        stage("inter", FIXED_S["inter"], lambda sub: comm(sub, "inter"))
+        stage("inter", comm_weight["inter"], lambda sub: comm(sub, "inter"))
     if server is not None and many:
         run.commands = inter_commands(loaded)
     return run
