@@ -104,7 +104,7 @@ def test_profile_solve_and_train_with_the_plan(tmp_path: Path) -> None:
     jabas_ok("profile", "comm", *c, "--nprocs", "2", "--sizes", "1,2,4", "--reps", "5", cwd=tmp_path)
     inter_node_comm(tmp_path)
 
-    jabas_ok("solve", *c, "--gbs", "96", "--out", "plan.json", cwd=tmp_path)
+    jabas_ok("solve", *c, "--gbs", "96", "--servers", "all", "--out", "plan.json", cwd=tmp_path)
     plan = read_plan(tmp_path / "plan.json")
     workers = {a.server: a.gpus * a.vsw * (a.ga + 1) for a in plan.assignments}
     assert plan.lbs * sum(workers.values()) == 96

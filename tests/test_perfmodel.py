@@ -37,6 +37,7 @@ from jabascli.profiles import (
     load_profile_set,
     ring_allreduce_ideal_ms,
 )
+from jabascli.solver import Solver
 
 MIB = 2**20
 
@@ -368,3 +369,27 @@ def test_an_allreduce_after_a_wait_costs_the_measured_wake_up_on_the_last_bucket
     asleep = CommModel({"inter": plain}, (0.05, 0.05), {}).buckets(2, 2, 1e9)
     assert woken.per_bucket_s[0] == asleep.per_bucket_s[0]
     assert woken.last_s == pytest.approx(asleep.last_s + 0.7e-3)
+
+
+def _timed(lbs: int, n: int, per_vsw_ms: float) -> CompProfile:
+    return CompProfile(
+        model="m", gpu_type="t", lbs=lbs, num_models=n, total_time=n * per_vsw_ms + 1.0, data_time=0.1 * n * per_vsw_ms,
+        fwd_time=0.3 * n * per_vsw_ms, bwd_time=0.6 * n * per_vsw_ms, update_time=1.0, copy_time=0.0,
+    )  # fmt: skip
+
+
+def test_vsws_are_given_only_where_they_pay() -> None:
+    """VSWs as slow as GA (the CPU's, run in turn) are never chosen; streams that overlap are."""
+    memory = {("s", b): MemoryProfile(gpu_type="t", total_memory=10**9, lbs=b, max_num_models=4) for b in (8, 16, 32)}
+    in_turn = {("s", 8, 1): _timed(8, 1, 10.0), ("s", 8, 4): _timed(8, 4, 9.8), ("s", 16, 1): _timed(16, 1, 20.0)}
+    model = PerformanceModel(ProfileSet(memory, in_turn, None))
+    assert model.device("s", 8).max_vsw == 1 and model.device("s", 8).fits_vsw == 4  # 2% faster: noise
+    assert model.device("s", 16).max_vsw == 1  # larger LBS: what the sweep at LBS 8 told
+    overlapping = {**in_turn, ("s", 8, 4): _timed(8, 4, 6.0)}
+    model = PerformanceModel(ProfileSet(memory, overlapping, None))
+    assert model.device("s", 8).max_vsw == 4 and model.device("s", 16).max_vsw == 4
+    only_one = {("s", 8, 1): _timed(8, 1, 10.0)}  # never shown to pay: GA
+    assert PerformanceModel(ProfileSet(memory, only_one, None)).device("s", 8).max_vsw == 1
+    server = ServerSpec("s", "t", 1, "s", 1e9, 1e9)
+    plan = Solver(PerformanceModel(ProfileSet(memory, in_turn, None)), [server]).solve(32)
+    assert [(a.vsw, a.ga) for a in plan.assignments] in ([(1, 3)], [(1, 1)])

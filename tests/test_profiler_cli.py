@@ -432,3 +432,20 @@ def test_inter_node_comm_between_two_local_nodes(tmp_path: Path) -> None:
     assert (first.meta.world_size, first.meta.bandwidth) == (2, 12.5e9)  # the server's inter_bandwidth
     assert first.ideal_ms == second.ideal_ms and first.measured_ms == second.measured_ms  # every node agrees
     assert read_comm_profile(tmp_path / "node0", "intra") is None
+
+
+def test_profile_all_budget_bounds_each_point(tmp_path: Path) -> None:
+    """With no seconds to spend, each point measures the fewest iterations, and `overlap` once per device."""
+    from jabascli.profiler.comp import PointBudget, profile_comp
+    from jabascli.profiler.trial import MIN_TIMED_ITERS
+
+    (tmp_path / "tiny_cnn.py").write_text(TINY_CNN)
+    config = make_job(tmp_path, '[[cluster.servers]]\nname = "box"\ndevice_type = "cpu"\n', workload="tiny_cnn.py")
+    loaded = load_config(config, check_profiles=False)
+    profile_memory(loaded, lbs_values=[4, 8], max_vsw=2, threads=1)
+    budget = PointBudget(seconds=0.0, overlap_once=True)
+    run = profile_comp(loaded, iters=50, warmup=1, threads=1, budget=budget)
+    points = [(r.lbs, r.num_models) for r in run.results]
+    assert points == [(4, 1), (4, 2), (8, 1), (8, 2)]
+    assert all(r.profile.iterations == MIN_TIMED_ITERS for r in run.results)  # not the 50 asked for
+    assert [r.profile.overlap_update_time is not None for r in run.results] == [True, False, False, False]

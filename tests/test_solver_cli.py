@@ -95,7 +95,7 @@ def test_explicit_servers_and_weight_sync(cli: CliRunner, reference_dir: Path) -
         (["--gbs", "0"], "the global batch size must be a positive integer, got 0"),
         (["--gbs", "-64"], "the global batch size must be a positive integer, got -64"),
         (["--gbs", "100"], "LBS 32: 100 is not a multiple of 32"),
-        (["--gbs", "128"], "LBS 32: only 4 workers for 8 GPUs"),
+        (["--gbs", "128", "--servers", "all"], "LBS 32: only 4 workers for 8 GPUs"),
         (["--range", "10"], "expected LO:HI with two integers"),
         (["--range", "64:32"], "expected 0 < LO <= HI"),
         (["--range", "1:31"], "no plan reaches any GBS in 1..31"),
@@ -116,7 +116,7 @@ def test_bad_options_exit_2(cli: CliRunner, reference_dir: Path, args: list[str]
 
 def test_unreachable_gbs_says_why_for_every_lbs(reference_dir: Path) -> None:
     """Through the real command: each LBS tried, and why it failed."""
-    result = run_jabas("solve", "-c", str(reference_dir / "config.json"), "--gbs", "160")
+    result = run_jabas("solve", "-c", str(reference_dir / "config.json"), "--gbs", "160", "--servers", "all")
     assert result.returncode == 2, result.stdout + result.stderr
     assert "no plan reaches GBS 160; LBS tried: 32, 64, 96, 128, 160" in result.stderr
     assert "LBS 32: only 5 workers for 8 GPUs" in result.stderr

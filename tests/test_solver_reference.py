@@ -113,7 +113,9 @@ def test_every_gbs_256_to_8192_is_optimal(reference_config: Path) -> None:
         assert table[gbs].iteration_time_s == plan.iteration_time_s
     assert sorted(table) == list(range(256, 8193, 32))
     # What `jabas solve --range ... --json` prints is exactly these plans.
-    result = CliRunner().invoke(app, ["solve", "-c", str(reference_config), "--range", "256:8192", "--json"])
+    result = CliRunner().invoke(
+        app, ["solve", "-c", str(reference_config), "--range", "256:8192", "--servers", "all", "--json"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["plans"] == [table[g].to_dict() for g in sorted(table)]
 

@@ -46,6 +46,7 @@ from jabascli.autoscale.allocation import AllocationSpace, Choice
 from jabascli.autoscale.costmodel import IterationCostModel
 from jabascli.autoscale.trajectory import Segment, merge
 from jabascli.errors import InputError
+from jabascli.solver.cluster import allocation_key
 
 ObjectiveKind = Literal["time", "cost"]
 EXHAUSTIVE_LIMIT = 4096
@@ -96,7 +97,8 @@ class Estimate:
         return objective.deadline_per_epoch_s is None or self.time_s <= objective.deadline_per_epoch_s
 
     def key(self, objective: Objective) -> tuple[float, int, Choice]:
-        return (self.value(objective), self.gpus, self.choice)
+        # The same rule as `jabas run --servers auto`: the best value, ties to fewer GPUs.
+        return (*allocation_key(self.value(objective), self.gpus), self.choice)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -403,13 +404,23 @@ def all_(
             "every node runs (default: every server, all on this machine).",
         ),
     ] = None,
-    lbs: Annotated[int, typer.Option(help="Local batch size the memory sweep starts from (and its step).")] = 32,
+    lbs: Annotated[
+        int | None,
+        typer.Option(
+            help="Sweep LBS N, 2N, 3N ... (default: the powers of two balanced splits of the GBS range need, "
+            "e.g. 16, 32, 64, 128, 256 for GBS 64..256 on a fast and a 3x slower device)."
+        ),
+    ] = None,
     gbs_max: Annotated[
         int | None,
         typer.Option(
             help="Largest GBS the job trains (default: \\[batching] gbs_max, else initial_gbs): no VSW count "
             "or LBS above it is measured."
         ),
+    ] = None,
+    gbs_min: Annotated[
+        int | None,
+        typer.Option(help="Smallest GBS the job trains, e.g. 64 (default: \\[batching] gbs_min, else initial_gbs)."),
     ] = None,
     iters: Annotated[int, typer.Option(help="Measured iterations per computation point (more until stable).")] = 20,
     sizes: Annotated[
@@ -437,26 +448,42 @@ def all_(
     from jabascli.profiler.suite import failure_error, profile_all
 
     loaded = load_config(config, check_profiles=False)
+    began = time.monotonic()
     with _reporting("All profiles", json_out) as reporter:
         run = profile_all(
-            loaded, server=server, lbs=lbs, gbs_max=gbs_max, iters=iters, sizes=sizes, force=force, reporter=reporter
+            loaded,
+            server=server,
+            lbs=lbs,
+            gbs_max=gbs_max,
+            gbs_min=gbs_min,
+            iters=iters,
+            sizes=sizes,
+            force=force,
+            reporter=reporter,
         )
+    took = time.monotonic() - began
     failure = failure_error(run)
     if json_out:
         print_json(
             {
                 "gbs_max": run.gbs_max,
-                "stages": [{"name": s.name, "ok": s.ok, "detail": s.detail} for s in run.stages],
+                "lbs_values": run.lbs_values,
+                "expected_s": round(run.expected_s, 1),
+                "took_s": round(took, 1),
+                "stages": [
+                    {"name": s.name, "ok": s.ok, "detail": s.detail, "seconds": round(s.seconds, 1)} for s in run.stages
+                ],
                 "commands": run.commands,
             }
         )
     else:
         table = Table(title="Profiles" + (f" (up to GBS {run.gbs_max})" if run.gbs_max else ""))
-        for column in ("profile", "", "result"):
+        for column in ("profile", "", "result", "seconds"):
             table.add_column(column)
         for s in run.stages:
-            table.add_row(s.name, "ok" if s.ok else "[red]failed[/red]", escape(s.detail))
+            table.add_row(s.name, "ok" if s.ok else "[red]failed[/red]", escape(s.detail), f"{s.seconds:.0f}")
         console.print(table)
+        console.print(f"took {took:.0f} s (expected about {run.expected_s:.0f} s)", highlight=False)
         if run.commands:
             console.print("inter-node all-reduce: run these at the same time, one on each server:")
             for command in run.commands:

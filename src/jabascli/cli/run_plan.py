@@ -18,13 +18,16 @@ class OwnPlan:
     """Where the plan was written (the run folder), for the trainers and for the record."""
 
 
-def solve_own_plan(loaded: LoadedConfig, gbs: int | None, plan_file: Path | None, quiet: bool) -> OwnPlan | None:
+def solve_own_plan(
+    loaded: LoadedConfig, gbs: int | None, plan_file: Path | None, quiet: bool, servers: str | None = None
+) -> OwnPlan | None:
     """The solver's plan for ``jabas run`` (see :mod:`jabascli.solver.autoplan`), written to the run folder."""
     from jabascli.engine.layout import run_folder
     from jabascli.solver.autoplan import solve_for_run
     from jabascli.solver.plan import write_plan
 
-    solved = solve_for_run(loaded, gbs, has_plan_file=plan_file is not None or loaded.config.job.plan is not None)
+    has_plan_file = plan_file is not None or loaded.config.job.plan is not None
+    solved = solve_for_run(loaded, gbs, has_plan_file, servers)
     if solved is None:
         return None
     path = write_plan(run_folder(loaded) / "plan.json", solved.plan)
@@ -37,6 +40,9 @@ def solve_own_plan(loaded: LoadedConfig, gbs: int | None, plan_file: Path | None
             highlight=False,
             markup=False,
         )
+        left_out = solved.choice.line() if solved.choice is not None else None
+        if left_out is not None:
+            console.print(f"{left_out} (--servers all keeps every server)", highlight=False, markup=False)
     return OwnPlan(solved.plan, path)
 
 

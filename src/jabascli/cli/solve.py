@@ -22,7 +22,8 @@ def solve(
     gbs: Annotated[int | None, typer.Option(help="Global batch size to solve for.")] = None,
     range_: Annotated[str | None, typer.Option("--range", help="LO:HI: the best plan for every feasible GBS.")] = None,
     servers: Annotated[
-        str | None, typer.Option(help="'auto' to choose servers, or a comma list (default: all available).")
+        str | None,
+        typer.Option(help="auto (default: leave out any server that slows the job), all, or a list: node0,node1."),
     ] = None,
     weight_sync: Annotated[
         str | None, typer.Option(help="recommend, sequential or overlap (default: \\[job] weight_sync).")
@@ -33,14 +34,15 @@ def solve(
     """Best LBS, weight sync and (VSW, GA) per device for a global batch size.
 
     The plan is the fastest under the performance model (exactly, not a
-    heuristic); all GPUs of the chosen servers are used. With --servers auto
-    the solver also picks how many GPUs of each kind of server to use.
+    heuristic). With --servers auto (the default) the solver also picks how
+    many GPUs of each kind of server to use, and says which servers it left
+    out and what they would cost; --servers all uses every GPU of every server.
 
     Example:
 
         jabas solve -c quickstart/config.json --gbs 512
 
-        jabas solve -c jabas.toml --gbs 128 --servers auto --out plan.json
+        jabas solve -c jabas.toml --gbs 128 --servers all --out plan.json
 
         jabas solve -c jabas.toml --range 256:8192 --json
     """
@@ -48,18 +50,22 @@ def solve(
         raise InputError.at(None, "--gbs", "give exactly one of --gbs N and --range LO:HI")
     if range_ is not None and out is not None:
         raise InputError.at(None, "--out", "writes one plan: use it with --gbs, not --range")
-    from jabascli.solver import solver_from_config, write_plan  # numpy: only when solving
+    from jabascli.solver import write_plan  # numpy: only when solving
+    from jabascli.solver.choice import choose_plan, solver_for
 
-    solver = solver_from_config(load_config(config), servers, weight_sync)
+    loaded = load_config(config)
     if gbs is not None:
-        plan = solver.solve(gbs)
+        choice = choose_plan(loaded, gbs, servers, weight_sync)
         if out is not None:
-            write_plan(out, plan)
+            write_plan(out, choice.plan)
         if json_out:
-            print_json(plan.to_dict())
+            print_json(choice.plan.to_dict())
         else:
-            print_plan(plan, out)
+            print_plan(choice.plan, out)
+            if choice.line():
+                console.print(f"{choice.line()} (--servers all keeps every server)", highlight=False)
         return
+    solver = solver_for(loaded, servers, weight_sync)
     lo, hi = parse_range(range_ or "")
     plans = solver.solve_range(lo, hi)
     if not plans:

@@ -149,6 +149,12 @@ def run(
             "if missing (default: a fresh token in the run folder, removed at the end).",
         ),
     ] = None,
+    servers: Annotated[
+        str | None,
+        typer.Option(
+            help="Servers of a solved plan: auto (default: leave out any that slows the job), all, or a list: a,b."
+        ),
+    ] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Train the whole job on this machine: one trainer process per device (or emulated device).
@@ -173,7 +179,7 @@ def run(
 
         jabas run -c examples/quickstart.toml --fresh
 
-        jabas run -c examples/two_servers.toml --gbs 256
+        jabas run -c examples/two_servers.toml --gbs 256 --servers all
     """
     from jabascli.cli.run_plan import report_predicted, solve_own_plan
     from jabascli.engine.launch import run_local
@@ -189,7 +195,7 @@ def run(
     if start.resume is not None and resume is None and not json_out:
         where = f"resuming {loaded.config.job.name} from {start.resume} (epoch {start.epoch + 1}, step {start.step})"
         console.print(f"{where}; --fresh starts over", highlight=False, markup=False)
-    own = solve_own_plan(loaded, gbs, plan, quiet=json_out)
+    own = solve_own_plan(loaded, gbs, plan, quiet=json_out, servers=servers)
     plan = own.path if own is not None else plan
     if elastic or loaded.config.scaling.enabled:
         from jabascli.cli.elastic import run_elastic_here

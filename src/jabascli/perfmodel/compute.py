@@ -22,10 +22,21 @@ one profiled server; every time here is in seconds.
   distribution's interquartile range is 1.349 of its standard deviation),
   through the measured VSW counts (0 for seed profiles, which have no
   quartiles). The iteration model turns it into the synchronisation wait.
+* VSWs only where they pay: ``max_vsw`` is the memory profile's limit when a
+  measured VSW count ``v > 1`` does one micro-step in at most
+  ``(1 - VSW_GAIN)`` of ``v`` times one VSW's (data, forward, backward and the
+  weight copy, per VSW, against the same for one VSW: what GA would do with
+  the same workers), and 1 otherwise: where streams do not overlap (the CPU,
+  where VSWs run in turn, or a saturated GPU) GA trains the same workers with
+  less memory, and a gain within the noise of the profiles must not decide.
+  Decided at this LBS when a count above 1 was measured here, else at the
+  nearest measured LBS below (then above) that has one; a device where no
+  count above 1 was measured at any LBS gets 1.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +49,8 @@ from jabascli.profiles import CompProfile, ProfileSet
 
 MS = 1e-3
 IQR_PER_SIGMA = 1.349  # interquartile range of a normal distribution, in standard deviations
+VSW_GAIN = 0.05
+"""VSWs pay when a micro-step per VSW is at least this much faster than one VSW's."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,7 @@ class DeviceModel:
     device_type: str
     lbs: int
     max_vsw: int
+    """The most VSWs the solver gives a device: the memory profile's limit where VSWs pay, else 1."""
     data: VswCurve
     forward: VswCurve
     backward: VswCurve
@@ -62,6 +76,8 @@ class DeviceModel:
     not measured, as in seed profiles; the model then assumes all but the last bucket's share is hidden)."""
     spread: VswCurve | None = None
     """Standard deviation (seconds) of one iteration of ``v`` VSWs; None when the profiles have no quartiles."""
+    fits_vsw: int | None = None
+    """The memory profile's limit (None: ``max_vsw``)."""
 
     def spread_s(self, vsw: ArrayLike) -> FloatArray:
         if self.spread is None:
@@ -74,6 +90,33 @@ class DeviceModel:
 
     def copy_s(self, vsw: ArrayLike) -> FloatArray:
         return self.copy_per_replica_s * (np.asarray(vsw, dtype=np.float64) - 1.0)
+
+
+def vsw_pays(points: Iterable[CompProfile]) -> bool:
+    """Whether some measured VSW count above 1 at one LBS beats one VSW by ``VSW_GAIN`` per micro-step.
+
+    True when there is no one-VSW point to compare with (nothing says they do not pay).
+    """
+    by_count = {p.num_models: p for p in points}
+    one = by_count.get(1)
+    if one is None:
+        return True
+    single = one.data_time + one.fwd_time + one.bwd_time
+    return any(
+        (p.data_time + p.fwd_time + p.bwd_time + p.copy_time) / v <= (1 - VSW_GAIN) * single
+        for v, p in by_count.items()
+        if v > 1
+    )
+
+
+def _vsw_pay_at(every_point: list[CompProfile], lbs: int) -> bool:
+    """:func:`vsw_pays` at ``lbs``, else at the nearest LBS below (then above) where a sweep was measured."""
+    swept = sorted({p.lbs for p in every_point if p.num_models > 1})
+    if not swept:
+        return False
+    below = [b for b in swept if b <= lbs]
+    at = below[-1] if below else swept[0]
+    return vsw_pays(p for p in every_point if p.lbs == at)
 
 
 def device_constants(points: list[CompProfile]) -> tuple[float, float, float]:
@@ -114,12 +157,13 @@ def build_device_model(
     spread = None
     if all(q is not None and len(q) == 2 for q in quartiles.values()):
         spread = VswCurve.through((n, max(q[1] - q[0], 0.0) / IQR_PER_SIGMA * MS) for n, q in quartiles.items())  # type: ignore[index]
+    usable = max_vsw if _vsw_pay_at(every_point, lbs) else 1
 
     return DeviceModel(
         server=server,
         device_type=first.gpu_type,
         lbs=lbs,
-        max_vsw=max_vsw,
+        max_vsw=usable,
         data=curve("data_time"),
         forward=curve("fwd_time"),
         backward=curve("bwd_time"),
@@ -129,4 +173,5 @@ def build_device_model(
         overhead_s=overhead,
         overlap_update_s=overlap_update,
         spread=spread,
+        fits_vsw=max_vsw,
     )

@@ -27,6 +27,7 @@ from typing import Any
 
 from jabascli.config.loader import LoadedConfig
 from jabascli.errors import InputError, RuntimeFailure
+from jabascli.perfmodel.compute import vsw_pays
 from jabascli.profiler.child import ChildCrashed, run_child
 from jabascli.profiler.common import (
     Reporter,
@@ -56,6 +57,19 @@ PHASE_KEYS = {
     "overhead": "overhead_time",
 }
 GPU_COOLDOWN = 10.0  # seconds between runs on a GPU, so each starts at a similar temperature and clock
+
+
+@dataclass(frozen=True)
+class PointBudget:
+    """How much ``jabas profile all`` spends per computation point (defaults: the single profiler's)."""
+
+    seconds: float | None = None
+    """Stop measuring a point after this many seconds of iterations (at least ``MIN_TIMED_ITERS``)."""
+    overlap_once: bool = False
+    """Measure ``overlap`` weight sync at one point per device: its cost is the device's, not the LBS's."""
+    stop_vsw: bool = False
+    """Stop the VSW sweep at the first count that does not pay (:func:`vsw_pays`), and measure only one
+    VSW at larger LBS values once a sweep has shown that VSWs do not pay on the device."""
 
 
 @dataclass
@@ -99,9 +113,15 @@ def profile_comp(
     force: bool = False,
     run_timeout: float | None = 3600.0,
     reporter: Reporter | None = None,
+    budget: PointBudget | None = None,
 ) -> CompRun:
-    """Measure every (LBS, VSW count) the memory profile allows; write one file each."""
+    """Measure every (LBS, VSW count) the memory profile allows; write one file each.
+
+    ``budget`` (``jabas profile all``'s) bounds each point's time, measures
+    ``overlap`` once per device and stops the VSW sweep where VSWs stop paying.
+    """
     reporter = reporter or Reporter()
+    budget = budget or PointBudget()
     if warmup < 0:
         raise InputError.at(None, "--warmup", f"must be 0 or more, got {warmup}")
     positive(iters, "--iters")
@@ -118,49 +138,80 @@ def profile_comp(
 
     results: list[CompResult] = []
     measured_before = False
-    for index, (lbs, n) in enumerate(plan):
-        path = comp_profile_path(folder, lbs, name, model, n)
-        what = f"LBS {lbs}, {n} VSW{'s' if n != 1 else ''}"
-        if path.is_file() and not force:
-            known = read_comp_profile(path)
-            check_reusable(path, known.precision, workload_spec["precision"])
-            results.append(CompResult(lbs, n, known, path, skipped=True))
-            reporter.note(f"{what}: already profiled ({path})")
-            reporter.progress(index + 1, len(plan), f"{what}: already profiled")
-            continue
-        if measured_before and cooldown > 0:
-            reporter.progress(index, len(plan), f"cooling down for {cooldown:g} s")
-            time.sleep(cooldown)
-        measured_before = True
+    overlap_known = False
+    pays: bool | None = None  # whether VSWs pay on this device, once a sweep has told
+    total = len(plan)
+    index = 0
+    for lbs, counts in _by_lbs(plan):
+        here: list[CompProfile] = []
+        for n in counts:
+            swept = any(p.num_models > 1 for p in here)
+            if n > 1 and budget.stop_vsw and (pays is False or (swept and not vsw_pays(here))):
+                total -= 1
+                reporter.note(f"LBS {lbs}, {n} VSWs: not measured, VSWs do not pay on {name} (GA does the same)")
+                continue
+            path = comp_profile_path(folder, lbs, name, model, n)
+            what = f"LBS {lbs}, {n} VSW{'s' if n != 1 else ''}"
+            if path.is_file() and not force:
+                known = read_comp_profile(path)
+                check_reusable(path, known.precision, workload_spec["precision"])
+                results.append(CompResult(lbs, n, known, path, skipped=True))
+                here.append(known)
+                overlap_known = overlap_known or known.overlap_update_time is not None
+                reporter.note(f"{what}: already profiled ({path})")
+                index += 1
+                reporter.progress(index, total, f"{what}: already profiled")
+                continue
+            if measured_before and cooldown > 0:
+                reporter.progress(index, total, f"cooling down for {cooldown:g} s")
+                time.sleep(cooldown)
+            measured_before = True
 
-        def on_progress(fields: dict[str, Any], index: int = index, what: str = what) -> None:
-            fraction = min(fields.get("done", 0) / max(fields.get("total", 1), 1), 1.0)
-            reporter.progress(index + fraction, len(plan), f"{what}: iteration {fields.get('done')}")
+            def on_progress(fields: dict[str, Any], index: int = index, what: str = what, total: int = total) -> None:
+                fraction = min(fields.get("done", 0) / max(fields.get("total", 1), 1), 1.0)
+                reporter.progress(index + fraction, total, f"{what}: iteration {fields.get('done')}")
 
-        reporter.progress(index, len(plan), f"{what}: starting")
-        spec = {
-            "kind": "comp",
-            **workload_spec,
-            "lbs": lbs,
-            "num_models": n,
-            "device": target.device,
-            "threads": target.threads,
-            "warmup": warmup,
-            "min_iters": iters,
-            "max_iters": 4 * iters,
-            "slowdown": target.slowdown,
-            "synthetic_data": synthetic_data,
-            "vsw_strategy": loaded.config.job.vsw_strategy,
-            "overlap": True,  # also measure overlap weight sync, if the workload's optimizer allows it
-        }
-        result = _run(spec, on_progress, run_timeout, what)
-        profile = _profile(result, model, target, lbs, n, workload_spec["precision"])
-        written = write_comp_profile(folder, name, profile)
-        results.append(CompResult(lbs, n, profile, written))
-        unstable = "" if result["stable"] else ", median still moving by more than 5%"
-        reporter.note(f"{what}: {profile.total_time:.2f} ms per iteration ({result['iterations']} measured{unstable})")
-        reporter.progress(index + 1, len(plan), f"{what}: done")
+            reporter.progress(index, total, f"{what}: starting")
+            spec = {
+                "kind": "comp",
+                **workload_spec,
+                "lbs": lbs,
+                "num_models": n,
+                "device": target.device,
+                "threads": target.threads,
+                "warmup": warmup,
+                "min_iters": iters,
+                "max_iters": 4 * iters,
+                "max_seconds": budget.seconds,
+                "slowdown": target.slowdown,
+                "synthetic_data": synthetic_data,
+                "vsw_strategy": loaded.config.job.vsw_strategy,
+                # Also measure overlap weight sync, if the workload's optimizer allows it: a device's
+                # cost, so once per device is enough when the budget says so.
+                "overlap": not (budget.overlap_once and overlap_known),
+            }
+            result = _run(spec, on_progress, run_timeout, what)
+            profile = _profile(result, model, target, lbs, n, workload_spec["precision"])
+            written = write_comp_profile(folder, name, profile)
+            results.append(CompResult(lbs, n, profile, written))
+            here.append(profile)
+            overlap_known = overlap_known or profile.overlap_update_time is not None
+            unstable = "" if result["stable"] else ", median still moving by more than 5%"
+            reporter.note(
+                f"{what}: {profile.total_time:.2f} ms per iteration ({result['iterations']} measured{unstable})"
+            )
+            index += 1
+            reporter.progress(index, total, f"{what}: done")
+        if pays is None and any(p.num_models > 1 for p in here):
+            pays = vsw_pays(here)
     return CompRun(target, folder, model, results)
+
+
+def _by_lbs(plan: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    grouped: dict[int, list[int]] = {}
+    for lbs, n in plan:
+        grouped.setdefault(lbs, []).append(n)
+    return sorted(grouped.items())
 
 
 def _plan(memory_folder: Path, target: Target) -> list[tuple[int, int]]:

@@ -127,8 +127,12 @@ def profile_memory(
     trial_timeout: float | None = 1800.0,
     reporter: Reporter | None = None,
     gbs_max: int | None = None,
+    lbs_values: list[int] | None = None,
 ) -> MemoryRun:
     """Run the memory search on this node and write one profile per LBS that fits.
+
+    ``lbs_values``: the LBS values to search, in increasing order, instead of
+    the sweep from ``lbs`` (``jabas profile all``'s plan, :mod:`.lbsplan`).
 
     ``gbs_max``: the largest GBS the job may train. A device never runs more
     VSWs than the job has workers, ``GBS / LBS``, so no count above
@@ -145,8 +149,8 @@ def profile_memory(
     positive(step, "--lbs-step")
     if max_lbs is None:
         # No LBS above the largest GBS can be used, and 16 steps bound the sweep's length.
-        gbs_max = loaded.config.batching.gbs_max
-        max_lbs = max(lbs, min(gbs_max, 16 * lbs)) if gbs_max else 16 * lbs
+        largest = loaded.config.batching.gbs_max
+        max_lbs = max(lbs, min(largest, 16 * lbs)) if largest else 16 * lbs
     if max_lbs < lbs:
         raise InputError.at(None, "--max-lbs", f"{max_lbs} is below --lbs {lbs}")
     target = resolve_target(loaded, server, threads)
@@ -155,9 +159,11 @@ def profile_memory(
     name = target.server.name
 
     sequence = list(lbs_sequence(lbs, search, step, max_lbs))  # type: ignore[arg-type]
+    stopped = "static search: only --lbs" if search == "static" else f"reached --max-lbs {max_lbs}"
+    if lbs_values is not None:
+        sequence, stopped = sorted(lbs_values), f"measured the planned LBS {', '.join(map(str, sorted(lbs_values)))}"
     results: list[LbsResult] = []
     cap = max_vsw
-    stopped = "static search: only --lbs" if search == "static" else f"reached --max-lbs {max_lbs}"
     for index, batch in enumerate(sequence):
 
         def step_of(done: int, bound: int, n: int, index: int = index, batch: int = batch) -> None:

@@ -6,13 +6,18 @@ emulated or not), in this order:
 1. the gradient buckets (:mod:`.bucket`), which also size the all-reduce
    messages worth measuring (from half the smallest bucket to twice all the
    gradients);
-2. per server: memory (:mod:`.memory`), then computation (:mod:`.comp`). The
-   memory search never tries more VSWs than ``GBS_max // LBS`` (no device can
-   run more VSWs than the job has workers) nor an LBS above ``GBS_max``, where
-   ``GBS_max`` is ``[batching] gbs_max``, else ``initial_gbs``, else
-   ``--gbs-max``; the computation profiler measures 1, the middle and the most
-   VSWs allowed, with the thread count ``jabas run`` gives that server's
-   trainers here;
+2. per server: memory (:mod:`.memory`), then computation (:mod:`.comp`), at
+   the LBS values balanced splits need (:mod:`.lbsplan`: powers of two from
+   the balanced LBS of ``GBS_min`` to ``GBS_max``, where ``GBS_max`` is
+   ``--gbs-max``, else ``[batching] gbs_max``, else ``initial_gbs``, and
+   ``GBS_min`` is ``--gbs-min``, else ``[batching] gbs_min``, else
+   ``initial_gbs``; ``--lbs N`` sweeps N, 2N, 3N ... instead). The memory
+   search never tries more VSWs than ``GBS_max // LBS`` (no device can run
+   more VSWs than the job has workers); the computation profiler measures 1,
+   the middle and the most VSWs allowed, with the thread count ``jabas run``
+   gives that server's trainers here, within a time budget per point
+   (:class:`~.comp.PointBudget`: at most ``POINT_SECONDS`` of iterations,
+   ``overlap`` once per device, no more VSW counts once they stop paying);
 3. the intra-node all-reduce (:mod:`.comm`, as many processes as the largest
    server has devices, at least 2);
 4. with several servers, the inter-node all-reduce over loopback, one process
@@ -29,6 +34,7 @@ command each node runs.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,11 +43,19 @@ from jabascli.config.models import ServerConfig
 from jabascli.devices import is_this_host
 from jabascli.errors import InputError, JabasError, RuntimeFailure
 from jabascli.profiler.common import Reporter, pick_server
+from jabascli.profiler.lbsplan import device_speeds, lbs_plan
+from jabascli.profiles.formats import comm_profile_path
 
 INTER_PORT = 29510
 
-# Rough seconds per stage on a small workload: only for the progress bar's share of each stage.
-WEIGHTS = {"bucket": 3.0, "mem": 15.0, "comp": 40.0, "intra": 8.0, "inter": 8.0}
+# Rough seconds per stage, for the estimate said before starting and each stage's share of the
+# progress bar: a child process's start (fork, workload import), a memory trial, the all-reduce stages.
+# Calibrated on the tiny ResNet on 2 cores (30 memory trials in 28 s, 15 computation points in 68 s).
+CHILD_S = 1.5
+TRIAL_S = 1.0
+FIXED_S = {"bucket": 4.0, "intra": 8.0, "inter": 8.0}
+POINT_SECONDS = 2.0
+"""Seconds of measured iterations per computation point, at most (five iterations at least)."""
 
 
 @dataclass
@@ -50,6 +64,8 @@ class StageResult:
     """``bucket``, ``mem fast``, ``comp fast``, ``intra``, ``inter``."""
     ok: bool
     detail: str
+    seconds: float = 0.0
+    """How long the stage took."""
 
 
 @dataclass
@@ -58,6 +74,10 @@ class SuiteRun:
     commands: list[str] = field(default_factory=list)
     """Commands to run on every node for the inter-node profile (a real cluster)."""
     gbs_max: int | None = None
+    lbs_values: list[int] | None = None
+    """The LBS values planned (None: the ``--lbs`` sweep)."""
+    expected_s: float = 0.0
+    """The time the run was expected to take, said before it started."""
 
     @property
     def failures(self) -> list[StageResult]:
@@ -90,6 +110,36 @@ def gbs_bound(loaded: LoadedConfig, gbs_max: int | None) -> int | None:
     return gbs_max or batching.gbs_max or batching.initial_gbs
 
 
+def gbs_floor(loaded: LoadedConfig, gbs_min: int | None, bound: int) -> int:
+    """The smallest GBS the job trains: ``--gbs-min``, else ``[batching] gbs_min``, else ``initial_gbs``."""
+    batching = loaded.config.batching
+    return min(gbs_min or batching.gbs_min or batching.initial_gbs or bound, bound)
+
+
+def planned_lbs(
+    loaded: LoadedConfig, servers: list[ServerConfig], gbs_min: int | None, bound: int | None
+) -> list[int] | None:
+    """The LBS values balanced splits of the job's GBS range need on ``servers``; None without a GBS bound."""
+    if bound is None:
+        return None
+    everyone = loaded.config.available()  # the split is over the whole cluster, even when profiling one node
+    return lbs_plan(gbs_floor(loaded, gbs_min, bound), bound, device_speeds(everyone or servers))
+
+
+def expected_seconds(lbs_values: list[int], bound: int | None, servers: int, comm_s: float) -> dict[str, float]:
+    """Expected seconds per stage kind: memory and computation per server, and the rest.
+
+    Per LBS, the memory search's doubling up to ``GBS_max // LBS`` VSWs (at most 64) and one
+    computation point (two more at the first LBS, for the VSW sweep), each point a child's start
+    plus at most 1.5 x ``POINT_SECONDS`` (warm-up and measurement), ``overlap`` once.
+    """
+    caps = [min(64, bound // b) if bound else 64 for b in lbs_values]
+    mem = sum(max(1, c).bit_length() for c in caps) * TRIAL_S
+    comp = (len(lbs_values) + 2) * (CHILD_S + 1.5 * POINT_SECONDS) + POINT_SECONDS
+    total = FIXED_S["bucket"] + servers * (mem + comp) + comm_s
+    return {"bucket": FIXED_S["bucket"], "mem": mem, "comp": comp, "total": total}
+
+
 def comm_sizes(bucket_mib: list[float]) -> str:
     """All-reduce sizes (MB) worth measuring: from half the smallest bucket to twice all the gradients."""
     positive = [b for b in bucket_mib if b > 0] or [1.0]
@@ -113,17 +163,21 @@ def profile_all(
     loaded: LoadedConfig,
     *,
     server: str | None = None,
-    lbs: int = 32,
+    lbs: int | None = None,
     gbs_max: int | None = None,
+    gbs_min: int | None = None,
     iters: int = 20,
     sizes: str | None = None,
     force: bool = False,
     reporter: Reporter | None = None,
 ) -> SuiteRun:
-    """Measure every profile the solver needs for ``loaded``'s job on this machine."""
+    """Measure every profile the solver needs for ``loaded``'s job on this machine.
+
+    ``lbs``: sweep N, 2N, 3N ... (the single memory profiler's way) instead of the balanced plan.
+    """
     from jabascli.profiler.bucket import profile_buckets
     from jabascli.profiler.comm import profile_comm
-    from jabascli.profiler.comp import profile_comp
+    from jabascli.profiler.comp import PointBudget, profile_comp
     from jabascli.profiler.memory import profile_memory
 
     reporter = reporter or Reporter()
@@ -144,29 +198,44 @@ def profile_all(
             )
         many = len(mine) > 1
     bound = gbs_bound(loaded, gbs_max)
-    run = SuiteRun(gbs_max=bound)
+    lbs_values = None if lbs is not None else planned_lbs(loaded, mine, gbs_min, bound)
+    start = lbs if lbs is not None else 32
     intra_procs = max(2, max(s.devices for s in mine))
     inter_here = many and server is None
     need_intra = server is None or mine[0].devices > 1
-    plan: list[tuple[str, float]] = [("bucket", WEIGHTS["bucket"])]
-    for s in mine:
-        plan += [(f"mem {s.name}", WEIGHTS["mem"]), (f"comp {s.name}", WEIGHTS["comp"])]
-    if need_intra:
-        plan.append(("intra", WEIGHTS["intra"]))
-    if inter_here:
-        plan.append(("inter", WEIGHTS["inter"]))
-    total = sum(w for _, w in plan)
-    done = 0.0
+    sweep = lbs_values or [start * k for k in range(1, 17) if bound is None or start * k <= max(start, bound)]
+    # A server whose computation profiles are on disk for every planned LBS costs next to nothing.
+    comp_dir = loaded.profile_dirs().computation
+    measured = {x.name for x in mine if not force and all((comp_dir / str(b) / x.name).is_dir() for b in sweep)}
+    comm_dir = loaded.profile_dirs().communication
+    comm_weight = {
+        kind: 0.0 if not force and comm_profile_path(comm_dir, kind).is_file() else FIXED_S[kind]
+        for kind in ("intra", "inter")
+    }
+    comm_s = comm_weight["intra"] * need_intra + comm_weight["inter"] * inter_here
+    expected = expected_seconds(sweep, bound, len(mine) - len(measured), comm_s)
+    weights = {x.name: (0.0, 0.0) if x.name in measured else (expected["mem"], expected["comp"]) for x in mine}
+    run = SuiteRun(gbs_max=bound, lbs_values=lbs_values, expected_s=expected["total"])
+    total, done = expected["total"], 0.0
+    planned = f"LBS {', '.join(map(str, lbs_values))}" if lbs_values else f"LBS from {start} in steps of {start}"
+    reporter.note(
+        f"plan: {planned} on {', '.join(s.name for s in mine)}"
+        + (f" (GBS up to {bound})" if bound else "")
+        + f"; expected to take about {_minutes(expected['total'])}"
+    )
+    budget = PointBudget(seconds=POINT_SECONDS, overlap_once=True, stop_vsw=True)
 
     def stage(name: str, weight: float, work: Callable[[Reporter], str]) -> bool:
         nonlocal done
         sub = _StageReporter(reporter, done, weight, total, name)
         sub.progress(0, 1, "starting")
+        began = time.monotonic()
         try:
             run.stages.append(StageResult(name, True, work(sub)))
         except (RuntimeFailure, InputError) as exc:
             run.stages.append(StageResult(name, False, "; ".join(exc.lines())))
             reporter.note(f"{name}: failed: {'; '.join(exc.lines())}")
+        run.stages[-1].seconds = time.monotonic() - began
         done += weight
         reporter.progress(done, total, f"{name}: done")
         return run.stages[-1].ok
@@ -179,28 +248,35 @@ def profile_all(
         count = f"{len(bucket_mib)} bucket{'s' if len(bucket_mib) != 1 else ''}"
         return f"{count}, {sum(bucket_mib):.3g} MB" + (" (on disk)" if result.skipped else "")
 
-    stage("bucket", WEIGHTS["bucket"], bucket)
+    stage("bucket", expected["bucket"], bucket)
     for s in mine:
 
         def mem(sub: Reporter, s: ServerConfig = s) -> str:
-            max_lbs = max(lbs, bound) if bound is not None else None
+            max_lbs = max(start, bound) if bound is not None else None
             result = profile_memory(
-                loaded, server=s.name, lbs=lbs, max_lbs=max_lbs, force=force, reporter=sub, gbs_max=bound
+                loaded,
+                server=s.name,
+                lbs=start,
+                max_lbs=max_lbs,
+                force=force,
+                reporter=sub,
+                gbs_max=bound,
+                lbs_values=lbs_values,
             )
             fits = [f"LBS {r.lbs}: {r.max_num_models}" for r in result.results if r.max_num_models > 0]
             return "most VSWs " + ", ".join(fits) if fits else "nothing fits"
 
         def comp(sub: Reporter, s: ServerConfig = s) -> str:
-            result = profile_comp(loaded, server=s.name, iters=iters, force=force, reporter=sub)
+            result = profile_comp(loaded, server=s.name, iters=iters, force=force, reporter=sub, budget=budget)
             measured = sum(not r.skipped for r in result.results)
             threads = result.target.threads
             each = f", {threads} thread{'s' if threads != 1 else ''} each" if threads is not None else ""
             return f"{len(result.results)} points ({measured} measured now){each}"
 
-        if stage(f"mem {s.name}", WEIGHTS["mem"], mem):
-            stage(f"comp {s.name}", WEIGHTS["comp"], comp)
+        if stage(f"mem {s.name}", weights[s.name][0], mem):
+            stage(f"comp {s.name}", weights[s.name][1], comp)
         else:
-            done += WEIGHTS["comp"]
+            done += weights[s.name][1]
             run.stages.append(StageResult(f"comp {s.name}", False, "not measured: its memory profile failed"))
     message_sizes = sizes or comm_sizes(bucket_mib)
 
@@ -220,12 +296,16 @@ def profile_all(
         )
 
     if need_intra:
-        stage("intra", WEIGHTS["intra"], lambda sub: comm(sub, "intra"))
+        stage("intra", comm_weight["intra"], lambda sub: comm(sub, "intra"))
     if inter_here:
-        stage("inter", WEIGHTS["inter"], lambda sub: comm(sub, "inter"))
+        stage("inter", comm_weight["inter"], lambda sub: comm(sub, "inter"))
     if server is not None and many:
         run.commands = inter_commands(loaded)
     return run
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
 def failure_error(run: SuiteRun) -> JabasError | None:

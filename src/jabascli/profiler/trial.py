@@ -22,12 +22,18 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 import traceback
 from pathlib import Path
 from statistics import median
 from typing import Any
 
 from jabascli.profiler.child import emit_progress
+
+MIN_WARMUP = 2
+"""Warm-up iterations a time budget never cuts: the first iteration pays one-time costs."""
+MIN_TIMED_ITERS = 5
+"""Measured iterations a time budget never cuts: enough for a median and quartiles."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -143,6 +149,9 @@ def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
     warmup, min_iters = int(spec["warmup"]), int(spec["min_iters"])
     max_iters = max(min_iters, int(spec.get("max_iters", min_iters)))
     tolerance = float(spec.get("tolerance", 0.05))
+    # A time budget (``jabas profile all``): slow points stop after MIN_TIMED_ITERS once it is spent.
+    max_seconds = spec.get("max_seconds")
+    budget = math.inf if max_seconds is None else float(max_seconds)
     slowdown = float(spec.get("slowdown", 1.0))
     device = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
     init_process_group(DistEnv(0, 1, 0, None, None), device)  # DDP needs a group: this process alone
@@ -166,9 +175,13 @@ def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         step = engine_step("sequential")
         planned = warmup + min_iters
+        began = time.perf_counter()
         for i in range(warmup):
             step.run()
             emit_progress(done=i + 1, total=planned)
+            if i + 1 >= MIN_WARMUP and time.perf_counter() - began >= budget / 2:
+                break
+        began = time.perf_counter()
         samples: dict[str, list[float]] = {phase: [] for phase in PHASES}
         totals: list[float] = []
         without_update: list[float] = []  # for the overlap comparison
@@ -182,11 +195,13 @@ def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
             emit_progress(done=warmup + count, total=max(planned, warmup + count + 1))
             if count >= max_iters or (count >= min_iters and median_is_stable(totals, tolerance)):
                 break
+            if count >= MIN_TIMED_ITERS and time.perf_counter() - began >= budget:
+                break
         last_loss, strategy = step.last_loss, step.vsw_strategy
         if spec.get("overlap") and supports_overlap(step.trainer.optimizer):
             step = None  # one trainer at a time: the memory profile vouches for one
             step = engine_step("overlap")
-            for _ in range(warmup):
+            for _ in range(min(warmup, MIN_WARMUP) if max_seconds is not None else warmup):
                 step.run()
             overlapped = [step.run().total for _ in range(count)]
             overlap_update = max(0.0, median(overlapped) - median(without_update))

@@ -4,7 +4,9 @@ Rule: with no plan file (``--plan`` or ``[job] plan``), a GBS (``--gbs``, else
 ``[batching] initial_gbs`` of a job whose ``metric`` is ``fixed``: an adaptive
 job reaches its ``initial_gbs`` by its own replanning) and a computation
 profile folder on disk, ``jabas run`` trains the solver's plan for that GBS
-(:meth:`Solver.solve`) instead of the config's per-server ``vsw``/``ga``. The solver needs profiles for every
+(:meth:`Solver.solve`) instead of the config's per-server ``vsw``/``ga``, on
+the servers ``--servers`` selects (default ``auto``: a server that would make
+the job slower is left out, :mod:`jabascli.solver.choice`). The solver needs profiles for every
 available server; a missing one is bad input naming the command that makes
 it (``jabas profile all``). Without a GBS, or without any profiles, the
 config's plan is trained as before.
@@ -16,8 +18,8 @@ from dataclasses import dataclass
 
 from jabascli.config import LoadedConfig
 from jabascli.errors import InputError
+from jabascli.solver.choice import ALL, AUTO, ServerChoice, choose_plan
 from jabascli.solver.plan import Plan
-from jabascli.solver.setup import solver_from_config
 
 
 @dataclass(frozen=True)
@@ -25,11 +27,17 @@ class RunPlan:
     plan: Plan
     source: str
     """Where the GBS came from: ``--gbs`` or ``[batching] initial_gbs``."""
+    choice: ServerChoice | None = None
+    """How the servers were chosen (and what leaving some out gains)."""
 
 
-def solve_for_run(loaded: LoadedConfig, gbs: int | None = None, has_plan_file: bool = False) -> RunPlan | None:
+def solve_for_run(
+    loaded: LoadedConfig, gbs: int | None = None, has_plan_file: bool = False, servers: str | None = None
+) -> RunPlan | None:
     """The solver's plan for ``jabas run``, or None when the config's plan is to be trained."""
     if has_plan_file:
+        if servers not in (None, AUTO):
+            raise InputError.at(None, "--servers", "a plan file names its servers already: give --servers or --plan")
         if gbs is not None:
             raise InputError.at(None, "--gbs", "a plan file fixes the GBS already: give --gbs or --plan, not both")
         return None
@@ -38,7 +46,9 @@ def solve_for_run(loaded: LoadedConfig, gbs: int | None = None, has_plan_file: b
     if gbs is None and batching.metric == "fixed":
         # An adaptive job starts from initial_gbs by its own replanning; --gbs still asks for a solved start.
         gbs, source = batching.initial_gbs, "[batching] initial_gbs"
-    if gbs is None:
+    if gbs is None or (source != "--gbs" and not loaded.profile_dirs().computation.is_dir()):
+        if servers not in (None, AUTO, ALL):
+            raise InputError.at(None, "--servers", "chooses servers for a solved plan: give --gbs and profiles")
         return None
     if not loaded.profile_dirs().computation.is_dir():
         if source == "--gbs":
@@ -48,5 +58,5 @@ def solve_for_run(loaded: LoadedConfig, gbs: int | None = None, has_plan_file: b
                 f"no profiles to solve a plan for --gbs {gbs}: run `jabas profile all -c {loaded.path}` first",
             )
         return None
-    solver = solver_from_config(loaded)
-    return RunPlan(solver.solve(gbs), source)
+    choice = choose_plan(loaded, gbs, servers)
+    return RunPlan(choice.plan, source, choice)

@@ -20,6 +20,13 @@ from jabascli.perfmodel import ServerSpec
 from jabascli.profiles import ProfileSet
 
 
+def allocation_key(time_s: float, gpus: int) -> tuple[float, int]:
+    """What allocations are ranked by, everywhere (``--servers auto``, the auto-scaler, replanning):
+    the predicted iteration time, then fewer GPUs. A server is left out exactly when the job is
+    predicted no faster with it (docs/solver.md, "Servers")."""
+    return (time_s, gpus)
+
+
 @dataclass(frozen=True)
 class UnitGroup:
     """``units`` allocation units of one server (``units * allocation_unit`` of its GPUs)."""

@@ -38,6 +38,7 @@ from jabascli.perfmodel import (
 from jabascli.solver.bottleneck import BottleneckTable, FloatArray, IntArray
 from jabascli.solver.cluster import (
     UnitGroup,
+    allocation_key,
     allocations,
     check_allocation_unit,
     count_allocations,
@@ -133,7 +134,11 @@ class _Candidate:
     time_s: float = field(default=np.inf)
 
     def key(self) -> tuple[float, int, int, int]:
-        return (self.time_s, self.allocation.gpus, WEIGHT_SYNC_METHODS.index(self.weight_sync), -self.lbs)
+        return (
+            *allocation_key(self.time_s, self.allocation.gpus),
+            WEIGHT_SYNC_METHODS.index(self.weight_sync),
+            -self.lbs,
+        )
 
 
 class _FixedAllocation:

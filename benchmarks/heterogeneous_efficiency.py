@@ -1,0 +1,295 @@
+"""Does every server pull its weight? A fast server beside an emulated slower one, as a user runs them.
+
+For each workload (digits, MNIST-1D, tiny ResNet, tiny ViT), each slow server
+(``--slowdowns``, default 1.5x and 3x slower than the fast CPU one) and each
+GBS (``--gbs``, default 64 and 256), through the commands a user types:
+
+1. ``jabas profile all`` once per (workload, slow server), GBS up to the
+   largest; the fast server's profiles are measured once per workload and
+   shared (files on disk are reused), so the first slow server's time is the
+   whole two-server profile (printed beside the time it said it expected);
+2. ``jabas solve --servers fast`` / ``slow`` / ``auto`` (jabas's own choice,
+   the default of ``jabas run``), each plan trained with ``jabas run --plan``;
+   where ``auto`` left the slow server out, ``--servers all`` too (was
+   leaving it out right?);
+3. plain DDP: both servers at LBS ``GBS / 2``, one worker each.
+
+Printed per row: samples/s of each server alone, of jabas's plan and of plain
+DDP on both, the efficiency (jabas over the sum of the two alone; its limit is
+below 1 by the all-reduce), jabas over DDP, and jabas's predicted beside its
+measured iteration time (median of ``steps.csv`` after 5 warm-up iterations).
+Every trainer runs at one thread (``OMP_NUM_THREADS=1``), so that "alone" and
+"together" share the machine alike; the load average is printed before and
+after (on a busy machine, two trainers side by side each lose part of a core).
+
+    .venv/bin/python benchmarks/heterogeneous_efficiency.py                  # everything, about 20 min
+    .venv/bin/python benchmarks/heterogeneous_efficiency.py --quick          # tiny ResNet, 3x, GBS 64
+    .venv/bin/python benchmarks/heterogeneous_efficiency.py --workloads resnet,vit --slowdowns 3
+
+It prints figures; it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jabascli.config import load_config
+from jabascli.engine.metrics import median_iteration_s
+from jabascli.engine.trainer import LOG_INTERVAL_S
+from jabascli.errors import InputError
+from jabascli.solver import read_plan, solver_from_config, write_plan
+from jabascli.solver.plan import Assignment, Plan
+
+WORKLOADS: dict[str, tuple[str, dict[str, Any]]] = {
+    "digits": ("digits", {"width": 16}),
+    "mnist1d": ("mnist1d", {"train_samples": 8000, "val_samples": 0}),
+    "resnet": ("resnet", {"variant": "tiny", "synthetic_size": 16384}),
+    "vit": ("vit", {"variant": "tiny", "synthetic_size": 16384}),
+}
+
+CONFIG = """\
+[job]
+name = "{name}"
+workload = "{workload}"
+epochs = 1000
+lbs = 16
+options = {options}
+
+[batching]
+metric = "fixed"
+gbs_min = {gbs_min}
+gbs_max = {gbs_max}
+initial_gbs = {gbs_min}
+
+[profiles]
+dir = "{root}/profiles/{key}"
+
+[[cluster.servers]]
+name = "fast"
+device_type = "cpu"
+devices = 1
+
+[[cluster.servers]]
+name = "{slow}"
+device_type = "cpu-x{slowdown:g}"
+devices = 1
+emulate = {{ slowdown = {slowdown}, memory_bytes = 2_000_000_000 }}
+
+[storage]
+run_dir = "{root}/runs"
+checkpoint_dir = "{root}/checkpoints"
+"""
+
+
+def toml_inline(options: dict[str, Any]) -> str:
+    return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in options.items()) + " }"
+
+
+def jabas(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    result = subprocess.run([sys.executable, "-m", "jabascli", *args], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"jabas {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+    return result
+
+
+@dataclass
+class Measured:
+    plan: Plan
+    predicted_s: float | None
+    measured_s: float
+    iterations: int
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.plan.gbs / self.measured_s
+
+    @property
+    def servers(self) -> str:
+        return "+".join(a.server for a in self.plan.assignments)
+
+
+class Bench:
+    def __init__(self, root: Path, key: str, workload: str, options: dict[str, Any], slowdown: float, gbs: list[int]):
+        self.root, self.key, self.slowdown, self.runs = root, key, slowdown, 0
+        self.slow = f"slow{slowdown:g}"  # a name per slow server: their profiles share the fast one's folder
+        self.fields = {
+            "slow": self.slow,
+            "workload": workload,
+            "options": toml_inline(options),
+            "gbs_min": min(gbs),
+            "gbs_max": max(gbs),
+            "root": root,
+            "key": key,
+            "slowdown": slowdown,
+        }
+        self.config = self.write_config(f"{key}_x{slowdown:g}")
+
+    def write_config(self, name: str) -> Path:
+        path = self.root / f"{name}.toml"
+        path.write_text(CONFIG.format(name=name, **self.fields), encoding="utf-8")
+        return path
+
+    def profile_all(self) -> dict[str, Any]:
+        began = time.monotonic()
+        report = json.loads(jabas("profile", "all", "-c", str(self.config), "--json").stdout)
+        report["wall_s"] = time.monotonic() - began
+        return report
+
+    def solve(self, gbs: int, servers: str) -> Plan:
+        out = self.root / "plans" / f"{self.key}_x{self.slowdown:g}_{gbs}_{servers.replace(',', '+')}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        jabas("solve", "-c", str(self.config), "--gbs", str(gbs), "--servers", servers, "--out", str(out), "--json")
+        return read_plan(out)
+
+    def ddp(self, gbs: int) -> Plan:
+        lbs = gbs // 2
+        assignments = (Assignment("fast", "cpu", 1, 1, 0), Assignment(self.slow, f"cpu-x{self.slowdown:g}", 1, 1, 0))
+        plan = Plan(gbs, lbs, "sequential", None, None, assignments)
+        try:
+            solver = solver_from_config(load_config(self.config), f"fast,{self.slow}", "sequential")
+            predicted = solver.predict(plan).time_s
+        except InputError:  # no profile at LBS GBS / 2: trained, not predicted
+            return plan
+        return Plan(gbs, lbs, "sequential", predicted, gbs / predicted, assignments)
+
+    def train(self, plan: Plan, steps_budget_s: float, quick: bool) -> Measured:
+        self.runs += 1
+        name = f"{self.key}_x{self.slowdown:g}_run{self.runs}"
+        config = self.write_config(name)
+        path = write_plan(self.root / "plans" / f"{name}.json", plan)
+        predicted = plan.iteration_time_s or None
+        guess = predicted or 0.5
+        # steps.csv has a row per LOG_INTERVAL_S at most: a fast workload needs many steps for a few rows.
+        seconds = max(steps_budget_s, 4 * LOG_INTERVAL_S)
+        steps = max(12 if quick else 15, min(5000, 5 + math.ceil(seconds / guess)))
+        jabas("run", "-c", str(config), "--plan", str(path), "--max-steps", str(steps))
+        found = median_iteration_s(self.root / "runs" / name / "steps.csv")
+        if found is None:
+            raise RuntimeError(f"{name}: no iterations in steps.csv")
+        return Measured(plan, predicted, found[0], found[1])
+
+
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="digits,mnist1d,resnet,vit", help="comma list of " + ",".join(WORKLOADS))
+    parser.add_argument("--slowdowns", default="3,1.5", help="the slow server's slowdowns (the first one's profile "
+                        "all time covers both servers)")  # fmt: skip
+    parser.add_argument("--gbs", default="64,256", help="GBS values, small to large")
+    parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per run, about")
+    parser.add_argument("--quick", action="store_true", help="tiny ResNet, 3x, GBS 64, short runs")
+    parser.add_argument("--root", type=Path, default=None, help="keep profiles and runs here (default: a temp folder)")
+    args = parser.parse_args()
+    if args.quick:
+        args.workloads, args.slowdowns, args.gbs, args.seconds = "resnet", "3", "64", 2.0
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    slowdowns = [float(s) for s in args.slowdowns.split(",")]
+    gbs_values = [int(g) for g in args.gbs.split(",")]
+    root = args.root or Path(tempfile.mkdtemp(prefix="jabas-hetero-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"before: {load()}, {os.cpu_count()} cores; every trainer at 1 thread; folder {root}", flush=True)
+    began = time.monotonic()
+    rows = []
+    for key in workloads:
+        workload, options = WORKLOADS[key]
+        fast_alone: dict[int, Measured] = {}
+        for slowdown in slowdowns:
+            bench = Bench(root, key, workload, options, slowdown, gbs_values)
+            report = bench.profile_all()
+            print(
+                f"{key} fast + {slowdown:g}x slower: jabas profile all took {report['wall_s']:.0f} s "
+                f"(said it expected about {report['expected_s']:.0f} s; LBS {report['lbs_values']}"
+                f"{'' if slowdown == slowdowns[0] else '; the fast server from disk'})",
+                flush=True,
+            )
+            print("  where the time went: " + ", ".join(f"{x['name']} {x['seconds']:.0f} s" for x in report["stages"]))
+            for gbs in gbs_values:
+                try:
+                    rows.append(measure_row(bench, key, slowdown, gbs, fast_alone, args))
+                except RuntimeError as exc:  # one failed run does not lose the others' figures
+                    print(f"{key} x{slowdown:g} GBS {gbs}: failed: {exc}", flush=True)
+                    continue
+                print(row_line(rows[-1]), flush=True)
+    print()
+    print(table(rows))
+    print(f"\nafter: {load()}; {time.monotonic() - began:.0f} s in all")
+
+
+def measure_row(
+    bench: Bench, key: str, slowdown: float, gbs: int, fast_alone: dict[int, Measured], args: argparse.Namespace
+) -> tuple[Any, ...]:
+    """Each server alone, jabas's plan (and both servers' best where it left one out), plain DDP."""
+    if gbs not in fast_alone:  # the same fast server for every slow one
+        fast_alone[gbs] = bench.train(bench.solve(gbs, "fast"), args.seconds, args.quick)
+    fast = fast_alone[gbs]
+    slow = bench.train(bench.solve(gbs, bench.slow), args.seconds, args.quick)
+    own = bench.solve(gbs, "auto")
+    same = own.lbs == fast.plan.lbs and own.assignments == fast.plan.assignments
+    mine = fast if same else bench.train(own, args.seconds, args.quick)
+    # Was leaving the slow server out right? Its best plan with both servers, measured too.
+    every = bench.train(bench.solve(gbs, "all"), args.seconds, args.quick) if len(own.assignments) == 1 else mine
+    ddp = bench.train(bench.ddp(gbs), args.seconds, args.quick)
+    return (key, slowdown, gbs, fast, slow, mine, every, ddp)
+
+
+def row_line(row: tuple[Any, ...]) -> str:
+    key, slowdown, gbs, fast, slow, mine, every, ddp = row
+    both = "" if every is mine else f", both servers' best plan {every.samples_per_s:.0f}/s"
+    predicted = f"predicted {mine.predicted_s * 1e3:.1f} ms, " if mine.predicted_s else ""
+    return (
+        f"{key} x{slowdown:g} GBS {gbs}: fast {fast.samples_per_s:.0f}/s, slow {slow.samples_per_s:.0f}/s, "
+        f"jabas {mine.samples_per_s:.0f}/s ({mine.servers}, LBS {mine.plan.lbs}; {predicted}"
+        f"measured {mine.measured_s * 1e3:.1f} ms){both}, DDP {ddp.samples_per_s:.0f}/s"
+    )
+
+
+def both_cell(every: Measured, mine: Measured) -> str:
+    """The best plan with both servers, when jabas left one out: measured, and as predicted."""
+    if every is mine:
+        return "(jabas's)"
+    predicted = f", predicted {every.predicted_s * 1e3:.1f} ms" if every.predicted_s else ""
+    return f"{every.samples_per_s:.0f}/s ({every.measured_s * 1e3:.1f} ms{predicted})"
+
+
+def table(rows: list[tuple[Any, ...]]) -> str:
+    head = (
+        "| workload | slow | GBS | fast alone | slow alone | jabas (plan) | both, best plan | plain DDP | efficiency "
+        "| jabas/fast | jabas/DDP | predicted | measured | error |"
+    )
+    lines = [head, "|" + " --- |" * 14]
+    for key, slowdown, gbs, fast, slow, mine, every, ddp in rows:
+        efficiency = mine.samples_per_s / (fast.samples_per_s + slow.samples_per_s)
+        both = len(mine.plan.assignments) > 1
+        if mine.predicted_s and both:
+            error = f"{(mine.measured_s - mine.predicted_s) / mine.predicted_s:+.0%}"
+            predicted = f"{mine.predicted_s * 1e3:.1f} ms"
+        else:
+            error, predicted = ("-", f"{mine.predicted_s * 1e3:.1f} ms" if mine.predicted_s else "-")
+        plan = f"{mine.plan.seed_form()}, LBS {mine.plan.lbs}"
+        lines.append(
+            f"| {key} | {slowdown:g}x | {gbs} | {fast.samples_per_s:.0f}/s | {slow.samples_per_s:.0f}/s "
+            f"| {mine.samples_per_s:.0f}/s ({plan}) | {both_cell(every, mine)} | {ddp.samples_per_s:.0f}/s "
+            f"| {efficiency:.2f} "
+            f"| {mine.samples_per_s / fast.samples_per_s:.2f} | {mine.samples_per_s / ddp.samples_per_s:.2f} "
+            f"| {predicted} | {mine.measured_s * 1e3:.1f} ms | {error} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
