@@ -224,20 +224,63 @@ class Simulation:
             if batching == "similarity":
                 iterations = self.stats.epoch_progress(epoch) * self.stats.m0 / now
                 target = similarity.next_gbs(now, noise, iterations, low=self.stats.m0, high=self.stats.max_gbs)
+            robust = batching == "goodput" and not forecast.settled(list(measured.values()))
+            band = forecast.scenarios(noise, self.stats.max_gbs)
             for allocation, frontier in frontiers.items():
                 if batching == "similarity":
                     i, rate = self._near(frontier, epoch, gbs, target)
                     time_s = work / rate
+                elif robust:
+                    i = forecast.robust_point(frontier, self.stats.m0, band)
+                    time_s = 0.0  # set below, from the times in every scenario
                 else:
                     i, _ = self._rate(frontier, epoch, gbs, oracle=False)
                     time_s = float(np.sum(epoch_work[epoch:] / rate_at[allocation](future)))
                 points[allocation] = i
                 price_s = self._price_s(allocation)
                 candidates.append(Candidate(allocation, time_s, time_s * price_s, price_s))
-            chosen = choose_allocation(candidates, current, self.trace.restart_s, self.slack, objective=self.objective)
+            move_s = self.trace.restart_s
+            if robust:
+                candidates = self._least_regret(candidates, current, epoch_work[epoch:], future, band, rate_at)
+                move_s = 0.0  # charged in every scenario already
+            chosen = choose_allocation(candidates, current, move_s, self.slack, objective=self.objective)
             return chosen.allocation, frontiers[chosen.allocation].config(points[chosen.allocation])
 
         return self.run("jabas" if batching == "goodput" else f"jabas-{batching}", decide)
+
+    def _least_regret(
+        self,
+        candidates: list[Candidate],
+        current: Allocation | None,
+        work: np.ndarray,
+        future: np.ndarray,
+        band: np.ndarray,
+        rate_at: dict[Allocation, forecast.RateCurve],
+    ) -> list[Candidate]:
+        """Each candidate's time to finish while the statistics are unsettled: its regret over ``band``.
+
+        ``T_a(s)``: the forecast scaled to scenario ``s`` (``future * s / band[0]``),
+        plus the restart for a move; a candidate's planning time is
+        ``exp(mean_s log(T_a(s) / min_b T_b(s)))`` (``forecast.regret``) times the
+        least time at the measurement, so ``choose_allocation`` keeps its margin
+        rule on a time-like value.
+        """
+        times = np.array(
+            [
+                [
+                    float(np.sum(work / rate_at[c.allocation](future * s / band[0])))
+                    + (self.trace.restart_s if current is not None and c.allocation != current else 0.0)
+                    for s in band
+                ]
+                for c in candidates
+            ]
+        )
+        regret = np.exp(forecast.regret(times, higher_is_better=False))
+        scale = float(times[:, 0].min())
+        return [
+            Candidate(c.allocation, r * scale, r * scale * c.price_per_s, c.price_per_s)
+            for c, r in zip(candidates, regret, strict=True)
+        ]
 
     def oracle(self) -> PolicyResult | None:
         frontiers = self._node_frontiers()
