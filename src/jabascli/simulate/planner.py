@@ -18,7 +18,9 @@ Rule (issue #14's objective ``time``, with its margin rule):
    fastest *single-type* candidate (what Pollux would run) is dropped (the
    current allocation only beyond ``margin``): other types are added only where
    they do not make the job dearer;
-3. the fastest candidate sets ``t_min``; the cheapest candidate within
+3. with the objective ``cost``, the cheapest candidate wins (ties to the faster),
+   and the current allocation is kept unless the winner is cheaper by more than
+   ``margin``; otherwise the fastest candidate sets ``t_min``; the cheapest candidate within
    ``(1 + slack) * t_min`` wins (``slack`` 0 by default: ties go to the cheaper);
 4. the current allocation is kept unless the winner is faster by more than
    ``margin`` (5%, as issue #14's ``[scaling] margin``) or cheaper by more than
@@ -39,7 +41,7 @@ from jabascli.simulate.configs import Allocation
 
 DEFAULT_SLACK = 0.0
 DEFAULT_MARGIN = 0.05
-OBJECTIVES = ("time", "no-dearer")
+OBJECTIVES = ("time", "cost", "no-dearer")
 
 
 @dataclass(frozen=True)
@@ -80,10 +82,15 @@ def choose_allocation(
             scored = [
                 s for s in scored if s[1] <= budget * ((1 + margin) if s[2].allocation == current else (1 + 1e-9))
             ]
+    stay = next((s for s in scored if s[2].allocation == current), None)
+    if objective == "cost":
+        best = min(scored, key=lambda s: (s[1], s[0]))
+        if stay is not None and not best[1] < (1 - margin) * stay[1]:
+            return stay[2]
+        return best[2]
     t_min = min(time for time, _, _ in scored)
     fast = [s for s in scored if s[0] <= (1 + slack) * t_min]
     best = min(fast, key=lambda s: (s[1], s[0]))
-    stay = next((s for s in scored if s[2].allocation == current), None)
     if stay is not None:
         faster = best[0] < (1 - margin) * stay[0]
         cheaper = best[1] < (1 - margin) * stay[1] and best[0] <= stay[0]
