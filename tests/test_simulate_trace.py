@@ -360,10 +360,16 @@ def test_rate_curve_is_the_best_goodput_at_a_noise_scale_and_forecasts_follow_a_
 
 def test_planner_no_dearer_adds_types_only_where_they_cost_nothing_more() -> None:
     a, b, c = (("aws", 4),), (("rtx", 8),), (("aws", 4), ("rtx", 8))
-    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(b, 96.0, 3.0, 0.03), Candidate(c, 80.0, 4.0, 0.05)]
+    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(b, 90.0, 3.0, 0.03), Candidate(c, 80.0, 4.0, 0.05)]
     assert choose_allocation(cands, None, move_s=0.0, objective="no-dearer").allocation == b  # c dearer than b
     cands[2] = Candidate(c, 80.0, 2.9, 0.05)
     assert choose_allocation(cands, None, move_s=0.0, objective="no-dearer").allocation == c
+    # within the margin (5%) of the fastest, the cheaper wins: the predictions cannot tell them apart
+    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(b, 96.0, 3.0, 0.03)]
+    assert choose_allocation(cands, None, move_s=0.0, objective="no-dearer").allocation == a
+    assert choose_allocation(cands, None, move_s=0.0, objective="time").allocation == b
+    assert choose_allocation(cands, None, move_s=0.0, objective="cost").allocation == a
+    assert choose_allocation(cands, b, move_s=0.0, objective="cost").allocation == a  # 67% cheaper: moves
     with pytest.raises(ValueError, match="unknown objective"):
         choose_allocation(cands, None, move_s=0.0, objective="fast")
 
