@@ -13,7 +13,7 @@ SQuAD) and each cluster (Sia's default ``aws:6,dgx-ext:2,rtx:3``, the small mixe
 
 then, for jabas run with ``--objective time``, ``cost`` and ``no-dearer``, the
 baselines both sooner and cheaper than it (the Pareto check: there must be none).
-``cpu_s`` is the CPU time of the whole simulation of a case (every policy, one core).
+``cpu_s`` is the CPU time of a case's three simulations (one per objective, every policy in each; one core).
 
     .venv/bin/python benchmarks/trace_sim.py [--traces DIR] [--json OUT] [--jobs imagenet,cifar10]
 """
