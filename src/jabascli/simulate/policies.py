@@ -11,7 +11,9 @@
 - ``jabas``: IIDP over every type (same LBS everywhere, faster types run more
   micro-steps), the goodput-optimal GBS of each candidate allocation, and an
   allocation chosen per epoch by ``planner.choose_allocation`` on the time to
-  finish predicted with the noise scale forecast (``forecast.py``).
+  finish predicted with the noise scale forecast (``forecast.py``); until three
+  epochs' noise scales are measured, on the least expected regret over a band of
+  noise scales instead (``forecast.regret``: the first epochs' understate it).
 - ``jabas-similarity``: the same with jabas's ``similarity`` GBS policy instead of
   goodput (its expectation derived from the statistics, ``similarity.py``): the
   GBS follows the rule, and each allocation runs its fastest configuration
@@ -200,7 +202,9 @@ class Simulation:
         job: with ``goodput``, at its goodput-optimal configuration of each remaining
         epoch for the noise scale forecast from those measured so far
         (``forecast.py``); with ``similarity``, at the GBS the rule asks for now.
-        ``planner.choose_allocation`` picks one.
+        ``planner.choose_allocation`` picks one. While the statistics are unsettled
+        (``forecast.settled``) the goodput policy plans on its regret over a band of
+        noise scales instead (:meth:`_least_regret`, ``forecast.robust_point``).
         """
         frontiers = self._node_frontiers()
         if not frontiers:
