@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from jabascli.cli.app import app
+from jabascli.report.pareto import front
 from tests.conftest import run_jabas
 from tests.test_simulate_trace import LBS, SIA, _rows, _step, _write, write_synthetic_trace
 
@@ -122,7 +123,7 @@ def test_report_plots_a_trace_simulation(cli: CliRunner, trace: Path, tmp_path: 
     report = cli.invoke(app, ["report", str(sim), "--out", str(out)], env=WIDE)
     assert report.exit_code == 0, report.output
     adaptive = ["pollux", "jabas", "jabas-similarity", "oracle"]
-    expected = {"gbs.png", "gpus.png", "progress.png", *(f"allocation-{p}.png" for p in adaptive)}
+    expected = {"gbs.png", "gpus.png", "progress.png", "time-cost.png", *(f"allocation-{p}.png" for p in adaptive)}
     assert {p.name for p in out.glob("*.png")} == expected
     page = (out / "index.html").read_text()
     for name in expected:
@@ -157,3 +158,27 @@ def test_sia_cifar10_on_a_small_cluster(tmp_path: Path) -> None:
         "oracle",
     ]
     assert all(p["time_s"] > 0 and p["epochs"] > 0 for p in data["policies"])
+
+
+def test_time_cost_front_is_the_points_no_other_beats_in_both() -> None:
+    points = {"a": (1.0, 5.0), "b": (2.0, 2.0), "c": (3.0, 3.0), "d": (4.0, 1.0), "e": (2.0, 6.0)}
+    assert front(points) == ["a", "b", "d"]  # c is beaten by b, e by a; b and d each win on one axis
+
+
+@pytest.mark.parametrize("objective", ["time", "cost", "no-dearer"])
+def test_each_objective_prints_the_pareto_check(cli: CliRunner, trace: Path, objective: str) -> None:
+    args = ["--trace", str(trace), "--cluster", "aws:2"]
+    result = simulate(cli, *args, "--objective", objective)
+    assert result.exit_code == 0, result.output
+    data = json.loads(simulate(cli, *args, "--objective", objective, "--json").stdout)
+    jabas = next(p for p in data["policies"] if p["policy"] == "jabas")
+    beaten = [
+        p["policy"]
+        for p in data["policies"]
+        if p["policy"].startswith(("fixed-", "ddp-all", "pollux"))
+        and p["time_s"] < jabas["time_s"]
+        and p["cost"] < jabas["cost"]
+    ]
+    assert data["dominated_by"] == beaten
+    line = next(line for line in result.stdout.splitlines() if line.startswith(f"objective {objective}:"))
+    assert ("no baseline is both sooner and cheaper" in line) == (not beaten)

@@ -81,9 +81,9 @@ def simulate(
     objective: Annotated[
         str | None,
         typer.Option(
-            help="With --trace: jabas's planner objective, time (the fastest allocation) or no-dearer "
-            "(the fastest among those no dearer than the fastest single-type one), e.g. --objective no-dearer "
-            "(default: time).",
+            help="With --trace: jabas's planner objective, time (the fastest allocation), cost (the cheapest) "
+            "or no-dearer (the fastest among those no dearer than the fastest single-type one), "
+            "e.g. --objective cost (default: time).",
             show_default=False,
         ),
     ] = None,
@@ -195,6 +195,17 @@ def _simulate_trace(
             "-" if cost_ratio is None else f"{cost_ratio:.2f}",
         )
     console.print(table)
+    if result.get("jabas") is not None:
+        beaten = result.dominating()
+        console.print(
+            f"objective {objective}: "
+            + (
+                f"{', '.join(beaten)} both sooner and cheaper than jabas"
+                if beaten
+                else "no baseline is both sooner and cheaper than jabas"
+            ),
+            highlight=False,
+        )
     if target_metric is not None:
         missed = [p.policy for p in result.policies if not p.target_reached]
         if missed:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jabascli.atomic import atomic_write_text
-from jabascli.report import plots
+from jabascli.report import pareto, plots
 from jabascli.report.sources import RunData, SimulationData, read_source
 
 
@@ -177,6 +177,7 @@ def _trace_plots(sim: SimulationData, report: Report) -> None:
                     [(p["policy"], *held(p, gpus)) for p in policies], step=True, colours=colours),
         plots.lines(out / "progress.png", "Statistical progress (samples at the base batch size)", "hours",
                     "progress", progress, colours=colours),
+        pareto.time_cost(out / "time-cost.png", policies, colours),
     ]  # fmt: skip
     # fixed-* and ddp-all keep one allocation all along (gpus.png shows it); the adaptive policies get one plot each
     for p in policies:

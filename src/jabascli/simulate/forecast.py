@@ -48,3 +48,51 @@ class RateCurve:
 def noise_scales(measured: Sequence[float], horizon: int) -> np.ndarray:
     """The noise scale of each of the next ``horizon`` epochs, from one measurement per epoch so far."""
     return damped_holt(np.asarray(measured, dtype=float), horizon)
+
+
+# Measurements before the noise scale is trusted: the damped trend needs three.
+SETTLE_MEASUREMENTS = 3
+SCENARIOS = 9
+# The band's top, in units of the largest GBS: at B_noise = 4 * M_max the largest
+# GBS keeps E(M_max) ~ 0.8 of its samples' worth, the most a user asks of it.
+CEILING_OVER_MAX_GBS = 4.0
+
+
+def settled(measured: Sequence[float]) -> bool:
+    """Whether the noise scale has been measured in enough epochs for its forecast to be trusted."""
+    return len(measured) >= SETTLE_MEASUREMENTS
+
+
+def scenarios(noise: float, max_gbs: float) -> np.ndarray:
+    """The noise scales an unsettled measurement ``noise`` may stand for, log-spaced.
+
+    From ``noise`` up to ``CEILING_OVER_MAX_GBS * max_gbs``: the noise scale grows
+    as training proceeds, and the first epochs' statistics understate it most
+    (docs/simulation.md), so the band is one-sided.
+    """
+    return np.geomspace(noise, max(noise, CEILING_OVER_MAX_GBS * max_gbs), SCENARIOS)
+
+
+def regret(rates_or_times: np.ndarray, higher_is_better: bool) -> np.ndarray:
+    """Per row, the mean over the columns (scenarios) of ``log(value / best value of the column)``.
+
+    The expected log-ratio to hindsight's choice under a log-uniform prior on the
+    band: 0 for a row best in every scenario. The mean, not the worst case: the
+    band's low end (the first measurement held for the whole job) never happens,
+    and a worst-case rule lets it veto the allocations the rest of the job needs
+    (CIFAR-10 on ``aws:2,rtx:1,azure:1``, docs/simulation.md).
+    """
+    if higher_is_better:
+        return np.log(rates_or_times.max(axis=0)[None, :] / rates_or_times).mean(axis=1)
+    return np.log(rates_or_times / rates_or_times.min(axis=0)[None, :]).mean(axis=1)
+
+
+def robust_point(frontier: Frontier, m0: float, noises: np.ndarray) -> int:
+    """The configuration of ``frontier`` of least :func:`regret` over the noise scales ``noises``.
+
+    A point's rate at ``B_s``: ``r_i(s) = E_s(M_i) * M_i / M0 / iter_s_i``, with
+    ``E_s(M) = (B_s + M0) / (B_s + M)``.
+    """
+    efficiency = (noises[None, :] + m0) / (noises[None, :] + frontier.gbs[:, None])
+    rates = efficiency * (frontier.gbs / m0 / frontier.iter_s)[:, None]
+    return int(np.argmin(regret(rates, higher_is_better=True)))

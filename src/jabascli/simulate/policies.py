@@ -11,7 +11,9 @@
 - ``jabas``: IIDP over every type (same LBS everywhere, faster types run more
   micro-steps), the goodput-optimal GBS of each candidate allocation, and an
   allocation chosen per epoch by ``planner.choose_allocation`` on the time to
-  finish predicted with the noise scale forecast (``forecast.py``).
+  finish predicted with the noise scale forecast (``forecast.py``); until three
+  epochs' noise scales are measured, on the least expected regret over a band of
+  noise scales instead (``forecast.regret``: the first epochs' understate it).
 - ``jabas-similarity``: the same with jabas's ``similarity`` GBS policy instead of
   goodput (its expectation derived from the statistics, ``similarity.py``): the
   GBS follows the rule, and each allocation runs its fastest configuration
@@ -200,7 +202,9 @@ class Simulation:
         job: with ``goodput``, at its goodput-optimal configuration of each remaining
         epoch for the noise scale forecast from those measured so far
         (``forecast.py``); with ``similarity``, at the GBS the rule asks for now.
-        ``planner.choose_allocation`` picks one.
+        ``planner.choose_allocation`` picks one. While the statistics are unsettled
+        (``forecast.settled``) the goodput policy plans on its regret over a band of
+        noise scales instead (:meth:`_least_regret`, ``forecast.robust_point``).
         """
         frontiers = self._node_frontiers()
         if not frontiers:
@@ -224,20 +228,63 @@ class Simulation:
             if batching == "similarity":
                 iterations = self.stats.epoch_progress(epoch) * self.stats.m0 / now
                 target = similarity.next_gbs(now, noise, iterations, low=self.stats.m0, high=self.stats.max_gbs)
+            robust = batching == "goodput" and not forecast.settled(list(measured.values()))
+            band = forecast.scenarios(noise, self.stats.max_gbs)
             for allocation, frontier in frontiers.items():
                 if batching == "similarity":
                     i, rate = self._near(frontier, epoch, gbs, target)
                     time_s = work / rate
+                elif robust:
+                    i = forecast.robust_point(frontier, self.stats.m0, band)
+                    time_s = 0.0  # set below, from the times in every scenario
                 else:
                     i, _ = self._rate(frontier, epoch, gbs, oracle=False)
                     time_s = float(np.sum(epoch_work[epoch:] / rate_at[allocation](future)))
                 points[allocation] = i
                 price_s = self._price_s(allocation)
                 candidates.append(Candidate(allocation, time_s, time_s * price_s, price_s))
-            chosen = choose_allocation(candidates, current, self.trace.restart_s, self.slack, objective=self.objective)
+            move_s = self.trace.restart_s
+            if robust:
+                candidates = self._least_regret(candidates, current, epoch_work[epoch:], future, band, rate_at)
+                move_s = 0.0  # charged in every scenario already
+            chosen = choose_allocation(candidates, current, move_s, self.slack, objective=self.objective)
             return chosen.allocation, frontiers[chosen.allocation].config(points[chosen.allocation])
 
         return self.run("jabas" if batching == "goodput" else f"jabas-{batching}", decide)
+
+    def _least_regret(
+        self,
+        candidates: list[Candidate],
+        current: Allocation | None,
+        work: np.ndarray,
+        future: np.ndarray,
+        band: np.ndarray,
+        rate_at: dict[Allocation, forecast.RateCurve],
+    ) -> list[Candidate]:
+        """Each candidate's time to finish while the statistics are unsettled: its regret over ``band``.
+
+        ``T_a(s)``: the forecast scaled to scenario ``s`` (``future * s / band[0]``),
+        plus the restart for a move; a candidate's planning time is
+        ``exp(mean_s log(T_a(s) / min_b T_b(s)))`` (``forecast.regret``) times the
+        least time at the measurement, so ``choose_allocation`` keeps its margin
+        rule on a time-like value.
+        """
+        times = np.array(
+            [
+                [
+                    float(np.sum(work / rate_at[c.allocation](future * s / band[0])))
+                    + (self.trace.restart_s if current is not None and c.allocation != current else 0.0)
+                    for s in band
+                ]
+                for c in candidates
+            ]
+        )
+        regret = np.exp(forecast.regret(times, higher_is_better=False))
+        scale = float(times[:, 0].min())
+        return [
+            Candidate(c.allocation, r * scale, r * scale * c.price_per_s, c.price_per_s)
+            for c, r in zip(candidates, regret, strict=True)
+        ]
 
     def oracle(self) -> PolicyResult | None:
         frontiers = self._node_frontiers()
