@@ -103,6 +103,6 @@ def test_a_plan_from_profiles_of_another_precision_is_refused_before_any_trainer
     assert CliRunner().invoke(app, ["run", "-c", str(config)]).exit_code == 0  # no precision recorded: unknown
     measured = MemoryProfile(gpu_type="cpu", total_memory=1, lbs=4, max_num_models=1, precision="fp32")
     path = write_memory_profile(memory, "s0", measured)
-    result = CliRunner().invoke(app, ["run", "-c", str(config)])
+    result = CliRunner().invoke(app, ["run", "-c", str(config), "--fresh"])  # the job is done: train it anew
     assert result.exit_code == 2, result.output
     assert f"{path.parent}: precision: measured in fp32, but [job] precision is bf16" in result.stderr
