@@ -28,9 +28,10 @@ flight: ``min(M_r, S - s)`` under 1F1B, ``M_r`` under GPipe.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from jabascli.errors import InputError
-from jabascli.hybrid.plan import Placement, Plan
+from jabascli.hybrid.plan import Placement, Plan, Replica
 from jabascli.hybrid.profiles import HybridProfiles
 
 
@@ -54,6 +55,9 @@ class CostModel:
     def __init__(self, profiles: HybridProfiles) -> None:
         self.profiles = profiles
         self.blocks = profiles.blocks
+        self._send_cache: dict[tuple[object, ...], float] = {}
+        self.memo: dict[tuple[object, ...], Any] = {}
+        """What the search derives from these profiles and keeps for its next candidates."""
         self._stage_cache: dict[tuple[str, int, int, int, int, frozenset[int]], tuple[float, float]] = {}
 
     # --- pieces -------------------------------------------------------------------------------------------------
@@ -92,10 +96,17 @@ class CostModel:
         """Point-to-point time of ``size`` bytes from one placement to another."""
         if size <= 0:
             return 0.0
-        net = self.profiles.network
-        if a.server and a.server == b.server:
-            return net.fit("intra", a.device, 2).seconds(size)
-        return max(net.fit("inter", p.device, p.tp).seconds(size) for p in (a, b))
+        intra = bool(a.server) and a.server == b.server
+        key = (size, a.device, a.tp, b.device, b.tp, intra)
+        hit = self._send_cache.get(key)
+        if hit is None:
+            net = self.profiles.network
+            if intra:
+                hit = net.fit("intra", a.device, 2).seconds(size)
+            else:
+                hit = max(net.fit("inter", p.device, p.tp).seconds(size) for p in (a, b))
+            self._send_cache[key] = hit
+        return hit
 
     def allreduce_s(self, size: float, group: list[Placement]) -> float:
         """Ring all-reduce of ``size`` bytes per device over ``group`` (one device of each placement per ring, the
@@ -109,7 +120,7 @@ class CostModel:
             fit = net.fit("intra", group[0].device, n)
             return 2 * (n - 1) / n * size / fit.bandwidth(size / n)
         slowest = 0.0
-        for p in group:
+        for p in {(q.device, q.tp): q for q in group}.values():
             fit = net.fit("inter", p.device, p.tp)
             slowest = max(slowest, 2 * (n - 1) / n * p.tp * size / fit.bandwidth(p.tp * size / n))
         return slowest
@@ -140,35 +151,29 @@ class CostModel:
 
     # --- the whole plan -----------------------------------------------------------------------------------------
     def predict(self, plan: Plan) -> Prediction:
-        b, n_stages = plan.mbs, plan.num_stages
+        n_stages = plan.num_stages
         ckpt = frozenset(plan.checkpoint)
-        pipeline = []
+        pipeline: list[float] = []
         update = 0.0
-        peaks = []
+        peaks: list[tuple[float, ...]] = []
         fits = True
         shards = len(plan.replicas) if plan.sharding == "full" else 1
+        cache: dict[tuple[object, ...], tuple[float, float, tuple[float, ...], bool]] = {}
         for rep in plan.replicas:
             if len(rep.stages) != n_stages:
                 raise InputError.at(None, "plan", f"a replica has {len(rep.stages)} stages, the plan {n_stages}")
-            steps = []
-            row = []
-            for s, place in enumerate(rep.stages):
-                first, last = plan.bounds[s], plan.bounds[s + 1]
-                sck = frozenset(i for i in ckpt if first <= i < last)
-                compute = self.stage_compute(place.device, b, place.tp, first, last, sck)
-                update = max(update, self.stage_update(place.device, b, place.tp, first, last))
-                comm = 0.0
-                if s + 1 < n_stages:
-                    comm += self.send_s(b * self.blocks.blocks[last - 1].boundary_bytes, place, rep.stages[s + 1])
-                if s > 0:
-                    comm += self.send_s(b * self.blocks.blocks[first - 1].boundary_bytes, place, rep.stages[s - 1])
-                steps.append(compute + comm)
-                in_flight = rep.microbatches if plan.schedule == "gpipe" else min(rep.microbatches, n_stages - s)
-                mem = self.stage_memory(place.device, b, place.tp, first, last, sck, in_flight, shards)
-                row.append(mem)
-                fits &= mem <= self.profiles.devices[place.device].memory_bytes
-            pipeline.append(sum(steps) + (rep.microbatches - 1) * max(steps) if rep.microbatches else 0.0)
-            peaks.append(tuple(row))
+            # Replicas on the same device types, linked alike, with as many micro-batches cost the same.
+            links = tuple(
+                bool(a.server) and a.server == b.server for a, b in zip(rep.stages, rep.stages[1:], strict=False)
+            )
+            key = (tuple((p.device, p.tp) for p in rep.stages), links, rep.microbatches)
+            if key not in cache:
+                cache[key] = self._replica(plan, rep, ckpt, shards)
+            t_r, u_r, row, ok = cache[key]
+            pipeline.append(t_r)
+            update = max(update, u_r)
+            peaks.append(row)
+            fits &= ok
         sync = 0.0
         for s in range(n_stages):
             group = [rep.stages[s] for rep in plan.replicas if rep.microbatches > 0]
@@ -176,3 +181,30 @@ class CostModel:
             sync = max(sync, self.allreduce_s(size, group))
         total = max(pipeline) + sync + update
         return Prediction(total, tuple(pipeline), sync, update, tuple(peaks), fits)
+
+    def _replica(
+        self, plan: Plan, rep: Replica, ckpt: frozenset[int], shards: int
+    ) -> tuple[float, float, tuple[float, ...], bool]:
+        """``T_r``, the replica's update time, its devices' peak memory per stage, and whether all fit."""
+        b, n_stages = plan.mbs, plan.num_stages
+        steps = []
+        row = []
+        update = 0.0
+        fits = True
+        for s, place in enumerate(rep.stages):
+            first, last = plan.bounds[s], plan.bounds[s + 1]
+            sck = frozenset(i for i in ckpt if first <= i < last)
+            compute = self.stage_compute(place.device, b, place.tp, first, last, sck)
+            update = max(update, self.stage_update(place.device, b, place.tp, first, last))
+            comm = 0.0
+            if s + 1 < n_stages:
+                comm += self.send_s(b * self.blocks.blocks[last - 1].boundary_bytes, place, rep.stages[s + 1])
+            if s > 0:
+                comm += self.send_s(b * self.blocks.blocks[first - 1].boundary_bytes, place, rep.stages[s - 1])
+            steps.append(compute + comm)
+            in_flight = rep.microbatches if plan.schedule == "gpipe" else min(rep.microbatches, n_stages - s)
+            mem = self.stage_memory(place.device, b, place.tp, first, last, sck, in_flight, shards)
+            row.append(mem)
+            fits &= mem <= self.profiles.devices[place.device].memory_bytes
+        t_r = sum(steps) + (rep.microbatches - 1) * max(steps) if rep.microbatches else 0.0
+        return t_r, update, tuple(row), fits
