@@ -56,6 +56,7 @@ class CostModel:
         self.profiles = profiles
         self.blocks = profiles.blocks
         self._send_cache: dict[tuple[object, ...], float] = {}
+        self._param_prefix: dict[int, list[float]] = {}
         self.memo: dict[tuple[object, ...], Any] = {}
         """What the search derives from these profiles and keeps for its next candidates."""
         self._stage_cache: dict[tuple[str, int, int, int, int, frozenset[int]], tuple[float, float]] = {}
@@ -126,7 +127,13 @@ class CostModel:
         return slowest
 
     def params(self, first: int, last: int, tp: int) -> float:
-        return sum(self.blocks.params(i, tp) for i in range(first, last))
+        prefix = self._param_prefix.get(tp)
+        if prefix is None:
+            prefix = [0.0]
+            for i in range(self.profiles.num_blocks):
+                prefix.append(prefix[-1] + self.blocks.params(i, tp))
+            self._param_prefix[tp] = prefix
+        return prefix[last] - prefix[first]
 
     def activations(self, mbs: int, tp: int, first: int, last: int, ckpt: frozenset[int]) -> float:
         """``a_s``: activation bytes one micro-batch leaves on a device of the stage until its backward."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,11 +64,11 @@ def search(
     devices = {g.device: 0 for g in servers}
     for g in servers:
         devices[g.device] += g.count * model.profiles.devices[g.device].devices_per_server
-    best: list[tuple[float, int, Plan]] = []
+    best: list[tuple[float, int, Callable[[], Plan | None]]] = []
     counter = itertools.count()
     smallest = [math.inf]
 
-    def offer(estimate: float, plan: Plan) -> None:
+    def offer(estimate: float, plan: Callable[[], Plan | None]) -> None:
         heapq.heappush(best, (-estimate, next(counter), plan))
         if len(best) > keep:
             heapq.heappop(best)
@@ -75,10 +76,11 @@ def search(
     for b in _lbs_values(model, list(devices), gbs):
         n_micro = gbs // b
         for estimate, plan in _iidp_plans(model, devices, b, n_micro, smallest):
-            offer(estimate, plan)
+            offer(estimate, lambda plan=plan: plan)
         for estimate, plan in _pipeline_plans(model, devices, b, n_micro, stage_counts, tp_candidates, smallest):
             offer(estimate, plan)
-    choices = [Choice(p, model.predict(p)) for _, _, p in best]
+    plans = [build() for _, _, build in best]
+    choices = [Choice(p, model.predict(p)) for p in plans if p is not None]
     choices = [c for c in choices if c.prediction.fits]
     if not choices:
         need = "no profiled micro-batch size divides it" if math.isinf(smallest[0]) else f"{smallest[0] / 1e9:.2f} GB"
@@ -180,7 +182,7 @@ def _pipeline_plans(
     stage_counts: tuple[int, ...],
     tp_candidates: int,
     smallest: list[float],
-) -> list[tuple[float, Plan]]:
+) -> list[tuple[float, Callable[[], Plan | None]]]:
     out = []
     for n_stages in stage_counts:
         if n_stages < 2 or n_stages > model.profiles.num_blocks:
@@ -237,28 +239,25 @@ def _split_blocks(
     n_micro: int,
     sharding: Sharding,
     smallest: list[float],
-) -> tuple[float, Plan] | None:
-    """The layerwise DP over block boundaries for one pipeline template; None if no split fits."""
+) -> tuple[float, Callable[[], Plan | None]] | None:
+    """The layerwise DP over block boundaries for one pipeline template: the estimated iteration time and how to
+    build the plan (placements and checkpoint sets are only built for the few best); None if no split fits."""
     n_blocks = model.profiles.num_blocks
     n_stages = len(stages)
     micro = -(-n_micro // replicas)
     shards = replicas if sharding == "full" else 1
-    places = _place(model, stages, replicas)
-    out_bytes = np.array([blk.boundary_bytes for blk in model.blocks.blocks]) * b
+    heads = _first_replica(model, stages, replicas)
     idx_i, idx_j = _grid(n_blocks)
-    valid = idx_j > idx_i
-    f_prev = None
+    f_prev: np.ndarray | None = None
     choice = []
     sigmas = []
+    mem = np.zeros(1)
     for s, (d, t) in enumerate(stages):
-        in_flight = min(micro, n_stages - s)
-        sigma, mem = _stage_matrix(model, d, t, b, in_flight, shards)
+        sigma, mem = _stage_matrix(model, d, t, b, min(micro, n_stages - s), shards)
         if s + 1 < n_stages:
-            nxt = _send_times(model, out_bytes, places[s][0], places[s + 1][0])
-            sigma = sigma + nxt[np.clip(idx_j - 1, 0, n_blocks - 1)]
+            sigma = sigma + _send_times(model, b, heads[s], heads[s + 1])[idx_j]
         if s > 0:
-            prv = _send_times(model, out_bytes, places[s][0], places[s - 1][0])
-            sigma = sigma + prv[np.clip(idx_i - 1, 0, n_blocks - 1)]
+            sigma = sigma + _send_times(model, b, heads[s], heads[s - 1])[idx_i]
         sigmas.append(sigma)
         if f_prev is None:
             f_cur = sigma[0].copy()
@@ -270,34 +269,55 @@ def _split_blocks(
         f_prev = f_cur
     assert f_prev is not None
     if not np.isfinite(f_prev[n_blocks]):
-        smallest[0] = min(smallest[0], float(np.min(mem[valid])) if valid.any() else math.inf)
+        smallest[0] = min(smallest[0], float(mem[0, n_blocks]))
         return None
     bounds = [n_blocks]
     for s in range(n_stages - 1, 0, -1):
         bounds.append(int(choice[s][bounds[-1]]))
     bounds = [0, *reversed(bounds)]
-    ckpt: set[int] = set()
-    steps = []
+    steps = [float(sigmas[s][bounds[s], bounds[s + 1]]) for s in range(n_stages)]
+    sync = 0.0
     for s, (d, t) in enumerate(stages):
-        lay = _fitting_layout(model, d, b, t, bounds[s], bounds[s + 1], min(micro, n_stages - s), shards)
-        if lay is None:
-            return None
-        ckpt |= lay[1]
-        steps.append(float(sigmas[s][bounds[s], bounds[s + 1]]))
-    counts = [n_micro // replicas + (1 if r < n_micro % replicas else 0) for r in range(replicas)]
-    reps = tuple(Replica(tuple(places[s][r] for s in range(n_stages)), m) for r, m in enumerate(counts) if m > 0)
-    plan = Plan(b, tuple(bounds), reps, frozenset(ckpt), sharding)
-    sync = max(
-        model.allreduce_s(model.params(bounds[s], bounds[s + 1], t), [p for p in places[s][: len(reps)]])
-        for s, (_, t) in enumerate(stages)
-    )
+        per_server = model.profiles.devices[d].devices_per_server
+        server = "one" if replicas * t <= per_server else ""
+        group = [Placement(d, t, server)] * replicas
+        sync = max(sync, model.allreduce_s(model.params(bounds[s], bounds[s + 1], t), group))
     update = max(model.stage_update(d, b, t, bounds[s], bounds[s + 1]) for s, (d, t) in enumerate(stages))
-    return sum(steps) + (max(counts) - 1) * max(steps) + sync + update, plan
+    estimate = sum(steps) + (micro - 1) * max(steps) + sync + update
+
+    def build() -> Plan | None:
+        ckpt: set[int] = set()
+        for s, (d, t) in enumerate(stages):
+            lay = _fitting_layout(model, d, b, t, bounds[s], bounds[s + 1], min(micro, n_stages - s), shards)
+            if lay is None:
+                return None
+            ckpt |= lay[1]
+        places = _place(model, stages, replicas)
+        counts = [n_micro // replicas + (1 if r < n_micro % replicas else 0) for r in range(replicas)]
+        reps = tuple(Replica(tuple(places[s][r] for s in range(n_stages)), m) for r, m in enumerate(counts) if m > 0)
+        return Plan(b, tuple(bounds), reps, frozenset(ckpt), sharding)
+
+    return estimate, build
 
 
-def _send_times(model: CostModel, sizes: np.ndarray, a: Placement, b: Placement) -> np.ndarray:
-    cache: dict[float, float] = {}
-    return np.array([cache.setdefault(float(x), model.send_s(float(x), a, b)) for x in sizes])
+def _first_replica(model: CostModel, stages: list[tuple[str, int]], replicas: int) -> list[Placement]:
+    """Replica 0's placements as ``_place`` packs them (TP degrees divide the devices per server)."""
+    cursor: dict[str, int] = {}
+    out = []
+    for d, t in stages:
+        at = cursor.get(d, 0)
+        out.append(Placement(d, t, f"{d}-{at // model.profiles.devices[d].devices_per_server}"))
+        cursor[d] = at + replicas * t
+    return out
+
+
+def _send_times(model: CostModel, b: int, a: Placement, c: Placement) -> np.ndarray:
+    """``out[j]``: time to send the output of block ``j - 1`` (``out[0]``: nothing) from ``a`` to ``c``."""
+    key = ("send", b, a.device, a.tp, c.device, c.tp, a.server == c.server)
+    if key not in model.memo:
+        sizes = [0.0] + [b * blk.boundary_bytes for blk in model.blocks.blocks]
+        model.memo[key] = np.array([model.send_s(x, a, c) for x in sizes])
+    return model.memo[key]
 
 
 def _grid(n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
