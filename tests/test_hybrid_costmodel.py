@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from jabascli.cli.app import app
 from jabascli.errors import InputError
 from jabascli.hybrid.costmodel import CostModel
 from jabascli.hybrid.importers import import_sailor, read_sailor_plan
@@ -121,3 +123,20 @@ def test_sailor_plan_reads_measurements(sailor: dict[str, HybridProfiles]) -> No
     assert [p.device for p in plan.replicas[0].stages] == ["RTX-3090", "Titan-RTX"]
     assert (real_s, real_mem) == (66.06712, 6818889728)
     assert CostModel(sailor[model]).predict(plan).fits
+
+
+def test_profile_import_cli_writes_what_reads_back(cli: CliRunner, tmp_path: Path) -> None:
+    if not SAILOR.is_dir():
+        pytest.skip(f"Sailor reference not found at {SAILOR}")
+    result = cli.invoke(app, ["profile", "import", "--from", "sailor", str(SAILOR), "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    back = read_profiles(tmp_path, "OPT-350")
+    assert back == import_sailor(SAILOR)["OPT-350"]
+
+
+def test_profile_import_cli_wrong_folder_is_one_line_exit_2(cli: CliRunner, tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    result = cli.invoke(app, ["profile", "import", "--from", "sailor", str(tmp_path / "in"), "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.strip().count("\n") == 0 and "not a Sailor folder" in result.output
+    assert not (tmp_path / "hybrid").exists()

@@ -164,3 +164,10 @@ def read_sailor_plan(path: Path, block_counts: dict[str, int]) -> tuple[str, Pla
         raise InputError.at(path, "layers_per_stage", f"{total} layers: no imported model has that many blocks")
     bounds = tuple([0, *[sum(lengths[: k + 1]) for k in range(len(lengths))]])
     return models[0], Plan(mbs=mbs, bounds=bounds, replicas=tuple(replicas)), *measured
+
+
+def import_profiles(source: str, root: Path) -> dict[str, HybridProfiles]:
+    """``jabas profile import --from SOURCE``: the planner's published profiles as jabas's, by model."""
+    if source == "sailor":
+        return import_sailor(root)
+    raise InputError.at(None, "--from", f"unknown source {source!r} (expected: sailor)")
