@@ -3,7 +3,9 @@
 ``--sailor DIR``: import Sailor's profiles (eth-easl/sailor, MIT; ``../shared/reference/planners/sailor``), predict
 every validation plan under DIR (``**/validation/**/plan_config_*.json``: plans that were run, with the iteration
 time and peak memory measured) and print predicted vs measured per plan; the last line gives the median absolute
-errors over the homogeneous (one device type) and the mixed plans separately.
+errors over the homogeneous (one device type) and the mixed plans separately. Before it, on each mixed cluster of
+the validation plans (plans whose stages take whole servers, grouped by servers and GBS), jabas's searched plan
+against the best measured Sailor plan, the best plan on one device type and the best even-split plan.
 
     .venv/bin/python benchmarks/hybrid_planner.py --sailor ../shared/reference/planners/sailor
 """
@@ -14,14 +16,56 @@ import argparse
 import statistics
 from pathlib import Path
 
+from jabascli.errors import InputError
 from jabascli.hybrid.costmodel import CostModel
 from jabascli.hybrid.importers import import_sailor, read_sailor_plan
+from jabascli.hybrid.plan import Plan
+from jabascli.hybrid.search import ServerGroup, search
 
 GB = 1e9
 
 
+Cluster = tuple[tuple[str, int], ...]
+
+
+def whole_server_cluster(model: CostModel, plan: Plan) -> Cluster | None:
+    """The servers a Sailor plan ran on, by device type, when each of its stage replicas took a whole server."""
+    count: dict[str, int] = {}
+    for rep in plan.replicas:
+        for p in rep.stages:
+            if p.tp != model.profiles.devices[p.device].devices_per_server:
+                return None
+            count[p.device] = count.get(p.device, 0) + 1
+    return tuple(sorted(count.items()))
+
+
+def compare_search(model: CostModel, cluster: Cluster, gbs: int, measured: list[tuple[str, float, float]]) -> None:
+    servers = [ServerGroup(d, n) for d, n in cluster]
+    found = search(model, servers, gbs)
+    jabas = found.prediction.iteration_s
+    name, real, pred = min(measured, key=lambda m: m[1])
+    print(f"\ncluster {dict(cluster)} GBS {gbs}:")
+    print(f"  jabas plan: {found.plan.describe()[:160]}")
+    print(f"    predicted {jabas:.2f} s, peak {found.prediction.max_peak_bytes / GB:.1f} GB")
+    print(f"  best measured Sailor plan {name}: measured {real:.2f} s (our model: {pred:.2f} s)")
+    print(f"    ratio {real / jabas:.2f}x (target >= 1)")
+    singles = []
+    for d, n in cluster:
+        try:
+            singles.append((search(model, [ServerGroup(d, n)], gbs).prediction.iteration_s, d))
+        except InputError as err:
+            print(f"  only {d}: no plan fits ({err})")
+    if singles:
+        t, d = min(singles)
+        print(f"  best single-type plan (only {d}): {t:.2f} s; ratio {t / jabas:.2f}x (target >= 1.3x)")
+    even = search(model, servers, gbs, even_split=True)
+    print(f"  best even-split plan: {even.prediction.iteration_s:.2f} s ({even.plan.describe()[:90]})")
+    print(f"    ratio {even.prediction.iteration_s / jabas:.2f}x (target > 1)")
+
+
 def validate_sailor(root: Path) -> tuple[list[float], list[float], list[float], list[float]]:
     profiles = import_sailor(root)
+    groups: dict[tuple[str, Cluster, int], list[tuple[str, float, float]]] = {}
     models = {name: CostModel(p) for name, p in profiles.items()}
     counts = {name: p.num_blocks for name, p in profiles.items()}
     err: dict[str, tuple[list[float], list[float]]] = {"homo": ([], []), "mixed": ([], [])}
@@ -36,6 +80,9 @@ def validate_sailor(root: Path) -> tuple[list[float], list[float], list[float], 
         m_err = (pred.max_peak_bytes - real_mem) / real_mem
         kinds = {p.device for r in plan.replicas for p in r.stages}
         group = "homo" if len(kinds) == 1 else "mixed"
+        cluster = whole_server_cluster(models[model], plan)
+        if group == "mixed" and cluster is not None:
+            groups.setdefault((model, cluster, plan.gbs), []).append((path.name, real_s, pred.iteration_s))
         err[group][0].append(abs(t_err))
         err[group][1].append(abs(m_err))
         name = str(path.relative_to(root))[-58:]
@@ -43,6 +90,8 @@ def validate_sailor(root: Path) -> tuple[list[float], list[float], list[float], 
             f"{name:58s} {model:12s} {pred.iteration_s:8.2f} {real_s:8.2f} {t_err:+6.0%} "
             f"{pred.max_peak_bytes / GB:8.2f} {real_mem / GB:8.2f} {m_err:+6.0%}  {group}"
         )
+    for (model, cluster, gbs), measured in groups.items():
+        compare_search(models[model], cluster, gbs, measured)
     return err["homo"][0], err["homo"][1], err["mixed"][0], err["mixed"][1]
 
 

@@ -59,8 +59,12 @@ def search(
     stage_counts: tuple[int, ...] = (1, 2, 3, 4, 6, 8),
     tp_candidates: int = 2,
     keep: int = 4,
+    even_split: bool = False,
 ) -> Choice:
-    """The fastest plan that fits every device's memory; ``InputError`` naming the smallest footprint if none."""
+    """The fastest plan that fits every device's memory; ``InputError`` naming the smallest footprint if none.
+
+    ``even_split``: every pipeline splits the blocks evenly over its stages (as Galvatron and most planners for
+    one device type do), for comparisons."""
     devices = {g.device: 0 for g in servers}
     for g in servers:
         devices[g.device] += g.count * model.profiles.devices[g.device].devices_per_server
@@ -77,7 +81,8 @@ def search(
         n_micro = gbs // b
         for estimate, plan in _iidp_plans(model, devices, b, n_micro, smallest):
             offer(estimate, lambda plan=plan: plan)
-        for estimate, plan in _pipeline_plans(model, devices, b, n_micro, stage_counts, tp_candidates, smallest):
+        pipelines = _pipeline_plans(model, devices, b, n_micro, stage_counts, tp_candidates, smallest, even_split)
+        for estimate, plan in pipelines:
             offer(estimate, plan)
     plans = [build() for _, _, build in best]
     choices = [Choice(p, model.predict(p)) for p in plans if p is not None]
@@ -182,6 +187,7 @@ def _pipeline_plans(
     stage_counts: tuple[int, ...],
     tp_candidates: int,
     smallest: list[float],
+    even_split: bool,
 ) -> list[tuple[float, Callable[[], Plan | None]]]:
     out = []
     for n_stages in stage_counts:
@@ -199,7 +205,7 @@ def _pipeline_plans(
                             continue
                         stages = [(d, t) for d, t, k in zip(order, tps, split, strict=False) for _ in range(k)]
                         for sharding in ("none", "full"):
-                            found = _split_blocks(model, stages, b, replicas, n_micro, sharding, smallest)  # type: ignore[arg-type]
+                            found = _split_blocks(model, stages, b, replicas, n_micro, sharding, smallest, even_split)  # type: ignore[arg-type]
                             if found is not None:
                                 out.append(found)
                                 break
@@ -239,6 +245,7 @@ def _split_blocks(
     n_micro: int,
     sharding: Sharding,
     smallest: list[float],
+    even_split: bool = False,
 ) -> tuple[float, Callable[[], Plan | None]] | None:
     """The layerwise DP over block boundaries for one pipeline template: the estimated iteration time and how to
     build the plan (placements and checkpoint sets are only built for the few best); None if no split fits."""
@@ -258,6 +265,10 @@ def _split_blocks(
             sigma = sigma + _send_times(model, b, heads[s], heads[s + 1])[idx_j]
         if s > 0:
             sigma = sigma + _send_times(model, b, heads[s], heads[s - 1])[idx_i]
+        if even_split:  # only the even boundaries may end a stage
+            allowed = np.full(n_blocks + 1, np.inf)
+            allowed[_even_bounds(n_blocks, n_stages)[s + 1]] = 0.0
+            sigma = sigma + allowed[None, :]
         sigmas.append(sigma)
         if f_prev is None:
             f_cur = sigma[0].copy()
@@ -358,3 +369,9 @@ def _stage_matrix(
     sigma = np.where(valid & (need <= count), sigma, np.inf)
     cache[key] = (sigma, mem)
     return sigma, mem
+
+
+def _even_bounds(n_blocks: int, n_stages: int) -> list[int]:
+    """Blocks split as evenly as possible, the first stages taking one more when it does not divide."""
+    size, extra = divmod(n_blocks, n_stages)
+    return [s * size + min(s, extra) for s in range(n_stages + 1)]
