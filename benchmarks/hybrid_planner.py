@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from pathlib import Path
 
 from jabascli.errors import InputError
 from jabascli.hybrid.costmodel import CostModel
 from jabascli.hybrid.importers import import_sailor, read_sailor_plan
 from jabascli.hybrid.plan import Plan
+from jabascli.hybrid.profiles import HybridProfiles
 from jabascli.hybrid.search import ServerGroup, search
 
 GB = 1e9
@@ -95,11 +97,40 @@ def validate_sailor(root: Path) -> tuple[list[float], list[float], list[float], 
     return err["homo"][0], err["homo"][1], err["mixed"][0], err["mixed"][1]
 
 
+def widen(profiles: HybridProfiles, n_blocks: int) -> HybridProfiles:
+    """The model with ``n_blocks`` blocks: its first and last kept, its middle blocks repeated in turn."""
+    middle = profiles.num_blocks - 2
+    idx = [0, *[1 + i % middle for i in range(n_blocks - 2)], profiles.num_blocks - 1]
+    src = profiles.blocks.blocks
+    blocks = profiles.blocks.model_copy(
+        update={"blocks": [src[i].model_copy(update={"name": str(k)}) for k, i in enumerate(idx)]}
+    )
+    devices = {
+        d: v.model_copy(
+            update={"times": {b: {t: [rows[i] for i in idx] for t, rows in per.items()} for b, per in v.times.items()}}
+        )
+        for d, v in profiles.devices.items()
+    }
+    return HybridProfiles(blocks=blocks, devices=devices, network=profiles.network)
+
+
+def planning_speed(root: Path) -> None:
+    """48 blocks (OPT-350's layers repeated) on 64 servers x 8 GPUs of three types, GBS 4096, one process."""
+    model = CostModel(widen(import_sailor(root)["OPT-350"], 48))
+    servers = [ServerGroup("RTX-3090", 21), ServerGroup("Titan-RTX", 21), ServerGroup("RTX-2080", 22)]
+    start = time.process_time()
+    found = search(model, servers, 4096)
+    took = time.process_time() - start
+    print(f"\nplanning 48 blocks on 64 servers x 8 GPUs of 3 types, GBS 4096: {took:.2f} s CPU (target <= 10 s)")
+    print(f"  {found.plan.describe()[:150]}: predicted {found.prediction.iteration_s:.2f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sailor", type=Path, help="Sailor reference folder (profiles and validation plans)")
     args = parser.parse_args()
     if args.sailor:
+        planning_speed(args.sailor)
         ht, hm, mt, mm = validate_sailor(args.sailor)
         med = statistics.median
         print(
