@@ -19,10 +19,10 @@ from pathlib import Path
 
 from jabascli.errors import InputError
 from jabascli.hybrid.costmodel import CostModel
-from jabascli.hybrid.importers import import_sailor, read_sailor_plan
 from jabascli.hybrid.plan import Plan
-from jabascli.hybrid.profiles import HybridProfiles
 from jabascli.hybrid.search import ServerGroup, search
+from jabascli.profiles.hybrid import HybridProfiles
+from jabascli.profiles.hybrid_import import import_sailor, read_sailor_plan
 
 GB = 1e9
 

@@ -11,9 +11,8 @@ from typer.testing import CliRunner
 from jabascli.cli.app import app
 from jabascli.errors import InputError
 from jabascli.hybrid.costmodel import CostModel
-from jabascli.hybrid.importers import import_sailor, read_sailor_plan
 from jabascli.hybrid.plan import Placement, Plan, Replica
-from jabascli.hybrid.profiles import (
+from jabascli.profiles.hybrid import (
     BandwidthFit,
     BlockInfo,
     DeviceTimes,
@@ -23,6 +22,7 @@ from jabascli.hybrid.profiles import (
     read_profiles,
     write_profiles,
 )
+from jabascli.profiles.hybrid_import import import_sailor, read_sailor_plan
 from tests.conftest import REFERENCE
 
 SAILOR = REFERENCE / "planners" / "sailor"  # eth-easl/sailor sosp25_ae, MIT (its NOTICE.md)

@@ -17,8 +17,8 @@ import pytest
 from jabascli.errors import InputError
 from jabascli.hybrid.costmodel import CostModel
 from jabascli.hybrid.plan import Placement, Plan, Replica
-from jabascli.hybrid.profiles import BandwidthFit, BlockInfo, DeviceTimes, HybridProfiles, ModelBlocks, Network
 from jabascli.hybrid.search import ServerGroup, _place, search
+from jabascli.profiles.hybrid import BandwidthFit, BlockInfo, DeviceTimes, HybridProfiles, ModelBlocks, Network
 
 GB = 1e9
 

@@ -545,8 +545,8 @@ def import_(
 
         jabas profile import --from sailor ../shared/reference/planners/sailor --out profiles/
     """
-    from jabascli.hybrid.importers import import_profiles
-    from jabascli.hybrid.profiles import write_profiles
+    from jabascli.profiles.hybrid import write_profiles
+    from jabascli.profiles.hybrid_import import import_profiles
 
     imported = import_profiles(source, folder)
     written = {model: [str(p) for p in write_profiles(out, profiles)] for model, profiles in imported.items()}

@@ -32,7 +32,7 @@ from typing import Any
 
 from jabascli.errors import InputError
 from jabascli.hybrid.plan import Placement, Plan, Replica
-from jabascli.hybrid.profiles import HybridProfiles
+from jabascli.profiles.hybrid import HybridProfiles
 
 
 @dataclass(frozen=True)

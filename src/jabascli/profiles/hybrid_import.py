@@ -20,7 +20,8 @@ from typing import Any
 
 from jabascli.errors import InputError
 from jabascli.hybrid.plan import Placement, Plan, Replica
-from jabascli.hybrid.profiles import (
+from jabascli.inputs import read_json
+from jabascli.profiles.hybrid import (
     BandwidthFit,
     BlockInfo,
     DeviceTimes,
@@ -28,7 +29,6 @@ from jabascli.hybrid.profiles import (
     ModelBlocks,
     Network,
 )
-from jabascli.inputs import read_json
 
 SAILOR_SOURCE = "eth-easl/sailor sosp25_ae (MIT)"
 
