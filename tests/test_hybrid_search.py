@@ -116,3 +116,14 @@ def test_search_matches_brute_force_on_small_instances(seed: int) -> None:
     assert found.prediction.fits
     assert found.prediction.iteration_s >= best * (1 - 1e-9)  # same space, same model: never better
     assert found.prediction.iteration_s <= best * 1.10, (found.plan.describe(), found.prediction.iteration_s, best)
+
+
+def test_no_plan_fits_names_the_smallest_footprint() -> None:
+    rng = random.Random(1)
+    model = CostModel(random_profiles(rng, 4, {"fast": 0.2 * GB, "slow": 0.2 * GB}))
+    with pytest.raises(
+        InputError, match=r"no plan fits .*smallest footprint found needs \d+\.\d\d GB.*largest device has 0\.20 GB"
+    ) as err:
+        search(model, [ServerGroup("fast", 1), ServerGroup("slow", 1)], 4)
+    assert len(err.value.lines()) == 1
+    assert brute_force(model, {"fast": 2, "slow": 2}, 4) == float("inf")

@@ -88,9 +88,14 @@ def search(
     choices = [Choice(p, model.predict(p)) for p in plans if p is not None]
     choices = [c for c in choices if c.prediction.fits]
     if not choices:
-        need = "no profiled micro-batch size divides it" if math.isinf(smallest[0]) else f"{smallest[0] / 1e9:.2f} GB"
+        largest = max(model.profiles.devices[g.device].memory_bytes for g in servers) / 1e9
+        if math.isinf(smallest[0]):
+            raise InputError.at(None, "gbs", f"no plan at GBS {gbs}: no profiled micro-batch size divides it")
         raise InputError.at(
-            None, "memory", f"no plan fits the devices' memory at GBS {gbs} (smallest footprint: {need})"
+            None,
+            "memory",
+            f"no plan fits the devices' memory at GBS {gbs}: the smallest footprint found needs "
+            f"{smallest[0] / 1e9:.2f} GB on one device, the largest device has {largest:.2f} GB",
         )
     return min(choices, key=lambda c: c.prediction.iteration_s)
 
