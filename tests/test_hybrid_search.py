@@ -127,3 +127,9 @@ def test_no_plan_fits_names_the_smallest_footprint() -> None:
         search(model, [ServerGroup("fast", 1), ServerGroup("slow", 1)], 4)
     assert len(err.value.lines()) == 1
     assert brute_force(model, {"fast": 2, "slow": 2}, 4) == float("inf")
+
+
+def test_device_type_without_profile_is_input_error() -> None:
+    model = CostModel(random_profiles(random.Random(0), 3, {"fast": 4 * GB}))
+    with pytest.raises(InputError, match=r"servers\.tpu: no hybrid profile of this device type"):
+        search(model, [ServerGroup("tpu", 1)], 4)

@@ -67,6 +67,9 @@ def search(
     one device type do), for comparisons."""
     devices = {g.device: 0 for g in servers}
     for g in servers:
+        if g.device not in model.profiles.devices:
+            have = ", ".join(sorted(model.profiles.devices))
+            raise InputError.at(None, f"servers.{g.device}", f"no hybrid profile of this device type (have: {have})")
         devices[g.device] += g.count * model.profiles.devices[g.device].devices_per_server
     best: list[tuple[float, int, Callable[[], Plan | None]]] = []
     counter = itertools.count()
