@@ -13,16 +13,24 @@ against the best measured Sailor plan, the best plan on one device type and the 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from pathlib import Path
 
 from jabascli.errors import InputError
 from jabascli.hybrid.costmodel import CostModel
-from jabascli.hybrid.plan import Plan
+from jabascli.hybrid.plan import Placement, Plan, Replica
 from jabascli.hybrid.search import ServerGroup, search
+from jabascli.inputs import read_json
 from jabascli.profiles.hybrid import HybridProfiles
-from jabascli.profiles.hybrid_import import import_sailor, read_sailor_plan
+from jabascli.profiles.hybrid_import import (
+    GALVATRON_DEVICE,
+    import_galvatron,
+    import_sailor,
+    read_sailor_plan,
+    with_layers,
+)
 
 GB = 1e9
 
@@ -125,10 +133,112 @@ def planning_speed(root: Path) -> None:
     print(f"  {found.plan.describe()[:150]}: predicted {found.prediction.iteration_s:.2f} s")
 
 
+STRATEGY = re.compile(
+    r"galvatron_config_(?P<name>.+)_(?P<nodes>\d+)nodes_(?P<gpus>\d+)gpus_per_node_(?P<gb>\d+)GB_bf16"
+)
+
+
+def galvatron_plan(strategy: dict[str, object], gpus: int, n_layers: int) -> tuple[Plan, str]:
+    """Galvatron's searched strategy as a jabas plan, and what had to be approximated."""
+    notes = []
+    tps = {int(t) for t in str(strategy["tp_sizes_enc"]).split(",")}
+    tp = max(tps)
+    if len(tps) > 1:
+        notes.append(f"per-layer TP {sorted(tps)} priced at {tp}")
+    pp = int(str(strategy["pp_deg"]))
+    dp = gpus // (pp * tp)
+    chunks = int(str(strategy["chunks"]))
+    gbs = int(str(strategy["global_bsz"]))
+    mbs = -(-gbs // (dp * chunks))
+    if mbs * dp * chunks != gbs:
+        notes.append(f"micro-batch {gbs}/({dp}x{chunks}) rounded up to {mbs}")
+    sizes = [int(x) for x in str(strategy["pp_division"]).split(",")]
+    bounds = [0]
+    for k, size in enumerate(sizes):  # the embedding goes with the first stage, the head with the last
+        bounds.append(bounds[-1] + size + (1 if k == 0 else 0) + (1 if k == len(sizes) - 1 else 0))
+    ckpt = frozenset(1 + i for i, c in enumerate(str(strategy.get("checkpoint", "0")).split(",")) if c == "1")
+    if len(str(strategy.get("checkpoint", "0")).split(",")) == 1 and ckpt:
+        ckpt = frozenset(range(1, n_layers + 1))
+    sharded = "1" in str(strategy.get("dp_types_enc", "0")).split(",")
+    if sharded:
+        notes.append("ZeRO-3 layers priced as optimizer-state sharding")
+    if strategy.get("default_dp_type") == "zero2" and dp > 1:
+        notes.append("ZeRO-2 default (gradients sharded too) priced without gradient sharding")
+    reps = tuple(Replica(tuple(Placement(GALVATRON_DEVICE, tp, "node0") for _ in range(pp)), chunks) for _ in range(dp))
+    plan = Plan(mbs, tuple(bounds), reps, ckpt, "full" if sharded else "none")
+    return plan, "; ".join(notes)
+
+
+def memory_parts(model: CostModel, plan: Plan) -> str:
+    """What fills the first stage's devices (where 1F1B keeps the most micro-batches)."""
+    place = plan.replicas[0].stages[0]
+    first, last = plan.bounds[0], plan.bounds[1]
+    w = model.params(first, last, place.tp)
+    k_o = model.blocks.optimizer_bytes_per_param_byte / (len(plan.replicas) if plan.sharding == "full" else 1)
+    ckpt = frozenset(i for i in plan.checkpoint if first <= i < last)
+    in_flight = min(plan.replicas[0].microbatches, plan.num_stages)
+    act = in_flight * model.activations(plan.mbs, place.tp, first, last, ckpt)
+    return (
+        f"parameters+gradients {w * 2 / GB:.1f} GB, optimizer {w * k_o / GB:.1f} GB, "
+        f"activations {act / GB:.1f} GB ({in_flight} micro-batches of {plan.mbs})"
+    )
+
+
+def compare_galvatron(root: Path) -> None:
+    """Each searched strategy under ``root`` whose model has one layer type, against jabas's search."""
+    profiles = import_galvatron(root)
+    print("\nGalvatron's searched strategies (PKU-DAIR/Hetu-Galvatron, Apache-2.0) against jabas, same model:")
+    for path in sorted(root.rglob("galvatron_config_*.json")):
+        match = STRATEGY.match(path.stem)
+        if match is None or "example" in path.stem:
+            continue
+        folder = path.parent.parent.name
+        names = [k for k in profiles if k.startswith(f"{folder}/{match['name']}")]
+        if not names:
+            print(f"  {path.name}: no converted profile for {folder}/{match['name']} (several layer types)")
+            continue
+        strategy = read_json(path)
+        n_layers = len(str(strategy["tp_sizes_enc"]).split(","))
+        nodes, gpus = int(match["nodes"]), int(match["gpus"])
+        budget = int(match["gb"]) * 2**30
+        base = with_layers(profiles[names[0]], n_layers)
+        theirs, notes = galvatron_plan(strategy, nodes * gpus, n_layers)
+        dev = base.devices[GALVATRON_DEVICE]
+        # Galvatron's times are linear in the micro-batch size: its own micro-batch, scaled from 1 sample
+        times = {
+            **dev.times,
+            theirs.mbs: {t: [tuple(x * theirs.mbs for x in r) for r in rows] for t, rows in dev.times[1].items()},
+        }
+        dev = dev.model_copy(update={"memory_bytes": budget, "devices_per_server": gpus, "times": times})
+        model = CostModel(base.model_copy(update={"devices": {GALVATRON_DEVICE: dev}}))
+        pred = model.predict(theirs)
+        print(f"  {folder}/{path.name[:60]}  {nodes * gpus} GPUs, {match['gb']} GB, GBS {theirs.gbs}")
+        verdict = "fits" if pred.fits else f"does NOT fit: {pred.max_peak_bytes / budget:.2f}x the budget"
+        print(f"    Galvatron: {theirs.describe()[:100]}")
+        print(f"      predicted {pred.iteration_s:.3f} s, peak {pred.max_peak_bytes / GB:.1f} GB, {verdict}")
+        if not pred.fits:
+            print(f"      why: {memory_parts(model, theirs)}")
+        if notes:
+            print(f"      approximated: {notes}")
+        try:
+            ours = search(model, [ServerGroup(GALVATRON_DEVICE, nodes)], int(str(strategy["global_bsz"])))
+        except InputError as err:
+            print(f"    jabas: {err}")
+            continue
+        jp = ours.prediction
+        ratio = pred.iteration_s / jp.iteration_s
+        print(f"    jabas:     {ours.plan.describe()[:100]}")
+        peak = jp.max_peak_bytes / GB
+        print(f"      predicted {jp.iteration_s:.3f} s, peak {peak:.1f} GB; Galvatron/jabas {ratio:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sailor", type=Path, help="Sailor reference folder (profiles and validation plans)")
+    parser.add_argument("--galvatron", type=Path, help="a Galvatron folder (profiles, hardware, searched strategies)")
     args = parser.parse_args()
+    if args.galvatron:
+        compare_galvatron(args.galvatron)
     if args.sailor:
         planning_speed(args.sailor)
         ht, hm, mt, mm = validate_sailor(args.sailor)

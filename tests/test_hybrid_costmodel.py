@@ -22,7 +22,7 @@ from jabascli.profiles.hybrid import (
     read_profiles,
     write_profiles,
 )
-from jabascli.profiles.hybrid_import import import_sailor, read_sailor_plan
+from jabascli.profiles.hybrid_import import import_profiles, import_sailor, read_sailor_plan
 from tests.conftest import REFERENCE
 
 SAILOR = REFERENCE / "planners" / "sailor"  # eth-easl/sailor sosp25_ae, MIT (its NOTICE.md)
@@ -140,3 +140,24 @@ def test_profile_import_cli_wrong_folder_is_one_line_exit_2(cli: CliRunner, tmp_
     assert result.exit_code == 2
     assert result.output.strip().count("\n") == 0 and "not a Sailor folder" in result.output
     assert not (tmp_path / "hybrid").exists()
+
+
+GALVATRON = REFERENCE / "planners" / "galvatron" / "dev_opt@28ce6a38" / "galvatron"  # PKU-DAIR, Apache-2.0
+
+
+def test_galvatron_import_keeps_the_published_numbers() -> None:
+    if not GALVATRON.is_dir():
+        pytest.skip(f"Galvatron reference not found at {GALVATRON}")
+    vit = import_profiles("galvatron", GALVATRON)["vit_hf/hidden2560_head32"]
+    mem = json.loads((GALVATRON / "models/vit_hf/configs/memory_profiling_bf16_hidden2560_head32.json").read_text())
+    comp = json.loads(
+        (GALVATRON / "models/vit_hf/configs/computation_profiling_bf16_hidden2560_head32.json").read_text()
+    )
+    layer = vit.blocks.blocks[1]
+    assert layer.params_bytes[1] == mem["layertype_0"]["197"]["parameter_size"] * 2**20
+    assert layer.act_bytes[2] == mem["layertype_0"]["197"]["tp_activation_per_bsz_dict"]["2"] * 2**20
+    forward = vit.devices["A100-40"].times[4][1][1][0]
+    assert forward == pytest.approx(4 * comp["layertype_0_bsz8_seq197"] / 1e3)
+    assert vit.devices["A100-40"].times[4][1][1][1] == pytest.approx(2 * forward)
+    with pytest.raises(InputError, match="not a Galvatron folder"):
+        import_profiles("galvatron", SAILOR)

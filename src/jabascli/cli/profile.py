@@ -532,7 +532,7 @@ def summary(
 @cli_command
 def import_(
     folder: Annotated[Path, typer.Argument(help="The published profiles: a checkout of the planner's repository.")],
-    source: Annotated[str, typer.Option("--from", help="Whose profiles: sailor (galvatron: not yet).")],
+    source: Annotated[str, typer.Option("--from", help="Whose profiles: sailor or galvatron.")],
     out: Annotated[Path, typer.Option("--out", help="Profiles folder to write <out>/hybrid/ into.")],
     json_out: JsonOption = False,
 ) -> None:

@@ -170,4 +170,170 @@ def import_profiles(source: str, root: Path) -> dict[str, HybridProfiles]:
     """``jabas profile import --from SOURCE``: the planner's published profiles as jabas's, by model."""
     if source == "sailor":
         return import_sailor(root)
-    raise InputError.at(None, "--from", f"unknown source {source!r} (expected: sailor)")
+    if source == "galvatron":
+        return import_galvatron(root)
+    raise InputError.at(None, "--from", f"unknown source {source!r} (expected: sailor or galvatron)")
+
+
+GALVATRON_SOURCE = "PKU-DAIR/Hetu-Galvatron (Apache-2.0)"
+GALVATRON_DEVICE = "A100-40"  # not stated upstream; the NOTICE's best guess
+MB = 2**20
+GALVATRON_MBS = (1, 2, 4, 8, 16, 32, 64, 128)
+GALVATRON_TP = (1, 2, 4, 8)
+
+
+def import_galvatron(root: Path) -> dict[str, HybridProfiles]:
+    """Galvatron's per-layer profiles (``configs/{computation,memory}_profiling_bf16_<name>.json`` with the
+    hardware files ``profile_hardware/hardware_configs/*.json``) as jabas hybrid profiles, by ``<folder>/<name>``.
+
+    Galvatron measures one layer type's forward time per sample (ms) without TP and models backward as twice the
+    forward (``bct_fct_coe = 2``); memory is MB: ``parameter_size`` per layer, activations per sample by TP degree
+    and with checkpointing, and the embedding/head ("other") model states and activations at the first and last
+    pipeline stage. The conversion: a block per layer plus an embedding block (first) and a head block (last);
+    times at TP ``t`` are ``f b / t`` plus Megatron's two all-reduces of the layer's input (``b`` times the
+    checkpoint size) forward and two backward at the measured all-reduce bus bandwidth of ``t`` GPUs; model states
+    count 16 bytes per parameter in bf16 with Adam (4 per "fp32-equivalent" byte: params + grads 2, Adam 2 in
+    ``ModelBlocks``'s terms). Models with more than one layer type (T5, Swin) are skipped: not converted yet.
+    """
+    hardware = sorted(root.rglob("allreduce_bandwidth_1nodes_8gpus_per_node.json"))
+    if not root.is_dir():
+        raise InputError.at(root, None, "not a folder")
+    if not hardware:
+        raise InputError.at(root, None, "not a Galvatron folder: no allreduce_bandwidth_1nodes_8gpus_per_node.json")
+    network = _galvatron_network(hardware[0].parent)
+    result = {}
+    for comp_path in sorted(root.rglob("computation_profiling_bf16_*.json")):
+        name = comp_path.name.removeprefix("computation_profiling_bf16_").removesuffix(".json")
+        mem_path = comp_path.with_name(f"memory_profiling_bf16_{name}.json")
+        if not mem_path.is_file():
+            continue
+        try:
+            converted = _galvatron_model(comp_path, mem_path, network)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+            converted = None  # another of Galvatron's several layouts: not converted (a folder of none is an error)
+        if converted is not None:
+            result[f"{comp_path.parent.parent.name}/{name}"] = converted
+    if not result:
+        raise InputError.at(root, None, "not a Galvatron folder: no convertible computation/memory profile pair")
+    return result
+
+
+def _galvatron_network(folder: Path) -> Network:
+    bandwidth = read_json(folder / "allreduce_bandwidth_1nodes_8gpus_per_node.json")
+    fits = {}
+    for key, gbps in bandwidth.items():  # allreduce_size_{n}_consec_{0|1}
+        n = int(key.split("_")[2])
+        if key.endswith("consec_1") or n not in fits:
+            fits[n] = BandwidthFit(coeffs=[float(gbps)])
+    p2p_path = folder / "p2p_bandwidth_2nodes_8gpus_per_node.json"
+    across = min(read_json(p2p_path).values()) if p2p_path.is_file() else min(f.coeffs[0] for f in fits.values())
+    inter = {n: BandwidthFit(coeffs=[float(across)]) for n in (1, 2, 4, 8)}
+    source = f"{GALVATRON_SOURCE}: profile_hardware/hardware_configs"
+    return Network(source=source, intra={GALVATRON_DEVICE: fits}, inter={GALVATRON_DEVICE: inter})
+
+
+def _per_seq(entry: dict[str, Any], seq: str | None) -> dict[str, Any]:
+    """Memory entries are either flat or keyed by sequence length: the one for ``seq`` (else the largest)."""
+    if "parameter_size" in entry or "model_states" in entry:
+        return entry
+    keys = sorted(entry, key=int)
+    return entry[seq if seq in entry else keys[-1]]
+
+
+def _per_tp(value: Any, tp: int) -> float:
+    if isinstance(value, dict):
+        return float(value[str(tp)]) if str(tp) in value else float(value["1"]) / tp
+    return float(value) / tp
+
+
+def _galvatron_model(comp_path: Path, mem_path: Path, network: Network) -> HybridProfiles | None:
+    comp = read_json(comp_path)
+    mem = read_json(mem_path)
+    if any(k.startswith("layertype_1") for k in list(comp) + list(mem)):
+        return None
+    layer_keys = sorted(k for k in comp if k.startswith("layertype_0"))
+    other_keys = sorted(k for k in comp if k.startswith("layertype_other"))
+    seq = None
+    if layer_keys and "_seq" in layer_keys[-1]:  # the longest sequence profiled for both time and memory
+        seqs = {k.rsplit("_seq", 1)[1] for k in layer_keys}
+        raw = mem.get("layertype_0", mem.get("layertype_0_sp", {}))
+        both = seqs & set(raw) if "parameter_size" not in raw else seqs
+        seq = max(both or seqs, key=int)
+        layer_keys = [k for k in layer_keys if k.endswith(f"_seq{seq}")]
+        other_keys = [k for k in other_keys if k.endswith(f"_seq{seq}")]
+    forward_ms = float(comp[layer_keys[-1]])
+    other_ms = float(comp[other_keys[-1]]) if other_keys else 0.0
+
+    def entry(key: str) -> dict[str, Any]:  # without sequence parallelism where both were profiled
+        return _per_seq(mem[key] if key in mem else mem[f"{key}_sp"], seq)
+
+    layer = entry("layertype_0")
+    first = entry("other_memory_pp_on_first")
+    last = entry("other_memory_pp_on_last")
+    acts = layer["tp_activation_per_bsz_dict"]
+    boundary = float(acts["checkpoint"]) * MB
+    tps = [t for t in GALVATRON_TP if str(t) in acts]
+
+    def block(name: str, states: Any, act: Any, params_mb: float | None = None) -> BlockInfo:
+        params = {t: (params_mb * MB / t if params_mb is not None else _per_tp(states, t) * MB / 4) for t in tps}
+        return BlockInfo(
+            name=name,
+            params_bytes=params,
+            act_bytes={t: _per_tp(act, t) * MB for t in tps},
+            boundary_bytes=boundary,
+        )
+
+    n_layers = 1  # the layer count is the strategy's; the benchmark repeats block 1 (see ``with_layers``)
+    blocks = [block("embedding", first["model_states"], first["activation"])]
+    blocks += [
+        block(f"layer{i}", None, {str(t): acts[str(t)] for t in tps}, float(layer["parameter_size"]))
+        for i in range(n_layers)
+    ]
+    blocks.append(block("head", last["model_states"], last["activation"]))
+    model = ModelBlocks(
+        model=comp_path.stem.removeprefix("computation_profiling_bf16_"),
+        source=f"{GALVATRON_SOURCE}: {comp_path.parent.parent.name}/configs/{comp_path.name}, {mem_path.name}"
+        + (f" (seq {seq})" if seq else ""),
+        optimizer_bytes_per_param_byte=2.0,
+        framework_bytes_per_param_byte=0.0,
+        blocks=blocks,
+    )
+    times: dict[int, dict[int, list[tuple[float, float, float]]]] = {}
+    for b in GALVATRON_MBS:
+        for t in tps:
+            fit = network.intra[GALVATRON_DEVICE].get(t)
+            tp_comm = 0.0 if t == 1 or fit is None else 2 * 2 * (t - 1) / t * b * boundary / fit.bandwidth(b * boundary)
+            f_layer = forward_ms / 1e3 * b / t + tp_comm
+            f_other = other_ms / 2e3 * b / t
+            row = [(f_other, 2 * f_other, 0.0)]
+            row += [(f_layer, 2 * f_layer, 0.0)] * n_layers
+            row.append((f_other, 2 * f_other, 0.0))
+            times.setdefault(b, {})[t] = row
+    device = DeviceTimes(
+        device=GALVATRON_DEVICE,
+        source=f"{GALVATRON_SOURCE}: {comp_path.name}",
+        memory_bytes=40 * 2**30,
+        devices_per_server=8,
+        times=times,
+    )
+    return HybridProfiles(blocks=model, devices={GALVATRON_DEVICE: device}, network=network)
+
+
+def with_layers(profiles: HybridProfiles, n_layers: int) -> HybridProfiles:
+    """A Galvatron import with its one layer repeated ``n_layers`` times between the embedding and the head."""
+    src = profiles.blocks.blocks
+    blocks = [src[0], *[src[1].model_copy(update={"name": f"layer{i}"}) for i in range(n_layers)], src[-1]]
+    devices = {
+        d: v.model_copy(
+            update={
+                "times": {
+                    b: {t: [rows[0], *[rows[1]] * n_layers, rows[-1]] for t, rows in per.items()}
+                    for b, per in v.times.items()
+                }
+            }
+        )
+        for d, v in profiles.devices.items()
+    }
+    return HybridProfiles(
+        blocks=profiles.blocks.model_copy(update={"blocks": blocks}), devices=devices, network=profiles.network
+    )
