@@ -23,7 +23,6 @@ from jabascli.hybrid.costmodel import CostModel
 from jabascli.hybrid.plan import Placement, Plan, Replica
 from jabascli.hybrid.search import ServerGroup, search
 from jabascli.inputs import read_json
-from jabascli.profiles.hybrid import HybridProfiles
 from jabascli.profiles.hybrid_import import (
     GALVATRON_DEVICE,
     import_galvatron,
@@ -105,26 +104,9 @@ def validate_sailor(root: Path) -> tuple[list[float], list[float], list[float], 
     return err["homo"][0], err["homo"][1], err["mixed"][0], err["mixed"][1]
 
 
-def widen(profiles: HybridProfiles, n_blocks: int) -> HybridProfiles:
-    """The model with ``n_blocks`` blocks: its first and last kept, its middle blocks repeated in turn."""
-    middle = profiles.num_blocks - 2
-    idx = [0, *[1 + i % middle for i in range(n_blocks - 2)], profiles.num_blocks - 1]
-    src = profiles.blocks.blocks
-    blocks = profiles.blocks.model_copy(
-        update={"blocks": [src[i].model_copy(update={"name": str(k)}) for k, i in enumerate(idx)]}
-    )
-    devices = {
-        d: v.model_copy(
-            update={"times": {b: {t: [rows[i] for i in idx] for t, rows in per.items()} for b, per in v.times.items()}}
-        )
-        for d, v in profiles.devices.items()
-    }
-    return HybridProfiles(blocks=blocks, devices=devices, network=profiles.network)
-
-
 def planning_speed(root: Path) -> None:
-    """48 blocks (OPT-350's layers repeated) on 64 servers x 8 GPUs of three types, GBS 4096, one process."""
-    model = CostModel(widen(import_sailor(root)["OPT-350"], 48))
+    """48 blocks (OPT-350M's embedding, 46 of its layers, its head) on 64 servers x 8 GPUs of three types."""
+    model = CostModel(with_layers(import_sailor(root)["OPT-350"], 46))
     servers = [ServerGroup("RTX-3090", 21), ServerGroup("Titan-RTX", 21), ServerGroup("RTX-2080", 22)]
     start = time.process_time()
     found = search(model, servers, 4096)

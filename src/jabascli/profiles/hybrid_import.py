@@ -320,7 +320,8 @@ def _galvatron_model(comp_path: Path, mem_path: Path, network: Network) -> Hybri
 
 
 def with_layers(profiles: HybridProfiles, n_layers: int) -> HybridProfiles:
-    """A Galvatron import with its one layer repeated ``n_layers`` times between the embedding and the head."""
+    """The model with its first layer (block 1) repeated ``n_layers`` times between its first and last blocks:
+    a Galvatron import at a strategy's depth, or a deeper model for the planner's speed benchmark."""
     src = profiles.blocks.blocks
     blocks = [src[0], *[src[1].model_copy(update={"name": f"layer{i}"}) for i in range(n_layers)], src[-1]]
     devices = {
