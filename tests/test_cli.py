@@ -21,6 +21,7 @@ COMMANDS = [
     ["profile", "bucket"],
     ["profile", "comm"],
     ["profile", "summary"],
+    ["profile", "import"],
     ["sync"],
     ["solve"],
     ["schedule"],

@@ -19,8 +19,8 @@ def test_solver_and_perfmodel_do_not_import_torch() -> None:
     import sys
 
     code = (
-        "import sys, pkgutil, importlib, jabascli.solver, jabascli.perfmodel, jabascli.simulate\n"
-        "for pkg in (jabascli.solver, jabascli.perfmodel, jabascli.simulate):\n"
+        "import sys, pkgutil, importlib, jabascli.solver, jabascli.perfmodel, jabascli.simulate, jabascli.hybrid\n"
+        "for pkg in (jabascli.solver, jabascli.perfmodel, jabascli.simulate, jabascli.hybrid):\n"
         "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
         "        importlib.import_module(m.name)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

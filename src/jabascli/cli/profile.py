@@ -553,3 +553,36 @@ def summary(
                 cells.append(f"max {fit}; {best}: {ms:,.1f} ms, {row.throughput(best):,.0f}/s")
         table.add_row(str(lbs), *cells)
     console.print(table)
+
+
+@app.command("import")
+@cli_command
+def import_(
+    folder: Annotated[Path, typer.Argument(help="The published profiles: a checkout of the planner's repository.")],
+    source: Annotated[str, typer.Option("--from", help="Whose profiles: sailor or galvatron.")],
+    out: Annotated[Path, typer.Option("--out", help="Profiles folder to write <out>/hybrid/ into.")],
+    json_out: JsonOption = False,
+) -> None:
+    """Convert a hybrid planner's published per-layer profiles into jabas's hybrid profiles.
+
+    Writes <out>/hybrid/<model>/blocks.json, device-<type>.json per device
+    type and <out>/hybrid/network.json (docs/formats.md); each file atomically.
+
+    Example:
+
+        jabas profile import --from sailor ../shared/reference/planners/sailor --out profiles/
+    """
+    from jabascli.profiles.hybrid import write_profiles
+    from jabascli.profiles.hybrid_import import import_profiles
+
+    imported = import_profiles(source, folder)
+    written = {model: [str(p) for p in write_profiles(out, profiles)] for model, profiles in imported.items()}
+    if json_out:
+        print_json(written)
+        return
+    for model, profiles in imported.items():
+        console.print(
+            f"{model}: {profiles.num_blocks} blocks, device types {', '.join(sorted(profiles.devices))}",
+            highlight=False,
+        )
+    console.print(f"written under {escape(str(out / 'hybrid'))}", highlight=False)

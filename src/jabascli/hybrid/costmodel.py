@@ -1,0 +1,217 @@
+"""Cost model of one iteration of a hybrid plan on servers of different device types, and peak memory per device.
+
+Notation (docs/hybrid-planner.md): replica ``r`` runs ``M_r`` micro-batches of ``b`` samples through ``S`` stages;
+stage ``s`` of replica ``r`` runs on ``t`` devices of type ``d``. From the profiles, per block ``i``: ``f_i, g_i, u_i``
+(forward, backward, update seconds at ``(b, t)`` on ``d``), ``P_i(t)`` parameter bytes per device, ``A_i(t)``
+activation bytes per sample, ``O_i`` output bytes per sample.
+
+* stage compute per micro-batch: ``c_s = sum_i f_i + g_i + [i checkpointed] f_i`` (TP collectives are inside the
+  measured times at degree ``t``);
+* pipeline transfers per micro-batch: ``x_s = send(b O_last(s)) + send(b O_last(s-1))`` (activations forward,
+  their gradients back), ``send(S) = S / bw(S)`` on the link between the two placements;
+* pipeline (1F1B and GPipe alike): ``T_r = sum_s (c_s + x_s) + (M_r - 1) max_s (c_s + x_s)``;
+* update: ``U = max_{r,s} sum_{i in s} u_i``;
+* gradient synchronisation of stage ``s`` over its ``R`` replicas, each of the ``t`` devices all-reducing its
+  ``P_s(t)`` bytes in a ring: ``G_s = 2 (R-1)/R * t P_s(t) / bw_inter(t P_s(t) / R)`` (the ``t`` devices of a server
+  share its links: the fit for ``t`` devices is their aggregate); with ``sharding = full`` the same bytes move as a
+  reduce-scatter plus an all-gather;
+* iteration: ``T = max_r T_r + max_s G_s + U``: the synchronisation starts when the slowest replica has finished its
+  last backward (IIDP gives faster replicas more micro-batches so that they finish together).
+
+Peak memory of a device of stage ``s`` in replica ``r``:
+``W = P_s(t)``, ``mem = W (2 + k_f) + k_o W / (R if sharded else 1) + n_s a_s + reserve(t)`` where ``k_o``/``k_f``
+are the profile's optimizer and framework bytes per parameter byte, ``a_s = b sum_i (A_i(t), or O_i if
+checkpointed) + b max_{i checkpointed} A_i(t)`` (one block recomputed at a time) and ``n_s`` the micro-batches in
+flight: ``min(M_r, S - s)`` under 1F1B, ``M_r`` under GPipe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jabascli.errors import InputError
+from jabascli.hybrid.plan import Placement, Plan, Replica
+from jabascli.profiles.hybrid import HybridProfiles
+
+
+@dataclass(frozen=True)
+class Prediction:
+    iteration_s: float
+    pipeline_s: tuple[float, ...]
+    """``T_r`` per replica."""
+    sync_s: float
+    update_s: float
+    peak_bytes: tuple[tuple[float, ...], ...]
+    """``peak_bytes[r][s]``: peak memory of a device of stage ``s`` of replica ``r``."""
+    fits: bool
+
+    @property
+    def max_peak_bytes(self) -> float:
+        return max(max(row) for row in self.peak_bytes)
+
+
+class CostModel:
+    def __init__(self, profiles: HybridProfiles) -> None:
+        self.profiles = profiles
+        self.blocks = profiles.blocks
+        self._send_cache: dict[tuple[object, ...], float] = {}
+        self._param_prefix: dict[int, list[float]] = {}
+        self.memo: dict[tuple[object, ...], Any] = {}
+        """What the search derives from these profiles and keeps for its next candidates."""
+        self._stage_cache: dict[tuple[str, int, int, int, int, frozenset[int]], tuple[float, float]] = {}
+
+    # --- pieces -------------------------------------------------------------------------------------------------
+    def stage_compute(self, device: str, mbs: int, tp: int, first: int, last: int, ckpt: frozenset[int]) -> float:
+        """``c_s``: forward + backward (+ recompute) of blocks ``first..last-1`` for one micro-batch."""
+        return self._stage(device, mbs, tp, first, last, ckpt)[0]
+
+    def stage_update(self, device: str, mbs: int, tp: int, first: int, last: int) -> float:
+        return self._stage(device, mbs, tp, first, last, frozenset())[1]
+
+    def _stage(
+        self, device: str, mbs: int, tp: int, first: int, last: int, ckpt: frozenset[int]
+    ) -> tuple[float, float]:
+        key = (device, mbs, tp, first, last, ckpt)
+        hit = self._stage_cache.get(key)
+        if hit is not None:
+            return hit
+        rows = self.times(device, mbs, tp)
+        compute = sum(rows[i][0] + rows[i][1] + (rows[i][0] if i in ckpt else 0.0) for i in range(first, last))
+        update = sum(rows[i][2] for i in range(first, last))
+        self._stage_cache[key] = (compute, update)
+        return compute, update
+
+    def times(self, device: str, mbs: int, tp: int) -> list[tuple[float, float, float]]:
+        dev = self.profiles.devices.get(device)
+        if dev is None:
+            raise InputError.at(None, f"device {device}", f"no hybrid profile (have {sorted(self.profiles.devices)})")
+        rows = dev.block_times(mbs, tp)
+        if rows is None or len(rows) < self.profiles.num_blocks:
+            raise InputError.at(
+                None, f"device {device}", f"no block times at micro-batch size {mbs} and TP degree {tp}"
+            )
+        return rows
+
+    def send_s(self, size: float, a: Placement, b: Placement) -> float:
+        """Point-to-point time of ``size`` bytes from one placement to another."""
+        if size <= 0:
+            return 0.0
+        intra = bool(a.server) and a.server == b.server
+        key = (size, a.device, a.tp, b.device, b.tp, intra)
+        hit = self._send_cache.get(key)
+        if hit is None:
+            net = self.profiles.network
+            if intra:
+                hit = net.fit("intra", a.device, 2).seconds(size)
+            else:
+                hit = max(net.fit("inter", p.device, p.tp).seconds(size) for p in (a, b))
+            self._send_cache[key] = hit
+        return hit
+
+    def allreduce_s(self, size: float, group: list[Placement]) -> float:
+        """Ring all-reduce of ``size`` bytes per device over ``group`` (one device of each placement per ring, the
+        placement's ``tp`` devices running their rings at once over the server's links)."""
+        n = len(group)
+        if n <= 1 or size <= 0:
+            return 0.0
+        net = self.profiles.network
+        servers = {p.server for p in group}
+        if len(servers) == 1 and "" not in servers:
+            fit = net.fit("intra", group[0].device, n)
+            return 2 * (n - 1) / n * size / fit.bandwidth(size / n)
+        slowest = 0.0
+        for p in {(q.device, q.tp): q for q in group}.values():
+            fit = net.fit("inter", p.device, p.tp)
+            slowest = max(slowest, 2 * (n - 1) / n * p.tp * size / fit.bandwidth(p.tp * size / n))
+        return slowest
+
+    def params(self, first: int, last: int, tp: int) -> float:
+        prefix = self._param_prefix.get(tp)
+        if prefix is None:
+            prefix = [0.0]
+            for i in range(self.profiles.num_blocks):
+                prefix.append(prefix[-1] + self.blocks.params(i, tp))
+            self._param_prefix[tp] = prefix
+        return prefix[last] - prefix[first]
+
+    def activations(self, mbs: int, tp: int, first: int, last: int, ckpt: frozenset[int]) -> float:
+        """``a_s``: activation bytes one micro-batch leaves on a device of the stage until its backward."""
+        kept = 0.0
+        recompute = 0.0
+        for i in range(first, last):
+            if i in ckpt:
+                kept += self.blocks.blocks[i].boundary_bytes
+                recompute = max(recompute, self.blocks.activations(i, tp))
+            else:
+                kept += self.blocks.activations(i, tp)
+        return mbs * (kept + recompute)
+
+    def stage_memory(
+        self, device: str, mbs: int, tp: int, first: int, last: int, ckpt: frozenset[int], in_flight: int, shards: int
+    ) -> float:
+        w = self.params(first, last, tp)
+        k_o = self.blocks.optimizer_bytes_per_param_byte
+        k_f = self.blocks.framework_bytes_per_param_byte
+        reserve = self.profiles.devices[device].reserve(tp) if device in self.profiles.devices else 0.0
+        return w * (2 + k_f) + k_o * w / shards + in_flight * self.activations(mbs, tp, first, last, ckpt) + reserve
+
+    # --- the whole plan -----------------------------------------------------------------------------------------
+    def predict(self, plan: Plan) -> Prediction:
+        n_stages = plan.num_stages
+        ckpt = frozenset(plan.checkpoint)
+        pipeline: list[float] = []
+        update = 0.0
+        peaks: list[tuple[float, ...]] = []
+        fits = True
+        shards = len(plan.replicas) if plan.sharding == "full" else 1
+        cache: dict[tuple[object, ...], tuple[float, float, tuple[float, ...], bool]] = {}
+        for rep in plan.replicas:
+            if len(rep.stages) != n_stages:
+                raise InputError.at(None, "plan", f"a replica has {len(rep.stages)} stages, the plan {n_stages}")
+            # Replicas on the same device types, linked alike, with as many micro-batches cost the same.
+            links = tuple(
+                bool(a.server) and a.server == b.server for a, b in zip(rep.stages, rep.stages[1:], strict=False)
+            )
+            key = (tuple((p.device, p.tp) for p in rep.stages), links, rep.microbatches)
+            if key not in cache:
+                cache[key] = self._replica(plan, rep, ckpt, shards)
+            t_r, u_r, row, ok = cache[key]
+            pipeline.append(t_r)
+            update = max(update, u_r)
+            peaks.append(row)
+            fits &= ok
+        sync = 0.0
+        for s in range(n_stages):
+            group = [rep.stages[s] for rep in plan.replicas if rep.microbatches > 0]
+            size = self.params(plan.bounds[s], plan.bounds[s + 1], min(p.tp for p in group))
+            sync = max(sync, self.allreduce_s(size, group))
+        total = max(pipeline) + sync + update
+        return Prediction(total, tuple(pipeline), sync, update, tuple(peaks), fits)
+
+    def _replica(
+        self, plan: Plan, rep: Replica, ckpt: frozenset[int], shards: int
+    ) -> tuple[float, float, tuple[float, ...], bool]:
+        """``T_r``, the replica's update time, its devices' peak memory per stage, and whether all fit."""
+        b, n_stages = plan.mbs, plan.num_stages
+        steps = []
+        row = []
+        update = 0.0
+        fits = True
+        for s, place in enumerate(rep.stages):
+            first, last = plan.bounds[s], plan.bounds[s + 1]
+            sck = frozenset(i for i in ckpt if first <= i < last)
+            compute = self.stage_compute(place.device, b, place.tp, first, last, sck)
+            update = max(update, self.stage_update(place.device, b, place.tp, first, last))
+            comm = 0.0
+            if s + 1 < n_stages:
+                comm += self.send_s(b * self.blocks.blocks[last - 1].boundary_bytes, place, rep.stages[s + 1])
+            if s > 0:
+                comm += self.send_s(b * self.blocks.blocks[first - 1].boundary_bytes, place, rep.stages[s - 1])
+            steps.append(compute + comm)
+            in_flight = rep.microbatches if plan.schedule == "gpipe" else min(rep.microbatches, n_stages - s)
+            mem = self.stage_memory(place.device, b, place.tp, first, last, sck, in_flight, shards)
+            row.append(mem)
+            fits &= mem <= self.profiles.devices[place.device].memory_bytes
+        t_r = sum(steps) + (rep.microbatches - 1) * max(steps) if rep.microbatches else 0.0
+        return t_r, update, tuple(row), fits
