@@ -1,0 +1,80 @@
+"""The layout of a replica: ``[parallel]`` resolved against the workload's blocks.
+
+:func:`resolve_layout` is the one place that turns the config section into a
+:class:`Layout` and refuses, in one line naming the field, what the workload or
+the runtime cannot honour. What the runtime honours so far: ``sharding``
+(``full``, ``grads``) over the data-parallel ranks, and ``checkpointing``.
+``tp``, ``pp`` and per-block ``layers`` are validated against the cluster
+(:mod:`jabascli.config.parallel_checks`) and the workload, then refused as not
+built yet, rather than trained wrongly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jabascli.config import LoadedConfig
+from jabascli.errors import InputError
+from jabascli.workload import Workload
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How every replica runs: one rank per replica for now, its model sharded over the DP ranks."""
+
+    sharding: str
+    """``none``, ``full`` or ``grads`` (docs/hybrid.md)."""
+    checkpointed: tuple[int, ...]
+    """Indices of the blocks whose activations are recomputed in backward."""
+
+    @property
+    def plain(self) -> bool:
+        """Nothing to build: a whole replica per rank, as without ``[parallel]``."""
+        return self.sharding == "none" and not self.checkpointed
+
+
+def resolve_layout(loaded: LoadedConfig, workload: Workload, block_count: int | None) -> Layout | None:
+    """The job's layout, or None without ``[parallel]``. ``block_count``: ``len(workload.blocks(model))``,
+    None when the workload declares no blocks."""
+    parallel, file = loaded.config.parallel, loaded.path
+    if parallel is None:
+        return None
+
+    def refuse(field: str, message: str) -> InputError:
+        return InputError.at(file, f"parallel.{field}", message)
+
+    asks_blocks = parallel.pp > 1 or parallel.checkpointing != "none" or parallel.layers or parallel.stages
+    if block_count is None and (parallel.tp > 1 or asks_blocks):
+        field = "tp" if parallel.tp > 1 else "pp" if parallel.pp > 1 else "checkpointing"
+        raise refuse(
+            field,
+            f"workload {workload.name!r} declares no blocks (and no TP plan): it trains with tp = 1 and pp = 1, "
+            "without checkpointing or layers (docs/workloads.md: blocks, tp_plan)",
+        )
+    if parallel.tp > 1 and not _has_tp_plan(workload):
+        raise refuse("tp", f"workload {workload.name!r} declares no TP plan (tp_plan): it trains with tp = 1 only")
+    for field, ranges in (("stages", parallel.stages or []), ("layers", [la.blocks for la in parallel.layers or []])):
+        beyond = [r for r in ranges if block_count is not None and r[1] >= block_count]
+        if beyond:
+            raise refuse(field, f"block range {list(beyond[0])} is past the model's {block_count} blocks")
+    if parallel.stages and block_count is not None and parallel.stages[-1][1] != block_count - 1:
+        last = parallel.stages[-1][1]
+        raise refuse("stages", f"leaves blocks {last + 1}-{block_count - 1} out of every stage")
+    if isinstance(parallel.checkpointing, list):
+        beyond_blocks = [i for i in parallel.checkpointing if block_count is not None and i >= block_count]
+        if beyond_blocks:
+            raise refuse("checkpointing", f"block {beyond_blocks[0]} is past the model's {block_count} blocks")
+    for field, asked in (("tp", parallel.tp > 1), ("pp", parallel.pp > 1), ("layers", bool(parallel.layers))):
+        if asked:
+            raise refuse(field, "not built yet: this jabas runs [parallel] sharding and checkpointing only")
+    if parallel.checkpointing == "full":
+        checkpointed = tuple(range(block_count or 0))
+    elif parallel.checkpointing == "none":
+        checkpointed = ()
+    else:
+        checkpointed = tuple(sorted(set(parallel.checkpointing)))
+    return Layout(parallel.sharding, checkpointed)
+
+
+def _has_tp_plan(workload: Workload) -> bool:
+    return callable(getattr(workload.module, "tp_plan", None))
