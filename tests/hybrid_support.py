@@ -1,8 +1,9 @@
-"""One rank of a sharded (FSDP2) IIDP job on gloo, for the hybrid exactness tests.
+"""One rank of a hybrid-layout IIDP job on gloo, for the hybrid exactness tests.
 
 ``python -m tests.hybrid_support CONFIG RANK WORLD PORT OUT``: trains the config's job with its
 ``[parallel]`` layout (:mod:`jabascli.engine.parallel`) over every iteration of its epochs, each
-rank running its own micro-batches of the plan; rank 0 writes the whole model's parameters to OUT.
+replica (TP group) running the micro-batches the plan deals to its ranks; rank 0 writes the whole
+model's parameters to OUT.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from jabascli.config import load_config
 from jabascli.engine.data import BatchLoader, seed_worker
-from jabascli.engine.parallel.checkpointing import checkpoint_blocks
 from jabascli.engine.parallel.layout import resolve_layout
-from jabascli.engine.parallel.sharding import ShardedMicroBatches, shard_model
+from jabascli.engine.parallel.replica import build_replica, replica_micro_batches
+from jabascli.engine.parallel.sharding import ShardedMicroBatches
 from jabascli.engine.plan import load_plan
 from jabascli.engine.sampler import IIDPSampler, MicroBatch
 from jabascli.workload import load_workload
@@ -32,16 +32,15 @@ def main(config: str, rank: int, world: int, port: int, out: str) -> None:
     blocks = workload.blocks(model)
     layout = resolve_layout(loaded, workload, None if blocks is None else len(blocks))
     assert layout is not None
-    checkpoint_blocks(blocks or [], layout.checkpointed)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     try:
-        mesh = init_device_mesh("cpu", (world,))  # a CPU mesh must be named: FSDP2's default is the GPU's
-        units = shard_model(model, blocks, mesh)
-        optimizer = workload.optimizer(model.parameters())  # after sharding: over the DTensor shards
+        replica = build_replica(model, workload, layout, "cpu")
+        optimizer = workload.optimizer(model.parameters())  # after: over the shards and TP slices
         train_set = workload.train_dataset()
         load = BatchLoader(train_set, torch.device("cpu"), workload.collate)
         sampler = IIDPSampler(len(train_set), cfg.job.seed)
-        runner = ShardedMicroBatches(model, units, layout.sharding)
+        runner = ShardedMicroBatches(model, replica.units, layout.sharding) if replica.units else None
+        group = replica.mesh["tp"].mesh.flatten().tolist()  # this rank's TP group: it runs their micro-batches
         equal = len({plan.rank(r).micro_steps for r in range(world)}) == 1
 
         def step(module: torch.nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> None:
@@ -50,11 +49,16 @@ def main(config: str, rank: int, world: int, port: int, out: str) -> None:
             (workload.loss(module(inputs), target) / plan.workers).backward()
 
         for epoch in range(cfg.job.epochs):
-            for iteration in sampler.rank_iterations(epoch, 0, plan, rank):
+            for iterations in zip(*(sampler.rank_iterations(epoch, 0, plan, r) for r in group), strict=True):
                 optimizer.zero_grad()
-                runner.run(iteration.micro_batches, step, equal)
+                micro_batches = replica_micro_batches(iterations)
+                if runner is not None:
+                    runner.run(micro_batches, step, equal)
+                else:
+                    for mb in micro_batches:
+                        step(model, 0, mb)
                 optimizer.step()
-        whole = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}
+        whole = replica.full_state_dict()
         if rank == 0:
             torch.save(whole, out)
     finally:

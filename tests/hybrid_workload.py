@@ -29,6 +29,10 @@ def blocks(model):
     return list(model.blocks)
 
 
+def tp_plan(block):
+    return gpt.tp_plan(block)  # the GPT's; only the GPT cases ask for tp > 1
+
+
 def train_dataset(options):
     return _base(options).train_dataset(_own(options))
 

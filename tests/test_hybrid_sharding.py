@@ -1,9 +1,10 @@
-"""Sharded IIDP (FSDP2, `[parallel] sharding`) on real gloo processes equals the single-process reference.
+"""Hybrid layouts of IIDP (`[parallel]`) on real gloo processes equal the single-process reference.
 
-Tiny GPT and tiny ViT in float64, 12 iterations over two epochs (each epoch drops a remainder),
+Sharding (FSDP2): tiny GPT and tiny ViT in float64, 12 iterations over two epochs (each epoch drops a remainder),
 Adam and SGD + momentum, ranks with unequal micro-batch counts (a fast replica running more
 micro-batches than a slow one) and equal ones, with and without activation checkpointing: every
-parameter within 1e-9 of :func:`jabascli.engine.reference.reference_run`.
+parameter within 1e-9 of :func:`jabascli.engine.reference.reference_run`. Tensor parallel: tiny GPT
+as one replica of ``tp = 2`` on a server of two devices, the replica running both devices' micro-batches.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ WORKLOAD = Path(__file__).with_name("hybrid_workload.py")
 BASE_OPTIONS = {"gpt": {"variant": "tiny", "context": 8}, "vit": {"variant": "tiny", "image_size": 16}}
 
 
-def write_config(folder: Path, base: str, optimizer: str, ga: list[int], parallel: dict[str, Any]) -> Path:
-    """A job of one rank per server, server ``i`` running ``ga[i] + 1`` micro-batches, 6 iterations an epoch."""
-    gbs = LBS * sum(g + 1 for g in ga)
+def write_config(
+    folder: Path, base: str, optimizer: str, ga: list[int], parallel: dict[str, Any], devices: int = 1
+) -> Path:
+    """A job whose server ``i`` has ``devices`` ranks, each running ``ga[i] + 1`` micro-batches; 6 iterations
+    an epoch."""
+    gbs = LBS * devices * sum(g + 1 for g in ga)
     options = {"base": base, "optimizer": optimizer, "synthetic_size": 6 * gbs + 3, **BASE_OPTIONS[base]}
-    servers = [{"name": f"s{i}", "device_type": "cpu", "devices": 1, "ga": g} for i, g in enumerate(ga)]
+    servers = [{"name": f"s{i}", "device_type": "cpu", "devices": devices, "ga": g} for i, g in enumerate(ga)]
     config = {
         "job": {"workload": str(WORKLOAD), "epochs": 2, "seed": 3, "lbs": LBS, "options": options},
         "cluster": {"servers": servers},
@@ -90,3 +94,12 @@ def test_sharded_ranks_equal_the_single_process_reference(
 
     start = load_workload(loaded.config.job.workload, loaded.config.job.options).build_model().state_dict()
     assert max(max_abs_diff(trained, start).values()) > 1e-3
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_tensor_parallel_replica_equals_the_single_process_reference(tmp_path: Path, optimizer: str) -> None:
+    loaded = load(write_config(tmp_path, "gpt", optimizer, [1], {"tp": 2}, devices=2))
+    trained = train_sharded(loaded.path, 2, tmp_path / "model.pt")
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=12)
+    diffs = max_abs_diff(trained, reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}

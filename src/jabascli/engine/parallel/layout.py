@@ -3,8 +3,9 @@
 :func:`resolve_layout` is the one place that turns the config section into a
 :class:`Layout` and refuses, in one line naming the field, what the workload or
 the runtime cannot honour. What the runtime honours so far: ``sharding``
-(``full``, ``grads``) over the data-parallel ranks, and ``checkpointing``.
-``tp``, ``pp`` and per-block ``layers`` are validated against the cluster
+(``full``, ``grads``) over the data-parallel ranks, ``checkpointing``, and
+``tp`` as the job's single replica. ``pp``, per-block ``layers`` and ``tp``
+with sharding or several replicas are validated against the cluster
 (:mod:`jabascli.config.parallel_checks`) and the workload, then refused as not
 built yet, rather than trained wrongly.
 """
@@ -20,8 +21,9 @@ from jabascli.workload import Workload
 
 @dataclass(frozen=True)
 class Layout:
-    """How every replica runs: one rank per replica for now, its model sharded over the DP ranks."""
+    """How every replica runs: ``tp`` ranks per replica, the model sharded over the DP ranks or not."""
 
+    tp: int
     sharding: str
     """``none``, ``full`` or ``grads`` (docs/hybrid.md)."""
     checkpointed: tuple[int, ...]
@@ -30,7 +32,7 @@ class Layout:
     @property
     def plain(self) -> bool:
         """Nothing to build: a whole replica per rank, as without ``[parallel]``."""
-        return self.sharding == "none" and not self.checkpointed
+        return self.tp == 1 and self.sharding == "none" and not self.checkpointed
 
 
 def resolve_layout(loaded: LoadedConfig, workload: Workload, block_count: int | None) -> Layout | None:
@@ -64,16 +66,23 @@ def resolve_layout(loaded: LoadedConfig, workload: Workload, block_count: int | 
         beyond_blocks = [i for i in parallel.checkpointing if block_count is not None and i >= block_count]
         if beyond_blocks:
             raise refuse("checkpointing", f"block {beyond_blocks[0]} is past the model's {block_count} blocks")
-    for field, asked in (("tp", parallel.tp > 1), ("pp", parallel.pp > 1), ("layers", bool(parallel.layers))):
+    for field, asked in (("pp", parallel.pp > 1), ("layers", bool(parallel.layers))):
         if asked:
-            raise refuse(field, "not built yet: this jabas runs [parallel] sharding and checkpointing only")
+            raise refuse(field, "not built yet: this jabas runs [parallel] tp, sharding and checkpointing only")
+    devices = sum(server.devices for server in loaded.config.available())
+    if parallel.tp > 1 and (parallel.sharding != "none" or devices != parallel.tp):
+        raise refuse(
+            "tp",
+            f"not built yet with sharding or several replicas: tp = {parallel.tp} runs as the job's one replica "
+            f'({devices} devices here), with sharding = "none"',
+        )
     if parallel.checkpointing == "full":
         checkpointed = tuple(range(block_count or 0))
     elif parallel.checkpointing == "none":
         checkpointed = ()
     else:
         checkpointed = tuple(sorted(set(parallel.checkpointing)))
-    return Layout(parallel.sharding, checkpointed)
+    return Layout(parallel.tp, parallel.sharding, checkpointed)
 
 
 def _has_tp_plan(workload: Workload) -> bool:

@@ -1,0 +1,66 @@
+"""Build a replica's model under a layout, in one place, in torchtitan's order: TP, checkpointing, sharding.
+
+A replica is ``tp`` ranks (a TP group, inside one server); the job's ``N`` ranks
+form ``N / tp`` replicas, the data-parallel (DP) dimension. The ranks form a
+``(dp, tp)`` :class:`DeviceMesh`, named explicitly for the CPU (gloo) or CUDA
+(NCCL) device type: FSDP2's default mesh would be a CUDA one.
+
+The micro-batches of a replica are those the plan deals to its ranks
+(:func:`replica_micro_batches`): ``GBS = LBS x`` all micro-batches of all
+replicas, as in plain IIDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from jabascli.engine.parallel.checkpointing import checkpoint_blocks
+from jabascli.engine.parallel.layout import Layout
+from jabascli.engine.parallel.sharding import shard_model
+from jabascli.engine.parallel.tensor import parallelize_blocks
+from jabascli.engine.sampler import Iteration, MicroBatch
+from jabascli.workload import Workload
+
+
+@dataclass
+class Replica:
+    """This rank's part of a replica: the model (parallelised in place), its mesh and its FSDP2 units."""
+
+    model: nn.Module
+    mesh: DeviceMesh
+    units: list[FSDPModule]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's tensors, gathered from every shard and TP slice (a collective: every rank calls it)."""
+        return {
+            name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            for name, tensor in self.model.state_dict().items()
+        }
+
+
+def build_replica(model: nn.Module, workload: Workload, layout: Layout, device_type: str) -> Replica:
+    """Parallelise ``model`` (built alike on every rank) for ``layout``; the process group must exist.
+
+    Build the optimizer afterwards, over ``model.parameters()``: TP and sharding replace parameters.
+    """
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device_type, (world // layout.tp, layout.tp), mesh_dim_names=("dp", "tp"))
+    blocks = workload.blocks(model) or []
+    if layout.tp > 1:
+        parallelize_blocks(blocks, workload, mesh["tp"])
+    checkpoint_blocks(blocks, layout.checkpointed)
+    units = shard_model(model, blocks, mesh["dp"]) if layout.sharding != "none" else []
+    return Replica(model, mesh, units)
+
+
+def replica_micro_batches(iterations: Sequence[Iteration]) -> list[MicroBatch]:
+    """A replica's micro-batches of one iteration: those of each of its ranks' iteration, in rank order."""
+    return [mb for iteration in iterations for mb in iteration.micro_batches]
