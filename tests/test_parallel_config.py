@@ -84,3 +84,32 @@ def test_cli_exits_2_with_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "parallel.tp" in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def one_server(tmp_path: Path, workload: str, devices: int, parallel: str) -> Path:
+    path = tmp_path / "train.toml"
+    path.write_text(
+        f'[job]\nworkload = "{workload}"\nlbs = 4\noptions = {{ variant = "tiny" }}\n'
+        f'[[cluster.servers]]\nname = "a"\ndevice_type = "cpu"\ndevices = {devices}\n'
+        f'[storage]\ncheckpoint_dir = "{tmp_path}/ck"\nrun_dir = "{tmp_path}/runs"\n[parallel]\n{parallel}\n'
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("workload", "devices", "parallel", "words"),
+    [
+        ("digits", 2, "tp = 2", "parallel.tp: workload 'digits' declares no blocks (and no TP plan)"),
+        ("gpt", 1, "pp = 1\nstages = [[0, 2]]", "parallel.stages: leaves blocks 3-3 out of every stage"),
+        ("gpt", 1, "checkpointing = [4]", "parallel.checkpointing: block 4 is past the model's 4 blocks"),
+        ("gpt", 1, 'sharding = "full"', "parallel: jabas train does not run hybrid layouts yet"),
+    ],
+)
+def test_train_refuses_what_the_workload_or_runtime_cannot_honour(
+    tmp_path: Path, workload: str, devices: int, parallel: str, words: str
+) -> None:
+    """Nothing is trained and no checkpoint written: one line, exit 2 (`jabas run` starts one trainer per device)."""
+    result = run_jabas("run" if devices > 1 else "train", "-c", str(one_server(tmp_path, workload, devices, parallel)))
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and words in lines[0], result.stderr
+    assert not (tmp_path / "ck").exists()
