@@ -29,7 +29,8 @@ last ``val_fraction`` of the windows are the validation set.
 
 Hybrid layouts (docs/hybrid.md): the blocks are :func:`blocks`; each block's
 tensor-parallel plan is :func:`tp_plan` (attention heads and the MLP's hidden
-units split across the TP group, Megatron-style: column-wise in, row-wise out).
+units split across the TP group, Megatron-style: column-wise in, row-wise out);
+a pipeline stage is :func:`pipeline_stage`.
 
 Options (``[job] options``), with their defaults:
 
@@ -145,7 +146,9 @@ class GPT(nn.Module):
         self.token_embedding = nn.Embedding(vocabulary, width)
         self.position_embedding = nn.Embedding(context, width)
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(width, heads, dropout) for _ in range(blocks))
+        # A dict keyed "0", "1" ... (the same parameter names as a list): a pipeline stage deletes the
+        # blocks it does not hold and keeps the names of the rest.
+        self.blocks = nn.ModuleDict({str(i): Block(width, heads, dropout) for i in range(blocks)})
         self.ln_f = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocabulary, bias=False)
         for name, p in self.named_parameters():
@@ -156,12 +159,14 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.dropout(self.token_embedding(tokens) + self.position_embedding(positions))
-        for block in self.blocks:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens to logits; a pipeline stage (:func:`pipeline_stage`) takes or gives hidden states instead."""
+        if self.token_embedding is not None:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.dropout(self.token_embedding(x) + self.position_embedding(positions))
+        for block in self.blocks.values():
             x = block(x)
-        return self.head(self.ln_f(x))
+        return x if self.head is None else self.head(self.ln_f(x))
 
 
 def build_model(options: dict[str, Any]) -> nn.Module:
@@ -172,7 +177,20 @@ def build_model(options: dict[str, Any]) -> nn.Module:
 
 def blocks(model: GPT) -> list[nn.Module]:
     """The repeated Transformer blocks, in order: the units of sharding, checkpointing and pipeline stages."""
-    return list(model.blocks)
+    return list(model.blocks.values())
+
+
+def pipeline_stage(model: GPT, first: int, last: int) -> nn.Module:
+    """``model`` cut, in place, to blocks ``first..last``: with the embeddings only if ``first`` is block 0,
+    with the final norm and head only if ``last`` is the last block. Parameter names do not change."""
+    count = len(model.blocks)
+    for key in [k for k in model.blocks if not first <= int(k) <= last]:
+        del model.blocks[key]
+    if first > 0:
+        model.token_embedding = model.position_embedding = None  # type: ignore[assignment]
+    if last < count - 1:
+        model.ln_f = model.head = None  # type: ignore[assignment]
+    return model
 
 
 def tp_plan(block: Block) -> dict[str, Any]:

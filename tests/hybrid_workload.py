@@ -26,11 +26,15 @@ def build_model(options):
 
 
 def blocks(model):
-    return list(model.blocks)
+    return list(model.blocks.values() if isinstance(model.blocks, torch.nn.ModuleDict) else model.blocks)
 
 
 def tp_plan(block):
     return gpt.tp_plan(block)  # the GPT's; only the GPT cases ask for tp > 1
+
+
+def pipeline_stage(model, first, last):
+    return gpt.pipeline_stage(model, first, last)  # the GPT's; only the GPT cases ask for pp > 1
 
 
 def train_dataset(options):

@@ -23,6 +23,9 @@ and may define:
                                        checkpointed blocks, pipeline stages; docs/hybrid.md)
 ``tp_plan(block)``                     one block's tensor-parallel plan: ``{submodule name: ColwiseParallel() |
                                        RowwiseParallel() ...}`` (``parallelize_module``'s); needed for ``tp > 1``
+``pipeline_stage(model, first, last)``  the model cut to blocks ``first..last`` (with the input layers only if
+                                       ``first`` is 0, the output layers only if ``last`` is the last block),
+                                       taking and giving hidden states between stages; needed for ``pp > 1``
 =====================================  ==========================================================
 
 ``inputs`` may be a tensor or a tuple of tensors; a tuple is passed to the model
@@ -44,7 +47,16 @@ from typing import Any
 from jabascli.errors import InputError
 
 REQUIRED = ("build_model", "train_dataset", "loss", "optimizer", "synthetic_batch")
-OPTIONAL = ("val_dataset", "count_correct", "lr_scheduler", "collate", "clip_grad_norm", "blocks", "tp_plan")
+OPTIONAL = (
+    "val_dataset",
+    "count_correct",
+    "lr_scheduler",
+    "collate",
+    "clip_grad_norm",
+    "blocks",
+    "tp_plan",
+    "pipeline_stage",
+)
 
 
 def builtin_folder() -> Path:
@@ -115,6 +127,10 @@ class Workload:
         """One block's tensor-parallel plan, or None when the workload declares none."""
         fn = getattr(self.module, "tp_plan", None)
         return None if fn is None else dict(fn(block))
+
+    def pipeline_stage(self, model: Any, first: int, last: int) -> Any:
+        """``model`` cut to the blocks ``first..last`` (the workload's ``pipeline_stage``)."""
+        return self.module.pipeline_stage(model, first, last)
 
     @property
     def collate(self) -> Any | None:

@@ -4,8 +4,8 @@
 :class:`Layout` and refuses, in one line naming the field, what the workload or
 the runtime cannot honour. What the runtime honours so far: ``sharding``
 (``full``, ``grads``) over the data-parallel ranks, ``checkpointing``, and
-``tp`` as the job's single replica. ``pp``, per-block ``layers`` and ``tp``
-with sharding or several replicas are validated against the cluster
+``tp`` or ``pp`` as the job's single replica. Per-block ``layers``, and ``tp``
+or ``pp`` with sharding, with each other or with several replicas, are validated against the cluster
 (:mod:`jabascli.config.parallel_checks`) and the workload, then refused as not
 built yet, rather than trained wrongly.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from jabascli.config import LoadedConfig
+from jabascli.engine.parallel.pipeline import stage_ranges
 from jabascli.errors import InputError
 from jabascli.workload import Workload
 
@@ -26,6 +27,10 @@ class Layout:
     """How every replica runs: ``tp`` ranks per replica, the model sharded over the DP ranks or not."""
 
     tp: int
+    pp: int
+    stages: tuple[tuple[int, int], ...]
+    """Each pipeline stage's inclusive block range (one stage of every block when ``pp`` is 1)."""
+    schedule: str
     sharding: str
     """``none``, ``full`` or ``grads`` (docs/hybrid.md)."""
     checkpointed: tuple[int, ...]
@@ -34,7 +39,7 @@ class Layout:
     @property
     def plain(self) -> bool:
         """Nothing to build: a whole replica per rank, as without ``[parallel]``."""
-        return self.tp == 1 and self.sharding == "none" and not self.checkpointed
+        return self.tp == 1 and self.pp == 1 and self.sharding == "none" and not self.checkpointed
 
 
 def resolve_layout(loaded: LoadedConfig, workload: Workload, block_count: int | None) -> Layout | None:
@@ -55,8 +60,10 @@ def resolve_layout(loaded: LoadedConfig, workload: Workload, block_count: int | 
             f"workload {workload.name!r} declares no blocks (and no TP plan): it trains with tp = 1 and pp = 1, "
             "without checkpointing or layers (docs/workloads.md: blocks, tp_plan)",
         )
-    if parallel.tp > 1 and not _has_tp_plan(workload):
+    if parallel.tp > 1 and not _declares(workload, "tp_plan"):
         raise refuse("tp", f"workload {workload.name!r} declares no TP plan (tp_plan): it trains with tp = 1 only")
+    if parallel.pp > 1 and not _declares(workload, "pipeline_stage"):
+        raise refuse("pp", f"workload {workload.name!r} declares no pipeline_stage: it trains with pp = 1 only")
     for field, ranges in (("stages", parallel.stages or []), ("layers", [la.blocks for la in parallel.layers or []])):
         beyond = [r for r in ranges if block_count is not None and r[1] >= block_count]
         if beyond:
@@ -68,33 +75,37 @@ def resolve_layout(loaded: LoadedConfig, workload: Workload, block_count: int | 
         beyond_blocks = [i for i in parallel.checkpointing if block_count is not None and i >= block_count]
         if beyond_blocks:
             raise refuse("checkpointing", f"block {beyond_blocks[0]} is past the model's {block_count} blocks")
-    for field, asked in (("pp", parallel.pp > 1), ("layers", bool(parallel.layers))):
-        if asked:
-            raise refuse(field, "not built yet: this jabas runs [parallel] tp, sharding and checkpointing only")
+    if parallel.layers:
+        raise refuse("layers", "not built yet: this jabas runs [parallel] tp, pp, sharding and checkpointing")
+    if block_count is not None and parallel.pp > block_count:
+        raise refuse("pp", f"{parallel.pp} stages for the model's {block_count} blocks: a stage needs a block")
     devices = sum(server.devices for server in loaded.config.available())
-    if parallel.tp > 1 and (parallel.sharding != "none" or devices != parallel.tp):
-        raise refuse(
-            "tp",
-            f"not built yet with sharding or several replicas: tp = {parallel.tp} runs as the job's one replica "
-            f'({devices} devices here), with sharding = "none"',
-        )
+    for field, degree in (("tp", parallel.tp), ("pp", parallel.pp)):
+        alone = parallel.tp == 1 or parallel.pp == 1
+        if degree > 1 and (parallel.sharding != "none" or devices != degree or not alone):
+            raise refuse(
+                field,
+                f"not built yet with sharding, with each other or with several replicas: {field} = {degree} "
+                f'runs as the job\'s one replica ({devices} devices here), with sharding = "none"',
+            )
     if parallel.checkpointing == "full":
         checkpointed = tuple(range(block_count or 0))
     elif parallel.checkpointing == "none":
         checkpointed = ()
     else:
         checkpointed = tuple(sorted(set(parallel.checkpointing)))
-    return Layout(parallel.tp, parallel.sharding, checkpointed)
+    stages = stage_ranges(block_count or 0, parallel.pp, parallel.stages)
+    return Layout(parallel.tp, parallel.pp, tuple(stages), parallel.schedule, parallel.sharding, checkpointed)
 
 
-def _has_tp_plan(workload: Workload) -> bool:
-    return callable(getattr(workload.module, "tp_plan", None))
+def _declares(workload: Workload, function: str) -> bool:
+    return callable(getattr(workload.module, function, None))
 
 
 def check_trainer_layout(loaded: LoadedConfig, workload: Workload, model: nn.Module) -> None:
     """Refuse, in one line, a ``[parallel]`` layout that ``jabas train`` does not run yet.
 
-    The layouts above are built and exact (tests/test_hybrid_sharding.py), but the trainer's
+    The layouts above are built and exact (tests/test_hybrid_exactness.py), but the trainer's
     checkpoints are whole-model ``torch.save`` files written by rank 0, which a sharded or split
     model cannot write correctly: they wait for DCP checkpoints. A plain layout trains as always.
     """
