@@ -180,6 +180,14 @@ def build_model(options: dict[str, Any]) -> nn.Module:
     return VisionTransformer(s.image_size, patch, layers, width, heads, mlp_width, num_classes(s), s.dropout)
 
 
+def blocks(model: VisionTransformer) -> list[nn.Module]:
+    """The encoder blocks, in order: the units of sharding, checkpointing and pipeline stages (docs/hybrid.md).
+
+    No ``tp_plan`` yet: ``nn.MultiheadAttention`` packs q, k and v into one weight, which
+    ``ColwiseParallel`` cannot split by heads."""
+    return list(model.blocks)
+
+
 def train_dataset(options: dict[str, Any]) -> torch.utils.data.Dataset:
     s = settings(options)
     if s.data is None:

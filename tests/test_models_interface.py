@@ -14,12 +14,20 @@ from PIL import Image
 from jabascli.workload import load_workload
 from tests.models_support import make_coco, make_image_folder, make_parallel_corpus
 
-WORKLOADS = ["resnet", "vit", "gnmt", "faster_rcnn"]
+
+def make_token_file(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    np.save(folder / "tokens.npy", np.arange(500, dtype=np.int32) % 64)
+    return folder / "tokens.npy"
+
+
+WORKLOADS = ["resnet", "vit", "gnmt", "faster_rcnn", "gpt"]
 MAKE_DATA = {
     "resnet": make_image_folder,
     "vit": make_image_folder,
     "gnmt": make_parallel_corpus,
     "faster_rcnn": make_coco,
+    "gpt": make_token_file,
 }
 
 

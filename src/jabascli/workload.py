@@ -19,6 +19,13 @@ and may define:
 ``lr_scheduler(optimizer, options)``   a scheduler, stepped once per iteration
 ``collate(samples)``                   turns a list of samples into ``(inputs, target)``
 ``clip_grad_norm(options)``            the global gradient norm to clip to, or None (``[job] clip_grad_norm`` wins)
+``blocks(model)``                      the model's repeated blocks, in order (hybrid layouts: sharding units,
+                                       checkpointed blocks, pipeline stages; docs/hybrid.md)
+``tp_plan(block)``                     one block's tensor-parallel plan: ``{submodule name: ColwiseParallel() |
+                                       RowwiseParallel() ...}`` (``parallelize_module``'s); needed for ``tp > 1``
+``pipeline_stage(model, first, last)``  the model cut to blocks ``first..last`` (with the input layers only if
+                                       ``first`` is 0, the output layers only if ``last`` is the last block),
+                                       taking and giving hidden states between stages; needed for ``pp > 1``
 =====================================  ==========================================================
 
 ``inputs`` may be a tensor or a tuple of tensors; a tuple is passed to the model
@@ -44,7 +51,16 @@ if TYPE_CHECKING:
     from jabascli.config import LoadedConfig
 
 REQUIRED = ("build_model", "train_dataset", "loss", "optimizer", "synthetic_batch")
-OPTIONAL = ("val_dataset", "count_correct", "lr_scheduler", "collate", "clip_grad_norm")
+OPTIONAL = (
+    "val_dataset",
+    "count_correct",
+    "lr_scheduler",
+    "collate",
+    "clip_grad_norm",
+    "blocks",
+    "tp_plan",
+    "pipeline_stage",
+)
 
 
 def builtin_folder() -> Path:
@@ -100,6 +116,25 @@ class Workload:
         if value is not None and not (isinstance(value, int | float) and value > 0):
             raise InputError.at(self.path, "clip_grad_norm", f"must return a number above 0 or None, got {value!r}")
         return None if value is None else float(value)
+
+    def blocks(self, model: Any) -> list[Any] | None:
+        """The model's blocks for hybrid layouts, or None when the workload declares none."""
+        fn = getattr(self.module, "blocks", None)
+        if fn is None:
+            return None
+        found = list(fn(model))
+        if not found:
+            raise InputError.at(self.path, "blocks", "returned no blocks")
+        return found
+
+    def tp_plan(self, block: Any) -> dict[str, Any] | None:
+        """One block's tensor-parallel plan, or None when the workload declares none."""
+        fn = getattr(self.module, "tp_plan", None)
+        return None if fn is None else dict(fn(block))
+
+    def pipeline_stage(self, model: Any, first: int, last: int) -> Any:
+        """``model`` cut to the blocks ``first..last`` (the workload's ``pipeline_stage``)."""
+        return self.module.pipeline_stage(model, first, last)
 
     @property
     def collate(self) -> Any | None:

@@ -27,6 +27,7 @@ from jabascli.config.models import (
     MEMORY_DIRNAME,
     JabasConfig,
 )
+from jabascli.config.parallel_checks import check_parallel
 from jabascli.config.seed import TOML_TO_SEED_FIELD, SeedConfig, SeedServer, seed_to_toml_dict
 from jabascli.errors import InputError, Problem
 from jabascli.inputs import read_json, read_text
@@ -252,4 +253,5 @@ def check_config(loaded: LoadedConfig, *, check_profiles: bool = True) -> list[P
     for field, path in (("job.plan", config.job.plan), ("job.data", config.job.data)):
         if path is not None and not path.exists():
             problems.append(Problem(file, field, f"{path} does not exist"))
+    problems += check_parallel(config, file)
     return problems

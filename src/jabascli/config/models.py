@@ -176,6 +176,40 @@ class SchedulerConfig(Section):
     move restarts all trainers from the checkpoint."""
 
 
+Sharding = Literal["none", "full", "grads"]
+Schedule = Literal["1f1b", "gpipe"]
+
+
+class LayerStrategy(Section):
+    """One entry of ``[parallel] layers``: how a range of the workload's blocks runs (Galvatron's layerwise)."""
+
+    blocks: tuple[NonNegativeInt, NonNegativeInt]
+    """``[first, last]`` block indices, inclusive."""
+    tp: PositiveInt = 1
+    sharding: Sharding = "none"
+    checkpointing: bool = False
+
+
+class ParallelConfig(Section):
+    """Hybrid parallelism inside each IIDP replica (docs/hybrid.md). Absent: plain replicas, as always."""
+
+    tp: PositiveInt = 1
+    """Tensor-parallel degree; a TP group never spans two servers."""
+    pp: PositiveInt = 1
+    """Pipeline stages per replica."""
+    stages: list[tuple[NonNegativeInt, NonNegativeInt]] | None = None
+    """Each stage's ``[first, last]`` block range (inclusive); None: the blocks split evenly."""
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule with ``pp > 1``."""
+    sharding: Sharding = "none"
+    """``none``: whole replicas; ``full``: FSDP2 fully sharded (ZeRO-3); ``grads``: parameters kept
+    gathered from forward to backward (``reshard_after_forward=False``, ZeRO-2-like)."""
+    checkpointing: Literal["none", "full"] | list[NonNegativeInt] = "none"
+    """Activation checkpointing: of no block, of every block, or of the listed block indices."""
+    layers: list[LayerStrategy] | None = None
+    """Per-block strategies; blocks no entry names follow the keys above."""
+
+
 class StorageConfig(Section):
     checkpoint_dir: Path = Path("checkpoints")
     keep_checkpoints: int = Field(2, ge=1)
@@ -194,6 +228,8 @@ class JabasConfig(Section):
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    parallel: ParallelConfig | None = None
+    """Hybrid parallelism (docs/hybrid.md); None: every rank holds a whole replica (plain IIDP)."""
 
     def server(self, name: str) -> ServerConfig:
         for server in self.cluster.servers:

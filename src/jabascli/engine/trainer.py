@@ -58,6 +58,7 @@ from jabascli.engine.loader import MicroBatchFeed, default_loader_workers
 from jabascli.engine.memory_limit import MemoryLimit
 from jabascli.engine.metrics import MetricsWriter
 from jabascli.engine.options import TrainOptions
+from jabascli.engine.parallel.layout import check_trainer_layout
 from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_dict
 from jabascli.engine.sampler import IIDPSampler, Iteration
 from jabascli.engine.step_policy import StepPolicy, check_job_precision_inputs, check_precision, step_settings
@@ -238,6 +239,7 @@ class Trainer:
         self.workload: Workload = inputs.workload if inputs else workload_of(loaded)
         torch.manual_seed(cfg.job.seed)
         model = self.workload.build_model().to(device)
+        check_trainer_layout(loaded, self.workload, model)  # [parallel] (docs/hybrid.md)
         self.model = model
         self.optimizer = self.workload.optimizer(model.parameters())
         self.scheduler = self.workload.lr_scheduler(self.optimizer)

@@ -1,0 +1,87 @@
+"""Pipeline stages inside a replica (``torch.distributed.pipelining``), exact under IIDP.
+
+The workload's blocks are split into ``pp`` stages (``[parallel] stages`` or an
+even split); each rank of a pipeline builds the whole model alike and cuts it to
+its stage (the workload's ``pipeline_stage(model, first, last)``). A replica's
+micro-batches of one iteration are its pipeline micro-batches: the first stage
+loads them as one batch of ``count x LBS`` samples, which the schedule (GPipe or
+1F1B) cuts back into the same ``count`` micro-batches of LBS, in order. The last
+stage's loss of each micro-batch is divided by the job's micro-batch count
+``GBS / LBS`` and the schedule does not scale gradients (``scale_grads=False``),
+so a stage's accumulated gradient is its part of the same sum plain IIDP
+computes.
+
+A micro-batch is not re-seeded inside the schedule: layouts with ``pp > 1`` are
+exact for models without dropout (or with ``dropout = 0``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def stage_ranges(block_count: int, pp: int, stages: Sequence[tuple[int, int]] | None) -> list[tuple[int, int]]:
+    """Each stage's inclusive ``(first, last)`` block: ``stages`` as given, else as even as whole blocks allow
+    (the first ``block_count % pp`` stages one block more)."""
+    if stages:
+        return [tuple(s) for s in stages]  # type: ignore[misc]
+    base, extra = divmod(block_count, pp)
+    ranges, first = [], 0
+    for i in range(pp):
+        size = base + (1 if i < extra else 0)
+        ranges.append((first, first + size - 1))
+        first += size
+    return ranges
+
+
+class PipelineMicroBatches:
+    """One stage of a replica's pipeline: runs the replica's micro-batches of an iteration through the schedule."""
+
+    def __init__(
+        self,
+        stage_module: nn.Module,
+        stage: int,
+        stages: int,
+        device: torch.device,
+        schedule: str,
+        loss: Callable[[Any, Any], torch.Tensor],
+        workers: int,
+        group: Any = None,
+    ) -> None:
+        self.stage, self.stages = stage, stages
+        self.pipe = PipelineStage(stage_module, stage, stages, device, group=group)
+        self.schedule_class = SCHEDULES[schedule]
+        self.loss = loss
+        self.workers = workers
+        self._schedules: dict[int, Any] = {}
+
+    def _schedule(self, count: int) -> Any:
+        # One schedule per micro-batch count: the count changes with the plan (adaptive GBS).
+        if count not in self._schedules:
+            self._schedules[count] = self.schedule_class(
+                self.pipe, n_microbatches=count, loss_fn=self._scaled_loss, scale_grads=False
+            )
+        return self._schedules[count]
+
+    def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
+        return self.loss(output, target) / self.workers
+
+    def run(self, count: int, inputs: Any = None, target: Any = None) -> list[torch.Tensor]:
+        """Forward and backward of ``count`` micro-batches; ``inputs`` on the first stage, ``target`` on the last.
+
+        Returns the last stage's scaled micro-batch losses (empty elsewhere)."""
+        losses: list[torch.Tensor] = []
+        schedule = self._schedule(count)
+        last = self.stage == self.stages - 1
+        if self.stage == 0:
+            schedule.step(inputs, target=target if last else None, losses=losses if last else None)
+        else:
+            schedule.step(target=target if last else None, losses=losses if last else None)
+        return losses

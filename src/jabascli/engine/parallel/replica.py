@@ -1,0 +1,77 @@
+"""Build a replica's model under a layout, in one place, in torchtitan's order: TP, checkpointing, sharding.
+
+A replica is ``pp x tp`` ranks (pipeline stages of TP groups, a TP group inside
+one server); the job's ``N`` ranks form ``N / (pp x tp)`` replicas, the
+data-parallel (DP) dimension. The ranks form a ``(dp, pp, tp)``
+:class:`DeviceMesh`, named explicitly for the CPU (gloo) or CUDA (NCCL) device
+type: FSDP2's default mesh would be a CUDA one. The model is cut to the rank's
+stage first (activation checkpointing is set on the blocks before, by their
+indices in the whole model).
+
+The micro-batches of a replica are those the plan deals to its ranks
+(:func:`replica_micro_batches`): ``GBS = LBS x`` all micro-batches of all
+replicas, as in plain IIDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from jabascli.engine.parallel.checkpointing import checkpoint_blocks
+from jabascli.engine.parallel.layout import Layout
+from jabascli.engine.parallel.sharding import shard_model
+from jabascli.engine.parallel.tensor import parallelize_blocks
+from jabascli.engine.sampler import Iteration, MicroBatch
+from jabascli.workload import Workload
+
+
+@dataclass
+class Replica:
+    """This rank's part of a replica: the model (its stage, parallelised in place), its mesh and its FSDP2 units."""
+
+    model: nn.Module
+    mesh: DeviceMesh
+    units: list[FSDPModule]
+    stage: int
+    """This rank's pipeline stage (0 without pipelining)."""
+    ranks: list[int]
+    """The ranks of this rank's replica, stage by stage: they run the micro-batches the plan deals to them."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's tensors, gathered from every shard and TP slice (a collective: every rank calls it)."""
+        return {
+            name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            for name, tensor in self.model.state_dict().items()
+        }
+
+
+def build_replica(model: nn.Module, workload: Workload, layout: Layout, device_type: str) -> Replica:
+    """Parallelise ``model`` (built alike on every rank) for ``layout``; the process group must exist.
+
+    Build the optimizer afterwards, over ``model.parameters()``: TP and sharding replace parameters.
+    """
+    world, rank, size = dist.get_world_size(), dist.get_rank(), layout.pp * layout.tp
+    mesh = init_device_mesh(device_type, (world // size, layout.pp, layout.tp), mesh_dim_names=("dp", "pp", "tp"))
+    checkpoint_blocks(workload.blocks(model) or [], layout.checkpointed)
+    stage = mesh.get_local_rank("pp")
+    if layout.pp > 1:
+        model = workload.pipeline_stage(model, *layout.stages[stage])
+    blocks = workload.blocks(model) or []
+    if layout.tp > 1:
+        parallelize_blocks(blocks, workload, mesh["tp"])
+    units = shard_model(model, blocks, mesh["dp"]) if layout.sharding != "none" else []
+    first = rank - rank % size
+    return Replica(model, mesh, units, stage, list(range(first, first + size)))
+
+
+def replica_micro_batches(iterations: Sequence[Iteration]) -> list[MicroBatch]:
+    """A replica's micro-batches of one iteration: those of each of its ranks' iteration, in rank order."""
+    return [mb for iteration in iterations for mb in iteration.micro_batches]

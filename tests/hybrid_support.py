@@ -1,0 +1,79 @@
+"""One rank of a hybrid-layout IIDP job on gloo, for the hybrid exactness tests.
+
+``python -m tests.hybrid_support CONFIG RANK WORLD PORT OUT``: trains the config's job with its
+``[parallel]`` layout (:mod:`jabascli.engine.parallel`) over every iteration of its epochs, each
+replica (TP group) running the micro-batches the plan deals to its ranks; rank 0 writes the whole
+model's parameters to OUT (with pipeline stages, each rank its stage's to OUT.<rank>).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from jabascli.config import load_config
+from jabascli.engine.data import BatchLoader, seed_worker
+from jabascli.engine.parallel.layout import resolve_layout
+from jabascli.engine.parallel.pipeline import PipelineMicroBatches
+from jabascli.engine.parallel.replica import build_replica, replica_micro_batches
+from jabascli.engine.parallel.sharding import ShardedMicroBatches
+from jabascli.engine.plan import load_plan
+from jabascli.engine.sampler import IIDPSampler, MicroBatch
+from jabascli.workload import load_workload
+
+
+def main(config: str, rank: int, world: int, port: int, out: str) -> None:
+    loaded = load_config(config)
+    cfg, plan = loaded.config, load_plan(loaded)
+    workload = load_workload(cfg.job.workload, cfg.job.options, cfg.job.data)
+    torch.manual_seed(cfg.job.seed)
+    model = workload.build_model()
+    blocks = workload.blocks(model)
+    layout = resolve_layout(loaded, workload, None if blocks is None else len(blocks))
+    assert layout is not None
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        replica = build_replica(model, workload, layout, "cpu")
+        model, cpu = replica.model, torch.device("cpu")
+        optimizer = workload.optimizer(model.parameters())  # after: over the stage's shards and TP slices
+        train_set = workload.train_dataset()
+        load = BatchLoader(train_set, torch.device("cpu"), workload.collate)
+        sampler = IIDPSampler(len(train_set), cfg.job.seed)
+        runner = ShardedMicroBatches(model, replica.units, layout.sharding) if replica.units else None
+        pipeline = None
+        if layout.pp > 1:
+            pipe_group = replica.mesh["pp"].get_group()
+            pipeline = PipelineMicroBatches(
+                replica.model, replica.stage, layout.pp, cpu, layout.schedule, workload.loss, plan.workers, pipe_group
+            )
+        equal = len({plan.rank(r).micro_steps for r in range(world)}) == 1
+
+        def step(module: torch.nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> None:
+            seed_worker(mb.seed, torch.device("cpu"))
+            inputs, target = load(mb.indices)
+            (workload.loss(module(inputs), target) / plan.workers).backward()
+
+        for epoch in range(cfg.job.epochs):
+            for iterations in zip(*(sampler.rank_iterations(epoch, 0, plan, r) for r in replica.ranks), strict=True):
+                optimizer.zero_grad()
+                micro_batches = replica_micro_batches(iterations)
+                if pipeline is not None:
+                    inputs, target = load([i for mb in micro_batches for i in mb.indices])
+                    pipeline.run(len(micro_batches), inputs, target)
+                elif runner is not None:
+                    runner.run(micro_batches, step, equal)
+                else:
+                    for mb in micro_batches:
+                        step(model, 0, mb)
+                optimizer.step()
+        whole = replica.full_state_dict()  # with pp: this stage's part; rank r writes OUT.r
+        if rank == 0 or layout.pp > 1:
+            torch.save(whole, out if layout.pp == 1 else f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
