@@ -216,6 +216,11 @@ def test_gbs_and_lr_are_drawn_from_their_exact_change_steps(tmp_path: Path) -> N
     assert (xs, gbs) == ([1.0, 61.0, 70.0], [64.0, 128.0, 128.0])  # not at 65, the next logged row
     xs, lr = setting_series(read_source(run), "lr")  # type: ignore[arg-type]
     assert lr == [0.1, 0.2, 0.2]
+    # A second attempt resumed from step 50's checkpoint: its rows replace the first attempt's from there on.
+    with (run / "changes.csv").open("a") as f:
+        f.write("51,64,0.1\n66,256,0.4\n")
+    xs, gbs = setting_series(read_source(run), "gbs")  # type: ignore[arg-type]
+    assert (xs, gbs) == ([1.0, 51.0, 66.0, 70.0], [64.0, 64.0, 256.0, 256.0])
 
 
 @pytest.mark.parametrize(

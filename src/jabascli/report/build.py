@@ -54,7 +54,12 @@ def setting_series(run: RunData, key: str) -> tuple[list[float], list[float]]:
     logged step); from the logged steps where a run has no ``changes.csv``."""
     if not run.changes:
         return _column(run.steps, "step"), _column(run.steps, key)
-    xs, ys = _column(run.changes, "step"), _column(run.changes, key)
+    kept: list[dict[str, float]] = []
+    for row in run.changes:  # a resumed attempt appends from its checkpoint's step: it replaces what followed
+        while kept and kept[-1]["step"] >= row["step"]:
+            kept.pop()
+        kept.append(row)
+    xs, ys = _column(kept, "step"), _column(kept, key)
     last = max([*xs, *_column(run.steps, "step")])
     return [*xs, last], [*ys, ys[-1]]
 
