@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from jabascli.engine.checkpoint_store import CheckpointStore, Entry, Found
+from jabascli.engine.checkpoint_store import CheckpointStore, Found
 from jabascli.errors import InputError
 
 FORMAT = "jabas-checkpoint"
@@ -137,10 +137,7 @@ def resolve_checkpoint(path: Path) -> Found:
     if not path.is_file():
         raise InputError.at(path, None, "checkpoint not found")
     data = path.read_bytes()
-    store = CheckpointStore(path.parent)
-    store.verify(path, data)
-    entry = next((e for e in store.entries() if e.file == path.name), None)
-    return Found(path, data, entry or Entry(path.name, -1, -1, None, len(data)))
+    return Found(path, data, CheckpointStore(path.parent).verify(path, data))
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

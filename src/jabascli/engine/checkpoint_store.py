@@ -107,15 +107,17 @@ class CheckpointStore:
             raise InputError.at(self.folder, None, "no intact checkpoint: " + "; ".join(passed_over))
         return None
 
-    def verify(self, path: Path, data: bytes) -> None:
-        """InputError unless ``data`` (read from ``path``) is what the manifest says was written there."""
-        if path.parent.resolve() != self.folder.resolve() or not self.manifest.is_file():
-            return  # a file outside a manifest's folder: nothing to check it against
-        for entry in self.entries():
-            if entry.file == path.name:
-                problem = _digest_problem(entry, data)
-                if problem is not None:
-                    raise InputError.at(path, None, problem)
+    def verify(self, path: Path, data: bytes) -> Entry:
+        """The manifest's entry of ``path`` (one without a digest when none names it); InputError unless
+        ``data``, read from ``path``, is what was written there."""
+        unlisted = Entry(path.name, -1, -1, None, len(data))
+        if path.parent.resolve() != self.folder.resolve():
+            return unlisted  # a file outside a manifest's folder: nothing to check it against
+        entry = next((e for e in self.entries() if e.file == path.name), unlisted)
+        problem = _digest_problem(entry, data)
+        if problem is not None:
+            raise InputError.at(path, None, problem)
+        return entry
 
     def _check(self, path: Path, entry: Entry) -> tuple[str | None, bytes]:
         try:
