@@ -98,3 +98,21 @@ def test_jabas_run_elastic_shares_this_machines_cores_among_every_servers_traine
     assert env["PATH"] == "/usr/bin"
     # A count the user set stands, as for `jabas run`.
     assert agent_environment(loaded, "a-token", {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
+
+
+def test_jabas_run_elastic_leaves_planning_to_the_scheduler(tmp_path: Path, cli: CliRunner) -> None:
+    """A fixed-GBS job with a profiles folder: `jabas run` solves no plan of its own before --elastic.
+
+    It used to, then refused its own solved plan as "--plan is not used with --elastic". The profiles
+    folder here is empty, so a plan solved first would fail on it: the error must name the option given.
+    """
+    config = write_config(tmp_path)
+    text = config.read_text().replace('metric = "fixed"', 'metric = "fixed"\ninitial_gbs = 32')
+    config.write_text(text)
+    load(config).profile_dirs().computation.mkdir(parents=True)
+    result = cli.invoke(app, ["run", "-c", str(config), "--elastic", "--max-steps", "3"])
+    assert result.exit_code == 2
+    assert "--max-steps: is not used with --elastic" in _one_line_error(result.output)
+    result = cli.invoke(app, ["run", "-c", str(config), "--elastic", "--gbs", "32"])
+    assert result.exit_code == 2
+    assert "--gbs: is not used with --elastic" in _one_line_error(result.output)

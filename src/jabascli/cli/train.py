@@ -195,15 +195,16 @@ def run(
     if start.resume is not None and resume is None and not json_out:
         where = f"resuming {loaded.config.job.name} from {start.resume} (epoch {start.epoch + 1}, step {start.step})"
         console.print(f"{where}; --fresh starts over", highlight=False, markup=False)
-    own = solve_own_plan(loaded, gbs, plan, quiet=json_out, servers=servers)
-    plan = own.path if own is not None else plan
     if elastic or loaded.config.scaling.enabled:
         from jabascli.cli.elastic import run_elastic_here
 
-        given = {"plan": plan, "resume": resume, "max_steps": max_steps}
+        # No plan solved here: the scheduler plans each generation itself.
+        given = {"plan": plan, "gbs": gbs, "resume": resume, "max_steps": max_steps}
         steer = {"port": port, "token_file": token_file}
         run_elastic_here(loaded, json_out, config, resuming=start.resume is not None, **steer, **given)
         return
+    own = solve_own_plan(loaded, gbs, plan, quiet=json_out, servers=servers)
+    plan = own.path if own is not None else plan
     if port is not None or token_file is not None:
         raise InputError.at(None, "--port" if port is not None else "--token-file", "is used with --elastic only")
     options = TrainOptions(
