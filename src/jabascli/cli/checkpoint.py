@@ -29,8 +29,8 @@ def export(
 
     Works for a checkpoint of any layout: plain IIDP, or sharded, tensor
     parallel or pipelined (a parallel section in the config), whose shards are
-    gathered here. Load it
-    with model.load_state_dict(torch.load("model.pt", weights_only=True)).
+    gathered here. Load it with
+    model.load_state_dict(torch.load("model.pt", weights_only=True)).
     A missing or corrupt checkpoint is an error (exit 2), and nothing is written.
 
     Example:
