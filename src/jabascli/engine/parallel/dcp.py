@@ -75,7 +75,11 @@ def save_sharded(
     if rank == 0:
         shutil.rmtree(staged, ignore_errors=True)  # what a save of this step cut off by a kill left
     _barrier()
-    dcp.save({"model": get_model_state_dict(model), "optim": _optimizer_state(model, optimizer)}, checkpoint_id=staged)
+    dcp.save(
+        {"model": get_model_state_dict(model), "optim": _optimizer_state(model, optimizer)},
+        checkpoint_id=staged,
+        no_dist=not dist.is_initialized(),
+    )
     atomic_write_json(staged / GROUPS.format(rank=rank), _group_names(model, optimizer))
     if rank == 0:
         atomic_write(staged / EXTRA, lambda f: torch.save(extra, f))
@@ -102,11 +106,11 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
         if any(key.startswith("optim.state.") for key in keys):
             model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
             state = {"model": model_state, "optim": optim_state}
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         else:  # written before the optimizer's first step: only its hyperparameters
             state = {"model": get_model_state_dict(model), "optim": _optimizer_state(model, optimizer)}
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
             set_model_state_dict(model, state["model"])
             _set_hyperparameters(model, optimizer, state["optim"])
     except (RuntimeError, KeyError, ValueError) as exc:
