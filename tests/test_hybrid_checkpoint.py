@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from jabascli.cli.app import app
-from jabascli.engine.checkpoint import Progress, extra_payload, read_checkpoint
+from jabascli.engine.checkpoint import Progress, check_resumable, extra_payload, read_checkpoint
 from jabascli.engine.checkpoint_store import CheckpointStore
 from jabascli.engine.parallel.dcp import load_sharded, save_sharded
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
+from jabascli.errors import InputError
 from jabascli.net import free_port
 from jabascli.workload import load_workload
 from tests.conftest import REPO
@@ -229,3 +230,13 @@ def test_workload_model_loads_the_export(tmp_path: Path, cli) -> None:
     fresh = load_workload("gpt", {"variant": "tiny", "context": 8}).build_model()
     fresh.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
     assert max(max_abs_diff(fresh.state_dict(), model.state_dict()).values()) == 0
+
+
+def test_resume_check_reads_a_dcp_checkpoints_fingerprint(tmp_path: Path) -> None:
+    """``jabas train --resume`` checks the model from DCP's metadata: the same workload passes, another fails."""
+    model, optimizer = _tiny_gpt()
+    save_sharded(CheckpointStore(tmp_path), step=0, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, 0))
+    found = check_resumable(tmp_path, load_workload("gpt", {"variant": "tiny", "context": 8}))
+    assert found.path == tmp_path / "checkpoint-0.dcp"
+    with pytest.raises(InputError, match="another model"):
+        check_resumable(tmp_path, load_workload("vit", {"variant": "tiny", "image_size": 16}))

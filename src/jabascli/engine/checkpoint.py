@@ -189,14 +189,15 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return load_found(resolve_checkpoint(path))
 
 
-def load_found(found: Found) -> dict[str, Any]:
-    """The payload of a checkpoint found (and checked) by :func:`resolve_checkpoint` or :func:`newest_checkpoint`."""
+def load_found(found: Found, *, tensors: bool = True) -> dict[str, Any]:
+    """The payload of a checkpoint found (and checked) by :func:`resolve_checkpoint` or :func:`newest_checkpoint`.
+    ``tensors=False``: of a ``.dcp`` checkpoint, all but model and optimizer (the fingerprint from its metadata)."""
     if not is_sharded(found.path):
         return load_payload(found.path, found.data)
-    from jabascli.engine.parallel.dcp import read_sharded  # imports this module: imported when needed
+    from jabascli.engine.parallel.dcp import read_fingerprint, read_sharded  # it imports this module
 
     try:
-        payload = read_sharded(found.path)
+        payload = read_sharded(found.path) if tensors else read_fingerprint(found.path)
     except Exception as exc:  # a folder whose files were checked yet do not parse: not written by jabas
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise InputError.at(found.path, None, f"corrupt or not a checkpoint (DCP: {reason})") from None
@@ -269,5 +270,5 @@ def check_resumable(path: Path, workload: Any) -> Found:
     """Fail early (InputError) unless ``path`` (a file or a job's folder) holds a checkpoint of ``workload``'s
     model; returns the checkpoint found, so that every rank resumes that one file."""
     found = resolve_checkpoint(path)
-    check_same_model(load_found(found), found.path, workload.build_model())
+    check_same_model(load_found(found, tensors=False), found.path, workload.build_model())
     return found

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -140,14 +141,24 @@ def read_sharded(path: Path) -> dict[str, Any]:
         else:
             hyper.setdefault(name, {})[field] = value
     param_groups = [{**hyper.get(group[0], {}), "params": [numbers[n] for n in group]} for group in groups if group]
-    extra = torch.load(path / EXTRA, map_location="cpu", weights_only=True)
     return {
-        **extra,
+        **read_fingerprint(path),
         "model": model,
-        "fingerprint": {name: (list(t.shape), str(t.dtype)) for name, t in model.items()},
         "optimizer": {"state": dict(sorted(per_param.items())), "param_groups": param_groups},
         "parameter_names": groups,
     }
+
+
+def read_fingerprint(path: Path) -> dict[str, Any]:
+    """``extra`` with the whole model's fingerprint (name -> shape, dtype), from DCP's metadata: what checking a
+    checkpoint against a workload's model needs, without reading its tensors."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    fingerprint = {}
+    for key, item in metadata.state_dict_metadata.items():
+        where = (metadata.planner_data or {}).get(key, ())
+        if isinstance(item, TensorStorageMetadata) and len(where) == 2 and where[0] == "model":
+            fingerprint[where[1]] = (list(item.size), str(item.properties.dtype))
+    return {**torch.load(path / EXTRA, map_location="cpu", weights_only=True), "fingerprint": fingerprint}
 
 
 def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
