@@ -11,9 +11,6 @@ plain -> hybrid are both crossed. In-process cases check what a ``.dcp`` checkpo
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +24,9 @@ from jabascli.engine.parallel.dcp import load_sharded, save_sharded
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from jabascli.errors import InputError
-from jabascli.net import free_port
 from jabascli.workload import load_workload
-from tests.conftest import REPO
-from tests.engine_support import TRAINER_ENV, load, max_abs_diff
-from tests.test_hybrid_exactness import write_config
+from tests.engine_support import load, max_abs_diff
+from tests.test_hybrid_exactness import run_ranks, write_config
 
 # (ga per server, [parallel], devices per server): each layout's GBS is 8 (12 for the 3-rank one).
 TP2 = ([1], {"tp": 2}, 2)
@@ -40,24 +35,6 @@ PLAIN = ([3], {}, 1)
 SHARDED2 = ([1, 1], {"sharding": "full"}, 1)
 SHARDED3 = ([0, 1, 2], {"sharding": "full"}, 1)
 SHARDED2_GBS12 = ([2, 2], {"sharding": "full"}, 1)
-
-
-def run_ranks(config: Path, world: int, out: Path, *args: str) -> None:
-    port = free_port()
-    env = {**os.environ, **TRAINER_ENV, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "tests.hybrid_support", str(config)]
-    ranks = [
-        subprocess.Popen(
-            [*command, str(r), str(world), str(port), str(out), *args],
-            cwd=REPO,
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    errors = [p.communicate(timeout=300)[1] for p in ranks]
-    assert all(p.returncode == 0 for p in ranks), errors
 
 
 def job(folder: Path, layout: tuple[list[int], dict[str, Any], int]) -> Path:
