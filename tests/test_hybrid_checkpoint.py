@@ -20,9 +20,11 @@ import torch
 from jabascli.cli.app import app
 from jabascli.engine.checkpoint import Progress, check_resumable, extra_payload, read_checkpoint
 from jabascli.engine.checkpoint_store import CheckpointStore
+from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.parallel.dcp import load_sharded, save_sharded
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
+from jabascli.engine.rerun import choose_start
 from jabascli.errors import InputError
 from jabascli.workload import load_workload
 from tests.engine_support import load, max_abs_diff
@@ -217,3 +219,14 @@ def test_resume_check_reads_a_dcp_checkpoints_fingerprint(tmp_path: Path) -> Non
     assert found.path == tmp_path / "checkpoint-0.dcp"
     with pytest.raises(InputError, match="another model"):
         check_resumable(tmp_path, load_workload("vit", {"variant": "tiny", "image_size": 16}))
+
+
+def test_a_rerun_starts_from_the_newest_dcp_checkpoint(tmp_path: Path) -> None:
+    """``jabas run``'s rerun takes a ``.dcp`` checkpoint as it takes a ``.pt`` one, newest first."""
+    loaded = load(job(tmp_path / "a", PLAIN))
+    model, optimizer = _tiny_gpt()
+    _step(model, optimizer)
+    store = CheckpointStore(checkpoint_folder(loaded))
+    save_sharded(store, step=3, epoch=1, model=model, optimizer=optimizer, extra=_extra(model, 3))
+    start = choose_start(loaded, resume=None, fresh=False, max_steps=None)
+    assert (start.resume, start.step, start.epoch, start.done) == (store.folder / "checkpoint-3.dcp", 3, 1, None)
