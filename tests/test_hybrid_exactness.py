@@ -50,12 +50,13 @@ def write_config(
     return path
 
 
-def train_sharded(config: Path, world: int, out: Path, stages: int = 1) -> dict[str, torch.Tensor]:
+def run_ranks(config: Path, world: int, out: Path, *args: str) -> None:
+    """``world`` processes of tests/hybrid_support.py on ``config`` (``args``: its checkpoint options)."""
     port = free_port()
     env = {**os.environ, **TRAINER_ENV, "PYTHONPATH": str(REPO)}
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.hybrid_support", str(config), str(r), str(world), str(port), str(out)],
+            [sys.executable, "-m", "tests.hybrid_support", str(config), str(r), str(world), str(port), str(out), *args],
             cwd=REPO,
             env=env,
             stderr=subprocess.PIPE,
@@ -65,6 +66,10 @@ def train_sharded(config: Path, world: int, out: Path, stages: int = 1) -> dict[
     ]
     errors = [p.communicate(timeout=300)[1] for p in ranks]
     assert all(p.returncode == 0 for p in ranks), errors
+
+
+def train_sharded(config: Path, world: int, out: Path, stages: int = 1) -> dict[str, torch.Tensor]:
+    run_ranks(config, world, out)
     if stages == 1:
         return torch.load(out, weights_only=True)
     whole: dict[str, torch.Tensor] = {}
