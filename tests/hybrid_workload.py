@@ -41,6 +41,10 @@ def train_dataset(options):
     return _base(options).train_dataset(_own(options))
 
 
+def val_dataset(options):
+    return _base(options).val_dataset(_own(options))
+
+
 def collate(samples):
     inputs, target = default_collate(samples)
     return (inputs.double() if inputs.is_floating_point() else inputs), target

@@ -102,7 +102,6 @@ def one_server(tmp_path: Path, workload: str, devices: int, parallel: str) -> Pa
         ("digits", 2, "tp = 2", "parallel.tp: workload 'digits' declares no blocks (and no TP plan)"),
         ("gpt", 1, "pp = 1\nstages = [[0, 2]]", "parallel.stages: leaves blocks 3-3 out of every stage"),
         ("gpt", 1, "checkpointing = [4]", "parallel.checkpointing: block 4 is past the model's 4 blocks"),
-        ("gpt", 1, 'sharding = "full"', "parallel: jabas train does not run hybrid layouts yet"),
     ],
 )
 def test_train_refuses_what_the_workload_or_runtime_cannot_honour(

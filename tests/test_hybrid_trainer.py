@@ -1,0 +1,219 @@
+"""`[parallel]` layouts in the real trainer (engine/trainer.py) on gloo processes equal the single-process reference.
+
+Each rank is a real :class:`~jabascli.engine.trainer.Trainer` in its own process (``mp.spawn``),
+training tiny GPT in float64 for 12 iterations over two epochs (each dropping a remainder) with
+its layout built by :mod:`jabascli.engine.parallel.runner`: ``sharding = "full"`` over 2 ranks
+running unequal micro-batch counts (3 and 1), ``tp = 2`` (one replica running both devices'
+micro-batches), ``pp = 2`` with stages of 3 and 1 blocks. Every parameter ends within 1e-9 of
+:func:`jabascli.engine.reference.reference_run`; the start event says why weight sync is sequential;
+validation ran (its loss is the reference model's on the validation set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+import tomllib
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from jabascli.engine.distributed import DistEnv, init_process_group
+from jabascli.engine.options import TrainOptions
+from jabascli.engine.plan import TrainingPlan, load_plan
+from jabascli.engine.reference import reference_run
+from jabascli.engine.trainer import Trainer
+from jabascli.net import free_port
+from tests.conftest import run_jabas
+from tests.engine_support import load, max_abs_diff
+from tests.test_hybrid_exactness import write_config
+
+
+def changed_plan(plan: TrainingPlan, change: dict[str, Any]) -> TrainingPlan:
+    """``plan`` at LBS ``change["lbs"]``, server ``s<i>``'s ranks with GA ``change["ga"][i]``."""
+    ranks = tuple(dataclasses.replace(r, ga=change["ga"][int(r.server[1:])]) for r in plan.ranks)
+    return dataclasses.replace(plan, lbs=change["lbs"], ranks=ranks)
+
+
+def _rank(rank: int, world: int, port: int, config: str, out: str, change: dict[str, Any] | None) -> None:
+    """One trainer rank, in-process, so that its part of the model can be gathered at the end.
+
+    ``change``: switch to another plan after iteration ``change["at"]`` (mid-epoch), as an adaptive
+    decision would (the adaptive measurement itself is refused under a layout).
+    """
+    torch.set_num_threads(1)
+    loaded = load(Path(config))
+    init_process_group(DistEnv(rank, world, rank, "127.0.0.1", port), torch.device("cpu"))
+    trainer = None
+    try:
+        events: list[dict[str, Any]] = []
+        options = TrainOptions(metrics=False)
+        trainer = Trainer(loaded, load_plan(loaded), rank, torch.device("cpu"), options, events.append)
+        if change is not None:
+
+            def decide(step: int, plan: TrainingPlan, where: object, report: object) -> TrainingPlan | None:
+                return changed_plan(plan, change) if step == change["at"] else None
+
+            trainer.adaptive.after_step = decide  # type: ignore[method-assign]
+        results = trainer.fit()
+        assert trainer.layout_workers is not None
+        torch.save(trainer.layout_workers.replica.full_state_dict(), Path(out) / f"rank{rank}.pt")  # a collective
+        if rank == 0:
+            summary = {"events": events, "steps": trainer.progress.step, "val_loss": [r.val_loss for r in results]}
+            summary["history"] = trainer.progress.gbs_history
+            (Path(out) / "result.json").write_text(json.dumps(summary))
+    finally:
+        trainer = None  # its process group users go first (as run_trainer does)
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def train(
+    config: Path, world: int, out: Path, change: dict[str, Any] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The whole model (every rank's part merged: pipeline stages hold different blocks) and rank 0's summary."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_rank, args=(world, free_port(), str(config), str(out), change), nprocs=world)
+    whole: dict[str, torch.Tensor] = {}
+    for r in range(world):
+        whole.update(torch.load(out / f"rank{r}.pt", weights_only=True))
+    return whole, json.loads((out / "result.json").read_text())
+
+
+def validation_loss(model: torch.nn.Module, loaded: Any) -> float:
+    from jabascli.engine.data import BatchLoader
+    from jabascli.workload import workload_of
+
+    workload = workload_of(loaded)
+    val = workload.val_dataset()
+    inputs, target = BatchLoader(val, torch.device("cpu"), workload.collate)(range(len(val)))
+    model.eval()
+    with torch.no_grad():
+        return float(workload.loss(model(inputs), target))
+
+
+def job(tmp_path: Path, optimizer: str, ga: list[int], devices: int, parallel: dict[str, Any], **job_keys: Any) -> Path:
+    """The hybrid exactness tests' job (6 iterations an epoch, 2 epochs), with more ``[job]`` keys."""
+    path = write_config(tmp_path, "gpt", optimizer, ga, parallel, devices=devices)
+    config = tomllib.loads(path.read_text())
+    config["job"].update({k: v for k, v in job_keys.items() if v is not None})
+    path.write_bytes(tomli_w.dumps(config).encode())
+    return path
+
+
+CLIP = 0.05
+"""Small enough to clip every step of these runs (checked against the unclipped reference)."""
+
+CASES = [
+    pytest.param("adam", [2, 0], 1, {"sharding": "full"}, None, id="sharding-full-2-ranks-unequal"),
+    pytest.param("adam", [1], 2, {"tp": 2}, CLIP, id="tp-2-clipped"),
+    pytest.param(
+        "sgd", [1], 2, {"pp": 2, "stages": [[0, 2], [3, 3]], "schedule": "1f1b"}, CLIP, id="pp-2-1f1b-clipped"
+    ),
+    pytest.param(
+        "sgd",
+        [1, 0],
+        1,
+        {"sharding": "grads", "checkpointing": "full"},
+        CLIP,
+        id="sharding-grads-checkpointing-clipped",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "adam",
+        [1],
+        2,
+        {"pp": 2, "stages": [[0, 0], [1, 3]], "schedule": "gpipe", "checkpointing": [1, 2]},
+        None,
+        id="pp-2-gpipe-checkpointing",
+        marks=pytest.mark.slow,
+    ),
+]
+
+
+@pytest.mark.parametrize(("optimizer", "ga", "devices", "parallel", "clip"), CASES)
+def test_trainer_runs_the_layout_and_equals_the_reference(
+    tmp_path: Path, optimizer: str, ga: list[int], devices: int, parallel: dict[str, Any], clip: float | None
+) -> None:
+    loaded = load(job(tmp_path, optimizer, ga, devices, parallel, clip_grad_norm=clip))
+    world = len(ga) * devices
+    trained, result = train(loaded.path, world, tmp_path)
+    assert result["steps"] == 12
+    start = next(e for e in result["events"] if e["event"] == "start")
+    assert start["weight_sync"] == "sequential" and "[parallel] layout" in start["weight_sync_reason"]
+
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=12)
+    diffs = max_abs_diff(trained, reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}
+    # Validation ran on every replica's share and counted each sample once.
+    assert result["val_loss"][-1] == pytest.approx(validation_loss(reference, loaded), rel=1e-9)
+    if clip is not None:
+        loaded.config.job.clip_grad_norm = None
+        unclipped, _ = reference_run(loaded, load_plan(loaded), steps=12)
+        assert max(max_abs_diff(trained, unclipped.state_dict()).values()) > 1e-4, "the clip should matter"
+
+
+CHANGES = [
+    # 3 + 1 micro-batches of LBS 2 (GBS 8), then 2 + 2 of LBS 3 (GBS 12): equal counts, ZeRO-3 per micro-batch
+    pytest.param([2, 0], 1, {"sharding": "full"}, {"at": 3, "lbs": 3, "ga": [1, 1]}, id="sharding-full"),
+    # a pipeline of 4 micro-batches of LBS 2, then 6 of LBS 1: new schedules, new shapes
+    pytest.param([1], 2, {"pp": 2, "schedule": "1f1b"}, {"at": 3, "lbs": 1, "ga": [2]}, id="pp-2"),
+]
+
+
+@pytest.mark.parametrize(("ga", "devices", "parallel", "change"), CHANGES)
+def test_a_gbs_change_mid_epoch_under_a_layout_equals_the_reference_with_the_same_history(
+    tmp_path: Path, ga: list[int], devices: int, parallel: dict[str, Any], change: dict[str, Any]
+) -> None:
+    loaded = load(job(tmp_path, "adam", ga, devices, parallel))
+    trained, result = train(loaded.path, len(ga) * devices, tmp_path, change)
+    history = result["history"]
+    assert [(h["step"], h["epoch"], h["lbs"]) for h in history][1] == (3, 0, change["lbs"]), history
+    assert result["steps"] >= 9 and len(result["val_loss"]) == 2  # two epochs
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=result["steps"], schedule=history)
+    diffs = max_abs_diff(trained, reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}
+
+
+def with_keys(path: Path, section: str, keys: dict[str, Any]) -> Path:
+    config = tomllib.loads(path.read_text())
+    config.setdefault(section, {}).update(keys)
+    path.write_bytes(tomli_w.dumps(config).encode())
+    return path
+
+
+def test_the_adaptive_measurement_under_a_layout_is_one_line_exit_2(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "gpt", "adam", [0], {"sharding": "full"})
+    result = run_jabas("train", "-c", str(with_keys(path, "batching", {"metric": "similarity"})))
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    words = "batching.metric: similarity with a [parallel] layout"
+    assert result.returncode == 2 and len(lines) == 1 and words in lines[0], result.stderr
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    ("parallel", "precision", "field"),
+    [({"sharding": "full"}, "fp16", "job.precision"), ({"pp": 2}, "bf16", "job.precision")],
+)
+def test_precisions_a_layout_does_not_run_are_refused_naming_the_field(
+    tmp_path: Path, parallel: dict[str, Any], precision: str, field: str
+) -> None:
+    from jabascli.engine.parallel.runner import check_trainer_layout_inputs, trainer_layout
+    from jabascli.errors import InputError
+    from jabascli.workload import workload_of
+
+    path = write_config(tmp_path, "gpt", "adam", [0], parallel, devices=2)
+    loaded = load(with_keys(path, "job", {"precision": precision}))
+    workload = workload_of(loaded)
+    model = workload.build_model()
+    layout = trainer_layout(loaded, workload, model)
+    assert layout is not None
+    with pytest.raises(InputError, match=f"{field}: {precision} with"):
+        check_trainer_layout_inputs(loaded, layout, model)
