@@ -4,18 +4,36 @@
 ``[parallel]`` layout (:mod:`jabascli.engine.parallel`) over every iteration of its epochs, each
 replica (TP group) running the micro-batches the plan deals to its ranks; rank 0 writes the whole
 model's parameters to OUT (with pipeline stages, each rank its stage's to OUT.<rank>).
+
+Checkpoints (after the five arguments): ``--store DIR --save-every K`` saves every K iterations into the
+checkpoint store DIR, ``--stop-at S`` stops after S iterations, ``--resume PATH`` restores PATH (a checkpoint
+or a store's folder: its newest intact one) and trains on from there. A hybrid layout saves and restores with
+:mod:`jabascli.engine.parallel.dcp`; a plain layout on one process as the plain trainer does
+(``save_checkpoint``, ``read_checkpoint`` + ``restore_checkpoint``), so the cases cross the two.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from jabascli.config import load_config
+from jabascli.engine.checkpoint import (
+    Progress,
+    extra_payload,
+    read_checkpoint,
+    resolve_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from jabascli.engine.checkpoint_store import CheckpointStore
 from jabascli.engine.data import BatchLoader, seed_worker
-from jabascli.engine.parallel.layout import resolve_layout
+from jabascli.engine.parallel.dcp import load_sharded, save_sharded
+from jabascli.engine.parallel.layout import Layout, resolve_layout
 from jabascli.engine.parallel.pipeline import PipelineMicroBatches
 from jabascli.engine.parallel.replica import build_replica, replica_micro_batches
 from jabascli.engine.parallel.sharding import ShardedMicroBatches
@@ -24,7 +42,7 @@ from jabascli.engine.sampler import IIDPSampler, MicroBatch
 from jabascli.workload import load_workload
 
 
-def main(config: str, rank: int, world: int, port: int, out: str) -> None:
+def main(config: str, rank: int, world: int, port: int, out: str, checkpoints: argparse.Namespace) -> None:
     loaded = load_config(config)
     cfg, plan = loaded.config, load_plan(loaded)
     workload = load_workload(cfg.job.workload, cfg.job.options, cfg.job.data)
@@ -49,14 +67,24 @@ def main(config: str, rank: int, world: int, port: int, out: str) -> None:
                 replica.model, replica.stage, layout.pp, cpu, layout.schedule, workload.loss, plan.workers, pipe_group
             )
         equal = len({plan.rank(r).micro_steps for r in range(world)}) == 1
+        whole_model = layout.plain and world == 1  # saved and restored as the plain trainer does
+        progress = Progress()
+        if checkpoints.resume is not None:
+            progress = _restore(Path(checkpoints.resume), whole_model, model, optimizer)
 
         def step(module: torch.nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> None:
             seed_worker(mb.seed, torch.device("cpu"))
             inputs, target = load(mb.indices)
             (workload.loss(module(inputs), target) / plan.workers).backward()
 
-        for epoch in range(cfg.job.epochs):
-            for iterations in zip(*(sampler.rank_iterations(epoch, 0, plan, r) for r in replica.ranks), strict=True):
+        for epoch in range(progress.epoch, cfg.job.epochs):
+            start = progress.position if epoch == progress.epoch else 0
+            progress.epoch, progress.position = epoch, start
+            for iterations in zip(
+                *(sampler.rank_iterations(epoch, start, plan, r) for r in replica.ranks), strict=True
+            ):
+                if progress.step == checkpoints.stop_at:
+                    return
                 optimizer.zero_grad()
                 micro_batches = replica_micro_batches(iterations)
                 if pipeline is not None:
@@ -68,6 +96,9 @@ def main(config: str, rank: int, world: int, port: int, out: str) -> None:
                     for mb in micro_batches:
                         step(model, 0, mb)
                 optimizer.step()
+                progress.step, progress.position = progress.step + 1, progress.position + plan.gbs
+                if checkpoints.save_every and progress.step % checkpoints.save_every == 0:
+                    _save(CheckpointStore(Path(checkpoints.store)), progress, whole_model, model, optimizer, layout)
         whole = replica.full_state_dict()  # with pp: this stage's part; rank r writes OUT.r
         if rank == 0 or layout.pp > 1:
             torch.save(whole, out if layout.pp == 1 else f"{out}.{rank}")
@@ -75,5 +106,34 @@ def main(config: str, rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _save(
+    store: CheckpointStore,
+    progress: Progress,
+    whole_model: bool,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    layout: Layout,
+) -> None:
+    job = {"model": model, "scheduler": None, "progress": progress, "workload": "hybrid", "config": {}}
+    if whole_model:
+        save_checkpoint(store, optimizer=optimizer, plan={}, **job)
+    else:
+        extra = extra_payload(plan={"layout": repr(layout)}, **job)
+        save_sharded(store, step=progress.step, epoch=progress.epoch, model=model, optimizer=optimizer, extra=extra)
+
+
+def _restore(path: Path, whole_model: bool, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Progress:
+    found = resolve_checkpoint(path).path  # a store's folder: its newest intact checkpoint
+    if whole_model:
+        return restore_checkpoint(read_checkpoint(found), found, model=model, optimizer=optimizer, scheduler=None)
+    return Progress(**load_sharded(found, model, optimizer)["progress"])
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--store")
+    parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--stop-at", type=int, default=-1)
+    parser.add_argument("--resume")
+    checkpoints = parser.parse_args(sys.argv[6:])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], checkpoints)

@@ -32,7 +32,7 @@ def atomic_write(path: Path | str, write: Callable[[IO[bytes]], Any], *, mode: i
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
@@ -66,7 +66,7 @@ def _mode_for(path: Path) -> int:
         return 0o666 & ~_UMASK
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     # The rename itself lives in the directory entry; fsync it so it survives a crash.
     try:
         fd = os.open(folder, os.O_RDONLY)

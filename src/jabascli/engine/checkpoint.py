@@ -12,6 +12,8 @@ resumed by a different number of trainers with a different configuration.
 Written by rank 0 into the job's :class:`~jabascli.engine.checkpoint_store.CheckpointStore`,
 which keeps the last few, each with its digest: an interrupted save leaves the
 previous checkpoints in place, and a damaged newest one falls back to the one before.
+A hybrid layout's checkpoint is a ``.dcp`` folder written by every rank
+(:mod:`jabascli.engine.parallel.dcp`); it reads back here as the same payload.
 """
 
 from __future__ import annotations
@@ -100,13 +102,47 @@ def save_checkpoint(
     The returned payload's tensors are the live model's and optimizer's, not copies: it equals
     the file only until they change (a trainer that stops here may resume from it, not from disk).
     """
+    names = {p: name for name, p in model.named_parameters()}
     payload = {
+        **extra_payload(
+            model=model,
+            scheduler=scheduler,
+            progress=progress,
+            workload=workload,
+            config=config,
+            plan=plan,
+            adaptive=adaptive,
+            grad_scaler=grad_scaler,
+        ),
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        # Which parameter each of the optimizer's numbers is: lets a sharded or split layout restore it.
+        "parameter_names": [[names[p] for p in group["params"]] for group in optimizer.param_groups],
+    }
+    buffer = io.BytesIO()  # serialise first: a failure cannot leave a temporary file behind
+    torch.save(payload, buffer)
+    path = store.write(buffer.getvalue(), step=progress.step, epoch=progress.epoch)
+    return payload, path
+
+
+def extra_payload(
+    *,
+    model: nn.Module,
+    scheduler: Any | None,
+    progress: Progress,
+    workload: str,
+    config: dict[str, Any],
+    plan: dict[str, Any],
+    adaptive: dict[str, Any] | None = None,
+    grad_scaler: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A checkpoint's payload without model and optimizer: what rank 0 writes beside a ``.dcp`` checkpoint's
+    shards (engine/parallel/dcp.py: save_sharded's ``extra``)."""
+    return {
         "format": FORMAT,
         "version": VERSION,
         "workload": workload,
-        "model": model.state_dict(),
         "fingerprint": fingerprint(model),
-        "optimizer": optimizer.state_dict(),
         "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
         "rng": rng_states(),
         "progress": asdict(progress),
@@ -115,10 +151,6 @@ def save_checkpoint(
         "adaptive": adaptive,
         "grad_scaler": grad_scaler or {},  # fp16's loss scale (engine/step_policy.py); empty otherwise
     }
-    buffer = io.BytesIO()  # serialise first: a failure cannot leave a temporary file behind
-    torch.save(payload, buffer)
-    path = store.write(buffer.getvalue(), step=progress.step, epoch=progress.epoch)
-    return payload, path
 
 
 def newest_checkpoint(folder: Path) -> Found | None:
@@ -127,8 +159,11 @@ def newest_checkpoint(folder: Path) -> Found | None:
 
 
 def resolve_checkpoint(path: Path) -> Found:
-    """``path``, a checkpoint file or a job's checkpoint folder (then its newest intact checkpoint), read and
-    checked against the digest it was written with; InputError when there is none or it is corrupt."""
+    """``path``, a checkpoint (a ``.pt`` file or a ``.dcp`` folder) or a job's checkpoint folder (then its newest
+    intact checkpoint), checked against the digests it was written with; InputError when there is none or it is
+    corrupt. A ``.pt`` file's bytes are read once, here."""
+    if is_sharded(path):
+        return Found(path, b"", CheckpointStore(path.parent).verify_folder(path))
     if path.is_dir():
         found = newest_checkpoint(path)
         if found is None:
@@ -140,13 +175,32 @@ def resolve_checkpoint(path: Path) -> Found:
     return Found(path, data, CheckpointStore(path.parent).verify(path, data))
 
 
+def is_sharded(path: Path) -> bool:
+    """Whether ``path`` is a ``.dcp`` checkpoint folder (written by every rank of a hybrid layout)."""
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint (a file, or a job's folder: its newest intact one) onto the CPU.
+    """Load a checkpoint (a file, a ``.dcp`` folder, or a job's folder: its newest intact one) onto the CPU,
+    whole, whatever layout wrote it.
 
     Anything that is not an intact jabas checkpoint is an InputError.
     """
-    found = resolve_checkpoint(path)
-    return load_payload(found.path, found.data)
+    return load_found(resolve_checkpoint(path))
+
+
+def load_found(found: Found) -> dict[str, Any]:
+    """The payload of a checkpoint found (and checked) by :func:`resolve_checkpoint` or :func:`newest_checkpoint`."""
+    if not is_sharded(found.path):
+        return load_payload(found.path, found.data)
+    from jabascli.engine.parallel.dcp import read_sharded  # imports this module: imported when needed
+
+    try:
+        payload = read_sharded(found.path)
+    except Exception as exc:  # a folder whose files were checked yet do not parse: not written by jabas
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InputError.at(found.path, None, f"corrupt or not a checkpoint (DCP: {reason})") from None
+    return _checked(found.path, payload)
 
 
 def load_payload(path: Path, data: bytes) -> dict[str, Any]:
@@ -156,6 +210,10 @@ def load_payload(path: Path, data: bytes) -> dict[str, Any]:
     except Exception as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise InputError.at(path, None, f"corrupt or not a checkpoint (torch.load: {reason})") from None
+    return _checked(path, payload)
+
+
+def _checked(path: Path, payload: Any) -> dict[str, Any]:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise InputError.at(path, None, "not a jabas checkpoint")
     if payload.get("version") != VERSION:
@@ -211,5 +269,5 @@ def check_resumable(path: Path, workload: Any) -> Found:
     """Fail early (InputError) unless ``path`` (a file or a job's folder) holds a checkpoint of ``workload``'s
     model; returns the checkpoint found, so that every rank resumes that one file."""
     found = resolve_checkpoint(path)
-    check_same_model(load_payload(found.path, found.data), found.path, workload.build_model())
+    check_same_model(load_found(found), found.path, workload.build_model())
     return found
