@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from jabascli.engine.checkpoint import read_checkpoint
 from jabascli.engine.distributed import DistEnv, init_process_group
 from jabascli.engine.launch import run_local
+from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import TrainingPlan, load_plan
 from jabascli.engine.reference import reference_run
@@ -244,3 +247,51 @@ def test_adam_state_that_does_not_fit_an_emulated_device_trains_once_sharded(
         return
     result = run_local(loaded, TrainOptions(metrics=False), None, TRAINER_ENV)
     assert result.done["step"] == 12  # to the end: two epochs
+
+
+RESUMES = [
+    # sharded over two servers' devices (3 + 1 micro-batches) -> one TP replica of one server's 2 devices (2 x 2)
+    pytest.param(([2, 0], 1, {"sharding": "full"}), ([1], 2, {"tp": 2}), id="sharded-2-ranks-to-tp-2"),
+    pytest.param(
+        ([1], 2, {"pp": 2, "schedule": "1f1b"}), ([2, 0], 1, None), id="pp-2-to-plain", marks=pytest.mark.slow
+    ),
+]
+
+
+@pytest.mark.parametrize(("before", "after"), RESUMES)
+def test_a_killed_run_resumes_under_another_layout_and_equals_the_reference(
+    tmp_path: Path, before: tuple[list[int], int, dict[str, Any]], after: tuple[list[int], int, dict[str, Any] | None]
+) -> None:
+    """`jabas run`'s trainers (real processes) write DCP checkpoints every 2 iterations; rank 0 is killed with
+    SIGKILL after the one of iteration 4; the job resumes, resharded, under a layout of the same GBS (8)."""
+    loaded = load(job(tmp_path, "adam", *before))
+    pids: list[int] = []
+
+    def kill_after_step_4(event: dict[str, Any]) -> None:
+        if event["event"] == "start":
+            pids.append(event["pid"])
+        elif event["event"] == "checkpoint" and event["step"] >= 4 and len(pids) == 1:
+            os.kill(pids[0], signal.SIGKILL)
+            pids.append(event["step"])
+
+    with pytest.raises(RuntimeFailure, match="killed by signal 9"):
+        run_local(loaded, TrainOptions(metrics=False, checkpoint_every=2), kill_after_step_4, TRAINER_ENV)
+    saved = read_checkpoint(checkpoint_folder(loaded))  # a .dcp folder, read whole
+    assert saved["progress"]["step"] >= 4
+
+    ga, devices, parallel = after
+    path = job(tmp_path, "adam", ga, devices, parallel or {})
+    if parallel is None:  # plain IIDP
+        config = tomllib.loads(path.read_text())
+        del config["parallel"]
+        path.write_bytes(tomli_w.dumps(config).encode())
+    events: list[dict[str, Any]] = []
+    run_local(load(path), TrainOptions(metrics=False, resume=checkpoint_folder(loaded)), events.append, TRAINER_ENV)
+    start = next(e for e in events if e["event"] == "start")
+    assert (start["gbs"], start["step"]) == (8, saved["progress"]["step"])
+
+    final = read_checkpoint(checkpoint_folder(loaded))
+    assert final["progress"]["step"] == 12
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=12)
+    diffs = max_abs_diff(final["model"], reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}

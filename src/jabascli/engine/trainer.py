@@ -63,6 +63,8 @@ from jabascli.engine.parallel.runner import (
     LayoutWorkers,
     build_layout_workers,
     check_trainer_layout_inputs,
+    restore_layout_checkpoint,
+    save_layout_checkpoint,
     trainer_layout,
 )
 from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_dict
@@ -297,11 +299,19 @@ class Trainer:
         options = self.options
         if options.resume is None or self._restored:
             return
+        if self.layout is not None and self.layout_workers is None:
+            return  # a layout's checkpoint is read by all ranks together, into the built layout (connect)
         self._restored = True
-        payload = self._payload = written if written is not None else read_checkpoint(options.resume)
-        self.progress = restore_checkpoint(
-            payload, options.resume, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
-        )
+        if self.layout_workers is not None:
+            payload, self.progress = restore_layout_checkpoint(
+                options.resume, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+            )
+        else:
+            payload = written if written is not None else read_checkpoint(options.resume)
+            self.progress = restore_checkpoint(
+                payload, options.resume, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+            )
+        self._payload = payload
         self.step_policy.load_state_dict(payload.get("grad_scaler") or {})
 
     def connect(self) -> None:
@@ -619,22 +629,27 @@ class Trainer:
         return every is not None and self.progress.step > 0 and self.progress.step % every == 0
 
     def _save_checkpoint(self) -> None:
-        if self.layout_workers is not None:
-            return  # TODO(dcp): sharded checkpoints of a layout
-        if self.rank != 0:
+        """Rank 0 writes the whole model; under a layout every rank writes its shards (DCP), together."""
+        if self.layout_workers is None and self.rank != 0:
             return
-        self.saved, path = save_checkpoint(
+        store, fields = (
             checkpoint_store(self.loaded),
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            progress=self.progress,
-            workload=self.workload.name,
-            config=self.loaded.config.model_dump(mode="json"),
-            plan=self.plan.to_dict(),
-            adaptive=self.adaptive.state_dict(self.plan),
-            grad_scaler=self.step_policy.state_dict(),
+            {
+                "model": self.model,
+                "optimizer": self.optimizer,
+                "scheduler": self.scheduler,
+                "progress": self.progress,
+                "workload": self.workload.name,
+                "config": self.loaded.config.model_dump(mode="json"),
+                "plan": self.plan.to_dict(),
+                "adaptive": self.adaptive.state_dict(self.plan),
+                "grad_scaler": self.step_policy.state_dict(),
+            },
         )
+        if self.layout_workers is not None:
+            path = save_layout_checkpoint(store, **fields)
+        else:
+            self.saved, path = save_checkpoint(store, **fields)
         if self.emit:
             p = self.progress
             self.emit(

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
-
 from jabascli.config import LoadedConfig
 from jabascli.engine.parallel.pipeline import stage_ranges
 from jabascli.errors import InputError
@@ -100,23 +98,3 @@ def resolve_layout(loaded: LoadedConfig, workload: Workload, block_count: int | 
 
 def _declares(workload: Workload, function: str) -> bool:
     return callable(getattr(workload.module, function, None))
-
-
-def check_trainer_layout(loaded: LoadedConfig, workload: Workload, model: nn.Module) -> None:
-    """Refuse, in one line, a ``[parallel]`` layout that ``jabas train`` does not run yet.
-
-    The layouts above are built and exact (tests/test_hybrid_exactness.py), but the trainer's
-    checkpoints are whole-model ``torch.save`` files written by rank 0, which a sharded or split
-    model cannot write correctly: they wait for DCP checkpoints. A plain layout trains as always.
-    """
-    if loaded.config.parallel is None:
-        return
-    blocks = workload.blocks(model)
-    layout = resolve_layout(loaded, workload, None if blocks is None else len(blocks))
-    if layout is not None and not layout.plain:
-        raise InputError.at(
-            loaded.path,
-            "parallel",
-            "jabas train does not run hybrid layouts yet: their checkpoints need DCP (docs/hybrid.md); "
-            'remove [parallel] or keep tp = 1, pp = 1, sharding = "none", checkpointing = "none"',
-        )

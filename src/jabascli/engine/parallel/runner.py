@@ -30,7 +30,8 @@ shards), autocast under pipeline stages, BatchNorm's running statistics under
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +41,10 @@ from torch.distributed.tensor import DTensor
 
 from jabascli.config import LoadedConfig
 from jabascli.engine.buffers import BufferSync, allreduce_sum, norm_layers
+from jabascli.engine.checkpoint import Progress, extra_payload, resolve_checkpoint, set_rng_states
+from jabascli.engine.checkpoint_store import CheckpointStore
 from jabascli.engine.parallel.checkpointing import checkpoint_blocks
+from jabascli.engine.parallel.dcp import load_sharded, save_sharded
 from jabascli.engine.parallel.layout import Layout, resolve_layout
 from jabascli.engine.parallel.pipeline import PipelineMicroBatches
 from jabascli.engine.parallel.replica import Replica, build_replica
@@ -261,12 +265,35 @@ def _replicas(world: int, ranks: Sequence[int]) -> list[range]:
     return [range(first, first + size) for first in range(0, world, size)]
 
 
+def save_layout_checkpoint(
+    store: CheckpointStore,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    progress: Progress,
+    **fields: Any,
+) -> Path:
+    """Collective: every rank writes its shards (:func:`~jabascli.engine.parallel.dcp.save_sharded`), rank 0 the
+    rest of the payload (``fields``: :func:`~jabascli.engine.checkpoint.extra_payload`'s); the committed folder."""
+    extra = extra_payload(model=model, progress=progress, **fields)
+    return save_sharded(store, step=progress.step, epoch=progress.epoch, model=model, optimizer=optimizer, extra=extra)
+
+
+def restore_layout_checkpoint(
+    path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None
+) -> tuple[dict[str, Any], Progress]:
+    """Collective: resume ``path`` (a checkpoint, or a job's folder: its newest intact one) of any layout, plain
+    IIDP's included, resharded to this rank's part; the payload without model and optimizer, and the progress."""
+    payload = load_sharded(resolve_checkpoint(path).path, model, optimizer)
+    if scheduler is not None and payload.get("lr_scheduler") is not None:
+        scheduler.load_state_dict(payload["lr_scheduler"])
+    set_rng_states(payload["rng"])
+    return payload, Progress(**payload["progress"])
+
+
 def build_layout_workers(model: nn.Module, workload: Workload, layout: Layout, device: torch.device) -> LayoutWorkers:
     """Parallelise ``model`` for ``layout`` (the process group must exist) and run it as this rank's workers.
 
     Build the optimizer afterwards, over ``workers.model.parameters()``: TP and sharding replace parameters.
     """
     return LayoutWorkers(build_replica(model, workload, layout, device.type), layout, workload, device)
-
-
-Clip = Callable[[Sequence[torch.Tensor], float], Any]
