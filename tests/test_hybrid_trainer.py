@@ -153,6 +153,7 @@ def test_trainer_runs_the_layout_and_equals_the_reference(
     assert result["steps"] == 12
     start = next(e for e in result["events"] if e["event"] == "start")
     assert start["weight_sync"] == "sequential" and "[parallel] layout" in start["weight_sync_reason"]
+    assert start["layout"].startswith(next(iter(parallel)))  # e.g. "sharding full", "tp 2", "pp 2 (blocks ..."
 
     reference, _ = reference_run(loaded, load_plan(loaded), steps=12)
     diffs = max_abs_diff(trained, reference.state_dict())

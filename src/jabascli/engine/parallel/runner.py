@@ -74,6 +74,21 @@ def trainer_layout(loaded: LoadedConfig, workload: Workload, model: nn.Module) -
     return layout
 
 
+def describe_layout(layout: Layout | None) -> str | None:
+    """One line for the start event, e.g. ``tp 2, pp 2 (blocks 0-2 | 3-3, 1f1b), sharding full``."""
+    if layout is None:
+        return None
+    parts = [f"tp {layout.tp}"] if layout.tp > 1 else []
+    if layout.pp > 1:
+        stages = " | ".join(f"{first}-{last}" for first, last in layout.stages)
+        parts.append(f"pp {layout.pp} (blocks {stages}, {layout.schedule})")
+    if layout.sharding != "none":
+        parts.append(f"sharding {layout.sharding}")
+    if layout.checkpointed:
+        parts.append(f"checkpointing blocks {', '.join(map(str, layout.checkpointed))}")
+    return ", ".join(parts)
+
+
 def check_trainer_layout_inputs(loaded: LoadedConfig, layout: Layout, model: nn.Module) -> None:
     """Refuse, in one line naming the field, what a layout does not train exactly (module docstring)."""
     cfg, file = loaded.config, loaded.path
