@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from jabascli import __version__
-from jabascli.cli import cluster, elastic, init, profile, report, simulate, solve, sync, train, validate
+from jabascli.cli import checkpoint, cluster, elastic, init, profile, report, simulate, solve, sync, train, validate
 
 app = typer.Typer(
     name="jabas",
@@ -47,6 +47,7 @@ app.command("train")(train.train)
 app.command("run")(train.run)
 app.command("simulate")(simulate.simulate)
 app.command("report")(report.report)
+app.add_typer(checkpoint.app, name="checkpoint")
 
 
 def main() -> None:

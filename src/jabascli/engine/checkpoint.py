@@ -177,7 +177,7 @@ def resolve_checkpoint(path: Path) -> Found:
 
 def is_sharded(path: Path) -> bool:
     """Whether ``path`` is a ``.dcp`` checkpoint folder (written by every rank of a hybrid layout)."""
-    return path.is_dir() and (path / ".metadata").is_file()
+    return path.is_dir() and (path.suffix == ".dcp" or (path / ".metadata").is_file())
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

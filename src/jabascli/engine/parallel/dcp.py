@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from jabascli.atomic import atomic_write, atomic_write_json
@@ -118,7 +119,10 @@ def read_sharded(path: Path) -> dict[str, Any]:
     """The whole checkpoint in this process, as a plain checkpoint's payload: ``model`` the whole model's
     tensors, ``optimizer`` a plain optimizer's state dict (parameters numbered group by group, in order)."""
     state: dict[str, Any] = {}
-    dcp.load(state, checkpoint_id=path, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    # dcp.load fills only the keys it is given; DCP's own dcp_to_torch_save reads a whole checkpoint this way.
+    _load_state_dict(
+        state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
     model, optim = state["model"], state.get("optim", {})
     groups = _merged_groups(path)
     numbers = {name: i for i, name in enumerate(name for group in groups for name in group)}
