@@ -1,12 +1,14 @@
 """`[parallel]` layouts in the real trainer (engine/trainer.py) on gloo processes equal the single-process reference.
 
-Each rank is a real :class:`~jabascli.engine.trainer.Trainer` in its own process (``mp.spawn``),
-training tiny GPT in float64 for 12 iterations over two epochs (each dropping a remainder) with
-its layout built by :mod:`jabascli.engine.parallel.runner`: ``sharding = "full"`` over 2 ranks
-running unequal micro-batch counts (3 and 1), ``tp = 2`` (one replica running both devices'
-micro-batches), ``pp = 2`` with stages of 3 and 1 blocks. Every parameter ends within 1e-9 of
-:func:`jabascli.engine.reference.reference_run`; the start event says why weight sync is sequential;
-validation ran (its loss is the reference model's on the validation set).
+Each rank is a real :class:`~jabascli.engine.trainer.Trainer` in its own process (``mp.spawn``, or
+`jabas run`'s trainers), training tiny GPT in float64 for 12 iterations over two epochs (each dropping
+a remainder) with its layout built by :mod:`jabascli.engine.parallel.runner`: ``sharding = "full"``
+over 2 ranks running unequal micro-batch counts (3 and 1), ``tp = 2`` (one replica running both
+devices' micro-batches), ``pp = 2`` with stages of 3 and 1 blocks, clipped by the global norm. Every
+parameter ends within 1e-9 of :func:`jabascli.engine.reference.reference_run`; validation's loss is the
+reference model's. Also: a GBS and LBS change mid-epoch, a `jabas run` killed with SIGKILL and resumed
+under another layout, an emulated memory budget that only a sharded Adam state fits, and what is
+refused in one line.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from jabascli.engine.reference import reference_run
 from jabascli.engine.trainer import Trainer
 from jabascli.errors import RuntimeFailure
 from jabascli.net import free_port
-from tests.conftest import run_jabas
 from tests.engine_support import TRAINER_ENV, load, max_abs_diff
 from tests.test_hybrid_exactness import write_config
 
@@ -117,29 +118,11 @@ CLIP = 0.05
 """Small enough to clip every step of these runs (checked against the unclipped reference)."""
 
 CASES = [
-    pytest.param("adam", [2, 0], 1, {"sharding": "full"}, None, id="sharding-full-2-ranks-unequal"),
-    pytest.param("adam", [1], 2, {"tp": 2}, CLIP, id="tp-2-clipped"),
+    pytest.param("adam", [2, 0], 1, {"sharding": "full"}, CLIP, id="sharding-full-2-ranks-unequal-clipped"),
     pytest.param(
         "sgd", [1], 2, {"pp": 2, "stages": [[0, 2], [3, 3]], "schedule": "1f1b"}, CLIP, id="pp-2-1f1b-clipped"
     ),
-    pytest.param(
-        "sgd",
-        [1, 0],
-        1,
-        {"sharding": "grads", "checkpointing": "full"},
-        CLIP,
-        id="sharding-grads-checkpointing-clipped",
-        marks=pytest.mark.slow,
-    ),
-    pytest.param(
-        "adam",
-        [1],
-        2,
-        {"pp": 2, "stages": [[0, 0], [1, 3]], "schedule": "gpipe", "checkpointing": [1, 2]},
-        None,
-        id="pp-2-gpipe-checkpointing",
-        marks=pytest.mark.slow,
-    ),
+    pytest.param("adam", [1], 2, {"tp": 2}, CLIP, id="tp-2-clipped", marks=pytest.mark.slow),  # also resumed below
 ]
 
 
@@ -169,8 +152,16 @@ def test_trainer_runs_the_layout_and_equals_the_reference(
 CHANGES = [
     # 3 + 1 micro-batches of LBS 2 (GBS 8), then 2 + 2 of LBS 3 (GBS 12): equal counts, ZeRO-3 per micro-batch
     pytest.param([2, 0], 1, {"sharding": "full"}, {"at": 3, "lbs": 3, "ga": [1, 1]}, id="sharding-full"),
-    # a pipeline of 4 micro-batches of LBS 2, then 6 of LBS 1: new schedules, new shapes
-    pytest.param([1], 2, {"pp": 2, "schedule": "1f1b"}, {"at": 3, "lbs": 1, "ga": [2]}, id="pp-2"),
+    # GPipe over stages of 1 and 3 blocks, two checkpointed: 4 micro-batches of LBS 2, then 6 of LBS 1 (new
+    # schedules, new shapes)
+    pytest.param(
+        [1],
+        2,
+        {"pp": 2, "stages": [[0, 0], [1, 3]], "schedule": "gpipe", "checkpointing": [1, 2]},
+        {"at": 3, "lbs": 1, "ga": [2]},
+        id="pp-2-gpipe-checkpointing",
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
@@ -195,34 +186,31 @@ def with_keys(path: Path, section: str, keys: dict[str, Any]) -> Path:
     return path
 
 
-def test_the_adaptive_measurement_under_a_layout_is_one_line_exit_2(tmp_path: Path) -> None:
-    path = write_config(tmp_path, "gpt", "adam", [0], {"sharding": "full"})
-    result = run_jabas("train", "-c", str(with_keys(path, "batching", {"metric": "similarity"})))
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    words = "batching.metric: similarity with a [parallel] layout"
-    assert result.returncode == 2 and len(lines) == 1 and words in lines[0], result.stderr
-    assert not (tmp_path / "checkpoints").exists()
-
-
 @pytest.mark.parametrize(
-    ("parallel", "precision", "field"),
-    [({"sharding": "full"}, "fp16", "job.precision"), ({"pp": 2}, "bf16", "job.precision")],
+    ("parallel", "section", "keys", "words"),
+    [
+        ({"sharding": "full"}, "job", {"precision": "fp16"}, "job.precision: fp16 with a [parallel] layout"),
+        ({"pp": 2}, "job", {"precision": "bf16"}, "job.precision: bf16 with parallel.pp > 1"),
+        ({"tp": 2}, "batching", {"metric": "similarity"}, "batching.metric: similarity with a [parallel] layout"),
+    ],
 )
-def test_precisions_a_layout_does_not_run_are_refused_naming_the_field(
-    tmp_path: Path, parallel: dict[str, Any], precision: str, field: str
+def test_what_a_layout_does_not_train_exactly_is_refused_in_one_line_naming_the_field(
+    tmp_path: Path, parallel: dict[str, Any], section: str, keys: dict[str, Any], words: str
 ) -> None:
+    """Before any process group (Trainer.__init__ calls it): `jabas train` exits 2 with this one line."""
     from jabascli.engine.parallel.runner import check_trainer_layout_inputs, trainer_layout
     from jabascli.errors import InputError
     from jabascli.workload import workload_of
 
     path = write_config(tmp_path, "gpt", "adam", [0], parallel, devices=2)
-    loaded = load(with_keys(path, "job", {"precision": precision}))
+    loaded = load(with_keys(path, section, keys))
     workload = workload_of(loaded)
     model = workload.build_model()
     layout = trainer_layout(loaded, workload, model)
     assert layout is not None
-    with pytest.raises(InputError, match=f"{field}: {precision} with"):
+    with pytest.raises(InputError) as info:
         check_trainer_layout_inputs(loaded, layout, model)
+    assert len(info.value.lines()) == 1 and words in info.value.lines()[0]
 
 
 BUDGET = 2_000_000
@@ -230,7 +218,13 @@ BUDGET = 2_000_000
 2.7 MB peak per rank for plain IIDP, 1.4 MB with ``sharding = "full"`` over 2 ranks (what a rank holds)."""
 
 
-@pytest.mark.parametrize("parallel", [{"sharding": "full"}, None], ids=["sharded-fits", "plain-out-of-memory"])
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        pytest.param({"sharding": "full"}, id="sharded-fits"),
+        pytest.param(None, id="plain-out-of-memory", marks=pytest.mark.slow),
+    ],
+)
 def test_adam_state_that_does_not_fit_an_emulated_device_trains_once_sharded(
     tmp_path: Path, parallel: dict[str, Any] | None
 ) -> None:

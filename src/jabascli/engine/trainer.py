@@ -15,6 +15,13 @@ Every iteration, on every rank ``r``::
 which is synchronous SGD at GBS: every rank ends the iteration with the same
 parameters as one process that feeds the GBS samples in micro-batches of LBS
 and applies the mean of their gradients once (:mod:`jabascli.engine.reference`).
+
+Under a ``[parallel]`` layout a replica spans several ranks (FSDP2 shards, TP
+slices, pipeline stages): every rank of a replica runs all of the replica's
+micro-batches, the layout reduces the gradients inside backward, and the
+statistics and loss take one all-reduce of their own. The loop is the same; the
+layout is built in :mod:`jabascli.engine.parallel.runner` and answers the VSW
+strategy's calls (docs/hybrid.md).
 """
 
 from __future__ import annotations
@@ -573,7 +580,7 @@ class Trainer:
         offset, workers = self.vsw.share(self.plan, self.rank)  # a layout's replica: its ranks together
         lo = n * offset // self.plan.workers
         hi = n * (offset + workers) // self.plan.workers
-        batch = self.plan.lbs * self.me.vsw
+        batch = self.plan.lbs * self.plan.rank(self.replica_ranks[0]).vsw  # the same on every rank of a replica
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, samples
         has_accuracy = callable(getattr(self.workload.module, "count_correct", None))
         load = BatchLoader(self.val_set, self.device, self.workload.collate)
@@ -633,24 +640,21 @@ class Trainer:
         """Rank 0 writes the whole model; under a layout every rank writes its shards (DCP), together."""
         if self.layout_workers is None and self.rank != 0:
             return
-        store, fields = (
-            checkpoint_store(self.loaded),
-            {
-                "model": self.model,
-                "optimizer": self.optimizer,
-                "scheduler": self.scheduler,
-                "progress": self.progress,
-                "workload": self.workload.name,
-                "config": self.loaded.config.model_dump(mode="json"),
-                "plan": self.plan.to_dict(),
-                "adaptive": self.adaptive.state_dict(self.plan),
-                "grad_scaler": self.step_policy.state_dict(),
-            },
-        )
+        fields = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "progress": self.progress,
+            "workload": self.workload.name,
+            "config": self.loaded.config.model_dump(mode="json"),
+            "plan": self.plan.to_dict(),
+            "adaptive": self.adaptive.state_dict(self.plan),
+            "grad_scaler": self.step_policy.state_dict(),
+        }
         if self.layout_workers is not None:
-            path = save_layout_checkpoint(store, **fields)
+            path = save_layout_checkpoint(checkpoint_store(self.loaded), **fields)
         else:
-            self.saved, path = save_checkpoint(store, **fields)
+            self.saved, path = save_checkpoint(checkpoint_store(self.loaded), **fields)
         if self.emit:
             p = self.progress
             self.emit(
