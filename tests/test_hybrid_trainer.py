@@ -48,12 +48,9 @@ def changed_plan(plan: TrainingPlan, change: dict[str, Any]) -> TrainingPlan:
     return dataclasses.replace(plan, lbs=change["lbs"], ranks=ranks)
 
 
-def _rank(rank: int, world: int, port: int, config: str, out: str, change: dict[str, Any] | None) -> None:
-    """One trainer rank, in-process, so that its part of the model can be gathered at the end.
-
-    ``change``: switch to another plan after iteration ``change["at"]`` (mid-epoch), as an adaptive
-    decision would (the adaptive measurement itself is refused under a layout).
-    """
+def _rank(rank: int, world: int, port: int, config: str, out: str, change: dict[str, Any]) -> None:
+    """One trainer rank, in-process, so that it can switch to another plan after iteration ``change["at"]``
+    (mid-epoch), as an adaptive decision would (the adaptive measurement itself is refused under a layout)."""
     torch.set_num_threads(1)
     loaded = load(Path(config))
     init_process_group(DistEnv(rank, world, rank, "127.0.0.1", port), torch.device("cpu"))
@@ -62,12 +59,11 @@ def _rank(rank: int, world: int, port: int, config: str, out: str, change: dict[
         events: list[dict[str, Any]] = []
         options = TrainOptions(metrics=False)
         trainer = Trainer(loaded, load_plan(loaded), rank, torch.device("cpu"), options, events.append)
-        if change is not None:
 
-            def decide(step: int, plan: TrainingPlan, where: object, report: object) -> TrainingPlan | None:
-                return changed_plan(plan, change) if step == change["at"] else None
+        def decide(step: int, plan: TrainingPlan, where: object, report: object) -> TrainingPlan | None:
+            return changed_plan(plan, change) if step == change["at"] else None
 
-            trainer.adaptive.after_step = decide  # type: ignore[method-assign]
+        trainer.adaptive.after_step = decide  # type: ignore[method-assign]
         results = trainer.fit()
         assert trainer.layout_workers is not None
         torch.save(trainer.layout_workers.replica.full_state_dict(), Path(out) / f"rank{rank}.pt")  # a collective
@@ -81,8 +77,8 @@ def _rank(rank: int, world: int, port: int, config: str, out: str, change: dict[
         dist.destroy_process_group()
 
 
-def train(
-    config: Path, world: int, out: Path, change: dict[str, Any] | None = None
+def train_with_change(
+    config: Path, world: int, out: Path, change: dict[str, Any]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The whole model (every rank's part merged: pipeline stages hold different blocks) and rank 0's summary."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -131,10 +127,11 @@ def test_trainer_runs_the_layout_and_equals_the_reference(
     tmp_path: Path, optimizer: str, ga: list[int], devices: int, parallel: dict[str, Any], clip: float | None
 ) -> None:
     loaded = load(job(tmp_path, optimizer, ga, devices, parallel, clip_grad_norm=clip))
-    world = len(ga) * devices
-    trained, result = train(loaded.path, world, tmp_path)
-    assert result["steps"] == 12
-    start = next(e for e in result["events"] if e["event"] == "start")
+    events: list[dict[str, Any]] = []
+    result = run_local(loaded, TrainOptions(metrics=False), events.append, TRAINER_ENV)  # `jabas run`'s trainers
+    assert result.done["step"] == 12
+    trained = read_checkpoint(checkpoint_folder(loaded))["model"]  # the DCP checkpoint every rank wrote, whole
+    start = next(e for e in events if e["event"] == "start")
     assert start["weight_sync"] == "sequential" and "[parallel] layout" in start["weight_sync_reason"]
     assert start["layout"].startswith(next(iter(parallel)))  # e.g. "sharding full", "tp 2", "pp 2 (blocks ..."
 
@@ -142,7 +139,7 @@ def test_trainer_runs_the_layout_and_equals_the_reference(
     diffs = max_abs_diff(trained, reference.state_dict())
     assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}
     # Validation ran on every replica's share and counted each sample once.
-    assert result["val_loss"][-1] == pytest.approx(validation_loss(reference, loaded), rel=1e-9)
+    assert result.done["results"][-1]["val_loss"] == pytest.approx(validation_loss(reference, loaded), rel=1e-9)
     if clip is not None:
         loaded.config.job.clip_grad_norm = None
         unclipped, _ = reference_run(loaded, load_plan(loaded), steps=12)
@@ -170,7 +167,7 @@ def test_a_gbs_change_mid_epoch_under_a_layout_equals_the_reference_with_the_sam
     tmp_path: Path, ga: list[int], devices: int, parallel: dict[str, Any], change: dict[str, Any]
 ) -> None:
     loaded = load(job(tmp_path, "adam", ga, devices, parallel))
-    trained, result = train(loaded.path, len(ga) * devices, tmp_path, change)
+    trained, result = train_with_change(loaded.path, len(ga) * devices, tmp_path, change)
     history = result["history"]
     assert [(h["step"], h["epoch"], h["lbs"]) for h in history][1] == (3, 0, change["lbs"]), history
     assert result["steps"] >= 9 and len(result["val_loss"]) == 2  # two epochs

@@ -225,12 +225,12 @@ class LayoutWorkers:
         return y if self.owns_loss else None
 
     def _send(self, tensor: torch.Tensor, to: int) -> None:
-        shape = torch.tensor([tensor.ndim, *tensor.shape] + [0] * (8 - tensor.ndim), dtype=torch.int64)
+        shape = torch.tensor([tensor.ndim, *tensor.shape] + [0] * (8 - tensor.ndim), device=self.device)
         dist.send(shape, to)
         dist.send(tensor.contiguous(), to)
 
     def _receive(self, source: int) -> torch.Tensor:
-        shape = torch.zeros(9, dtype=torch.int64)
+        shape = torch.zeros(9, dtype=torch.int64, device=self.device)  # NCCL sends device tensors only
         dist.recv(shape, source)
         ndim = int(shape[0])
         tensor = torch.empty([int(s) for s in shape[1 : 1 + ndim]], dtype=self.dtype, device=self.device)
