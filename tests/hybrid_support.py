@@ -21,6 +21,7 @@ from jabascli.engine.parallel.replica import build_replica, replica_micro_batche
 from jabascli.engine.parallel.sharding import ShardedMicroBatches
 from jabascli.engine.plan import load_plan
 from jabascli.engine.sampler import IIDPSampler, MicroBatch
+from jabascli.engine.vsw import Emulation
 from jabascli.workload import load_workload
 
 
@@ -48,12 +49,16 @@ def main(config: str, rank: int, world: int, port: int, out: str) -> None:
             pipeline = PipelineMicroBatches(
                 replica.model, replica.stage, layout.pp, cpu, layout.schedule, workload.loss, plan.workers, pipe_group
             )
-        equal = len({plan.rank(r).micro_steps for r in range(world)}) == 1
+        size = layout.tp * layout.pp  # ranks per replica: replica i is ranks i x size ...
+        equal = len({sum(plan.rank(r).micro_steps for r in range(i, i + size)) for i in range(0, world, size)}) == 1
+        emulation = Emulation(plan.rank(rank).slowdown)  # an emulated slow server: slower, same values
 
         def step(module: torch.nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> None:
+            start = emulation.clock()
             seed_worker(mb.seed, torch.device("cpu"))
             inputs, target = load(mb.indices)
             (workload.loss(module(inputs), target) / plan.workers).backward()
+            emulation.pause_since(start)
 
         for epoch in range(cfg.job.epochs):
             for iterations in zip(*(sampler.rank_iterations(epoch, 0, plan, r) for r in replica.ranks), strict=True):
@@ -67,6 +72,7 @@ def main(config: str, rank: int, world: int, port: int, out: str) -> None:
                 else:
                     for mb in micro_batches:
                         step(model, 0, mb)
+                replica.sync_gradients()  # several replicas: their whole parameters' gradients summed
                 optimizer.step()
         whole = replica.full_state_dict()  # with pp: this stage's part; rank r writes OUT.r
         if rank == 0 or layout.pp > 1:

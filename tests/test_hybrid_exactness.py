@@ -23,6 +23,7 @@ import torch
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from jabascli.net import free_port
+from jabascli.workload import workload_of
 from tests.conftest import REPO
 from tests.engine_support import TRAINER_ENV, load, max_abs_diff
 
@@ -32,13 +33,26 @@ BASE_OPTIONS = {"gpt": {"variant": "tiny", "context": 8}, "vit": {"variant": "ti
 
 
 def write_config(
-    folder: Path, base: str, optimizer: str, ga: list[int], parallel: dict[str, Any], devices: int = 1
+    folder: Path,
+    base: str,
+    optimizer: str,
+    ga: list[int],
+    parallel: dict[str, Any],
+    devices: int = 1,
+    slowdown: dict[int, float] | None = None,
+    float32: bool = False,
 ) -> Path:
     """A job whose server ``i`` has ``devices`` ranks, each running ``ga[i] + 1`` micro-batches; 6 iterations
-    an epoch."""
+    an epoch. ``slowdown``: server index to the slowdown of its emulated devices."""
     gbs = LBS * devices * sum(g + 1 for g in ga)
     options = {"base": base, "optimizer": optimizer, "synthetic_size": 6 * gbs + 3, **BASE_OPTIONS[base]}
-    servers = [{"name": f"s{i}", "device_type": "cpu", "devices": devices, "ga": g} for i, g in enumerate(ga)]
+    if float32:
+        options["float32"] = True
+    servers: list[dict[str, Any]] = [
+        {"name": f"s{i}", "device_type": "cpu", "devices": devices, "ga": g} for i, g in enumerate(ga)
+    ]
+    for i, factor in (slowdown or {}).items():
+        servers[i] |= {"device_type": "slow", "emulate": {"slowdown": factor, "memory_bytes": 10**9}}
     config = {
         "job": {"workload": str(WORKLOAD), "epochs": 2, "seed": 3, "lbs": LBS, "options": options},
         "cluster": {"servers": servers},
@@ -133,3 +147,30 @@ def test_pipeline_of_unequal_stages_equals_the_single_process_reference(
     reference, _ = reference_run(loaded, load_plan(loaded), steps=12)
     diffs = max_abs_diff(trained, reference.state_dict())
     assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}
+
+
+def assert_equals_reference(loaded: Any, trained: dict[str, torch.Tensor], tolerance: float) -> None:
+    """Every parameter within ``tolerance`` of the reference's 12 iterations, and training moved them."""
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=12)
+    diffs = max_abs_diff(trained, reference.state_dict())
+    assert max(diffs.values()) <= tolerance, {k: v for k, v in diffs.items() if v > tolerance}
+    torch.manual_seed(loaded.config.job.seed)
+    start = workload_of(loaded).build_model().state_dict()
+    assert max(max_abs_diff(trained, start).values()) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "float32", "tolerance"),
+    [
+        pytest.param("adam", False, 1e-9, id="adam-float64"),
+        pytest.param("sgd", True, 1e-4, id="sgd-float32", marks=pytest.mark.slow),
+    ],
+)
+def test_tensor_parallel_pipeline_replica_equals_the_single_process_reference(
+    tmp_path: Path, optimizer: str, float32: bool, tolerance: float
+) -> None:
+    """``tp = 2`` x ``pp = 2`` on 4 ranks, one replica: two stages (3 and 1 blocks), each a TP group of 2."""
+    parallel = {"tp": 2, "pp": 2, "stages": [[0, 2], [3, 3]], "schedule": "1f1b"}
+    loaded = load(write_config(tmp_path, "gpt", optimizer, [1], parallel, devices=4, float32=float32))
+    trained = train_sharded(loaded.path, 4, tmp_path / "model.pt", stages=4)
+    assert_equals_reference(loaded, trained, tolerance)

@@ -80,14 +80,15 @@ def resolve_layout(loaded: LoadedConfig, workload: Workload, block_count: int | 
     if block_count is not None and parallel.pp > block_count:
         raise refuse("pp", f"{parallel.pp} stages for the model's {block_count} blocks: a stage needs a block")
     devices = sum(server.devices for server in loaded.config.available())
-    for field, degree in (("tp", parallel.tp), ("pp", parallel.pp)):
-        alone = parallel.tp == 1 or parallel.pp == 1
-        if degree > 1 and (parallel.sharding != "none" or devices != degree or not alone):
-            raise refuse(
-                field,
-                f"not built yet with sharding, with each other or with several replicas: {field} = {degree} "
-                f'runs as the job\'s one replica ({devices} devices here), with sharding = "none"',
-            )
+    replicas = devices // (parallel.tp * parallel.pp)
+    if parallel.sharding != "none" and (parallel.tp > 1 or parallel.pp > 1):
+        field = "tp" if parallel.tp > 1 else "pp"
+        degree = parallel.tp if parallel.tp > 1 else parallel.pp
+        raise refuse(
+            field,
+            f'not built yet with sharding: {field} = {degree} runs with sharding = "none" '
+            f"({replicas} replicas of tp x pp = {parallel.tp * parallel.pp} devices here)",
+        )
     if parallel.checkpointing == "full":
         checkpointed = tuple(range(block_count or 0))
     elif parallel.checkpointing == "none":

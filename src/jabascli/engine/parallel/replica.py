@@ -16,7 +16,7 @@ replicas, as in plain IIDP.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from jabascli.engine.parallel.checkpointing import checkpoint_blocks
+from jabascli.engine.parallel.data_parallel import all_reduce_gradients
 from jabascli.engine.parallel.layout import Layout
 from jabascli.engine.parallel.sharding import shard_model
 from jabascli.engine.parallel.tensor import parallelize_blocks
@@ -44,6 +45,13 @@ class Replica:
     """This rank's pipeline stage (0 without pipelining)."""
     ranks: list[int]
     """The ranks of this rank's replica, stage by stage: they run the micro-batches the plan deals to them."""
+    replicated: list[nn.Parameter] = field(default_factory=list)
+    """The parameters no FSDP2 unit holds: whole on every replica, gradients all-reduced over the DP ranks."""
+
+    def sync_gradients(self) -> None:
+        """After the replica's last micro-batch: sum the replicated parameters' gradients over the replicas
+        (:mod:`~jabascli.engine.parallel.data_parallel`; a collective of the DP ranks, none with one replica)."""
+        all_reduce_gradients(self.replicated, self.mesh["dp"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's tensors, gathered from every shard and TP slice (a collective: every rank calls it)."""
@@ -68,8 +76,9 @@ def build_replica(model: nn.Module, workload: Workload, layout: Layout, device_t
     if layout.tp > 1:
         parallelize_blocks(blocks, workload, mesh["tp"])
     units = shard_model(model, blocks, mesh["dp"]) if layout.sharding != "none" else []
+    replicated = [] if units else list(model.parameters())
     first = rank - rank % size
-    return Replica(model, mesh, units, stage, list(range(first, first + size)))
+    return Replica(model, mesh, units, stage, list(range(first, first + size)), replicated)
 
 
 def replica_micro_batches(iterations: Sequence[Iteration]) -> list[MicroBatch]:
