@@ -174,3 +174,24 @@ def test_tensor_parallel_pipeline_replica_equals_the_single_process_reference(
     loaded = load(write_config(tmp_path, "gpt", optimizer, [1], parallel, devices=4, float32=float32))
     trained = train_sharded(loaded.path, 4, tmp_path / "model.pt", stages=4)
     assert_equals_reference(loaded, trained, tolerance)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "sharding", "float32", "tolerance"),
+    [
+        pytest.param("adam", "none", False, 1e-9, id="adam-float64"),
+        pytest.param("sgd", "none", True, 1e-4, id="sgd-float32", marks=pytest.mark.slow),
+        pytest.param("adam", "full", False, 1e-9, id="adam-sharded-over-dp", marks=pytest.mark.slow),
+    ],
+)
+def test_tensor_parallel_replicas_on_unequal_servers_equal_the_single_process_reference(
+    tmp_path: Path, optimizer: str, sharding: str, float32: bool, tolerance: float
+) -> None:
+    """2 replicas of ``tp = 2``, one per server; the second server an emulated 3x slower device running
+    1 micro-batch per device against the first's 3: the replicas run 6 and 2 micro-batches an iteration,
+    and their gradients meet over the DP dimension (all-reduced, or reduce-scattered by FSDP2)."""
+    parallel = {"tp": 2, "sharding": sharding}
+    path = write_config(tmp_path, "gpt", optimizer, [2, 0], parallel, devices=2, slowdown={1: 3.0}, float32=float32)
+    loaded = load(path)
+    trained = train_sharded(loaded.path, 4, tmp_path / "model.pt")
+    assert_equals_reference(loaded, trained, tolerance)

@@ -2,10 +2,10 @@
 
 :func:`resolve_layout` is the one place that turns the config section into a
 :class:`Layout` and refuses, in one line naming the field, what the workload or
-the runtime cannot honour. What the runtime honours so far: ``sharding``
-(``full``, ``grads``) over the data-parallel ranks, ``checkpointing``, and
-``tp`` or ``pp`` as the job's single replica. Per-block ``layers``, and ``tp``
-or ``pp`` with sharding, with each other or with several replicas, are validated against the cluster
+the runtime cannot honour. What the runtime honours: replicas of ``tp x pp``
+devices, one or several (the data-parallel, DP, dimension), ``sharding``
+(``full``, ``grads``) over the DP ranks, with or without ``tp``, and
+``checkpointing``. ``pp`` with sharding is validated against the cluster
 (:mod:`jabascli.config.parallel_checks`) and the workload, then refused as not
 built yet, rather than trained wrongly.
 """
@@ -81,12 +81,10 @@ def resolve_layout(loaded: LoadedConfig, workload: Workload, block_count: int | 
         raise refuse("pp", f"{parallel.pp} stages for the model's {block_count} blocks: a stage needs a block")
     devices = sum(server.devices for server in loaded.config.available())
     replicas = devices // (parallel.tp * parallel.pp)
-    if parallel.sharding != "none" and (parallel.tp > 1 or parallel.pp > 1):
-        field = "tp" if parallel.tp > 1 else "pp"
-        degree = parallel.tp if parallel.tp > 1 else parallel.pp
+    if parallel.sharding != "none" and parallel.pp > 1:
         raise refuse(
-            field,
-            f'not built yet with sharding: {field} = {degree} runs with sharding = "none" '
+            "pp",
+            f'not built yet with sharding: pp = {parallel.pp} runs with sharding = "none" '
             f"({replicas} replicas of tp x pp = {parallel.tp * parallel.pp} devices here)",
         )
     if parallel.checkpointing == "full":
