@@ -195,3 +195,47 @@ def test_tensor_parallel_replicas_on_unequal_servers_equal_the_single_process_re
     loaded = load(path)
     trained = train_sharded(loaded.path, 4, tmp_path / "model.pt")
     assert_equals_reference(loaded, trained, tolerance)
+
+
+LAYERWISE = [
+    pytest.param(
+        "gpt",
+        "adam",
+        [2, 0],
+        1,
+        {"sharding": "full", "checkpointing": [0], "layers": [{"blocks": [2, 3], "checkpointing": True}]},
+        False,
+        id="gpt-adam-blocks-0-1-sharded-2-3-plain-checkpointed",
+    ),
+    pytest.param(
+        "vit",
+        "sgd",
+        [1, 0, 2],
+        1,
+        {"layers": [{"blocks": [0, 0], "sharding": "grads", "checkpointing": True}]},
+        False,
+        id="vit-sgd-block-0-sharded-rest-plain",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "gpt",
+        "adam",
+        [2, 0],
+        2,
+        {"tp": 2, "sharding": "full", "layers": [{"blocks": [3, 3], "tp": 1, "checkpointing": True}]},
+        True,
+        id="gpt-adam-float32-tp-2-sharded-block-3-whole",
+        marks=pytest.mark.slow,
+    ),
+]
+
+
+@pytest.mark.parametrize(("base", "optimizer", "ga", "devices", "parallel", "float32"), LAYERWISE)
+def test_layerwise_strategy_equals_the_single_process_reference(
+    tmp_path: Path, base: str, optimizer: str, ga: list[int], devices: int, parallel: dict[str, Any], float32: bool
+) -> None:
+    """Per-block ``layers`` (Galvatron's layerwise strategies) mixing FSDP2-sharded blocks and plain ones
+    (whole on every replica, gradients all-reduced), with checkpointing, on replicas of unequal counts."""
+    loaded = load(write_config(tmp_path, base, optimizer, ga, parallel, devices=devices, float32=float32))
+    trained = train_sharded(loaded.path, len(ga) * devices, tmp_path / "model.pt")
+    assert_equals_reference(loaded, trained, 1e-4 if float32 else 1e-9)

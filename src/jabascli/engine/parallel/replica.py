@@ -72,11 +72,19 @@ def build_replica(model: nn.Module, workload: Workload, layout: Layout, device_t
     stage = mesh.get_local_rank("pp")
     if layout.pp > 1:
         model = workload.pipeline_stage(model, *layout.stages[stage])
-    blocks = workload.blocks(model) or []
+    offset = layout.stages[stage][0]  # the stage's blocks are numbered as in the whole model
+    blocks = dict(enumerate(workload.blocks(model) or [], start=offset))
     if layout.tp > 1:
-        parallelize_blocks(blocks, workload, mesh["tp"])
-    units = shard_model(model, blocks, mesh["dp"]) if layout.sharding != "none" else []
-    replicated = [] if units else list(model.parameters())
+        parallelize_blocks([b for i, b in blocks.items() if i not in layout.tp_whole], workload, mesh["tp"])
+    units: list[FSDPModule] = []
+    replicated = list(model.parameters())
+    if layout.sharding != "none":
+        # Blocks `layers` keeps plain are left out of every FSDP2 unit, and all-reduced (sync_gradients).
+        plain = [p for i, b in blocks.items() if i in layout.unsharded for p in b.parameters()]
+        sharded = [b for i, b in blocks.items() if i not in layout.unsharded]
+        units = shard_model(model, sharded, mesh["dp"], ignored=set(plain), root=not layout.outside_unsharded)
+        in_units = {id(p) for b in sharded for p in b.parameters()}
+        replicated = [p for p in model.parameters() if id(p) not in in_units] if layout.outside_unsharded else plain
     first = rank - rank % size
     return Replica(model, mesh, units, stage, list(range(first, first + size)), replicated)
 
