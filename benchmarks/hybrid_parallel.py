@@ -9,7 +9,7 @@ dimension). After ``--iterations`` iterations of ``--micro-batches``
 micro-batches of ``--lbs`` samples per device, each rank reports the bytes it
 holds of parameters, gradients and optimizer state (its local shards only) and
 the peak bytes of the tensors one iteration creates on it (activations,
-gathered parameters, communication buffers: ``activ.``), counted as
+gathered parameters, optimizer temporaries: ``iter. peak``), counted as
 :mod:`jabascli.memtrack` counts an emulated device, with DTensor operations
 counted by their local tensors. The largest rank of each layout is printed with
 its ratio to DDP (params + grads + optimizer state) and the median iteration time.
@@ -240,7 +240,7 @@ def print_memory(ranks: list[dict[str, Any]], args: argparse.Namespace) -> None:
         f"{args.model} {args.variant}, {args.world} gloo ranks, Adam float32, LBS {args.lbs}, "
         f"{args.micro_batches} micro-batches per device; bytes of the largest rank"
     )
-    header = ("layout", "params", "grads", "optim", "total", "x DDP", "activ.", "iteration")
+    header = ("layout", "params", "grads", "optim", "total", "x DDP", "iter. peak", "iteration")
     print(
         f"{header[0]:<14}" + "".join(f"{h:>14}" for h in header[1:5]) + f"{header[5]:>7}{header[6]:>14}{header[7]:>11}"
     )
