@@ -6,7 +6,10 @@ data-parallel (DP) dimension. The ranks form a ``(dp, pp, tp)``
 :class:`DeviceMesh`, named explicitly for the CPU (gloo) or CUDA (NCCL) device
 type: FSDP2's default mesh would be a CUDA one. The model is cut to the rank's
 stage first (activation checkpointing is set on the blocks before, by their
-indices in the whole model).
+indices in the whole model); per-block ``layers`` choose which blocks TP splits and
+which FSDP2 shards (:mod:`~jabascli.engine.parallel.layerwise`). What no FSDP2 unit
+holds is whole on every replica: :meth:`Replica.sync_gradients` sums its gradients
+over the replicas (:mod:`~jabascli.engine.parallel.data_parallel`).
 
 The micro-batches of a replica are those the plan deals to its ranks
 (:func:`replica_micro_batches`): ``GBS = LBS x`` all micro-batches of all
