@@ -119,6 +119,8 @@ CASES = [
         "sgd", [1], 2, {"pp": 2, "stages": [[0, 2], [3, 3]], "schedule": "1f1b"}, CLIP, id="pp-2-1f1b-clipped"
     ),
     pytest.param("adam", [1], 2, {"tp": 2}, CLIP, id="tp-2-clipped", marks=pytest.mark.slow),  # also resumed below
+    # 2 replicas of tp = 2 on two servers, running 2 x 2 and 2 x 1 micro-batches: gradients summed across them
+    pytest.param("sgd", [1, 0], 2, {"tp": 2}, CLIP, id="2-replicas-of-tp-2-clipped", marks=pytest.mark.slow),
 ]
 
 

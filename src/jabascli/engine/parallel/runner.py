@@ -12,6 +12,7 @@ checkpointing, FSDP2). Per iteration, on every rank of a replica::
     for each micro-batch of the replica (those the plan deals to all of its ranks, in rank order):
         forward, loss / (GBS / LBS), backward    # TP: collectives inside; pp > 1: the pipeline's schedule
     FSDP2: reduce-scatter in the rank's last backward only (ShardedMicroBatches)
+    several replicas: the gradients no FSDP2 unit holds, one all-reduce (SUM) over the DP ranks
     loss, stop flag, running statistics: one all-reduce (SUM) over every rank
 
 The loss rides in that all-reduce from one rank per replica only (TP rank 0 of
@@ -167,6 +168,7 @@ class LayoutWorkers:
         else:
             for mb in micro_batches:
                 local(self.model, 0, mb)
+        self.replica.sync_gradients()  # several replicas: what no FSDP2 unit holds, summed over them
         loss = step.loss_sum if self.owns_loss and step.loss_sum is not None else None
         step.loss_sum = torch.zeros((), dtype=self.dtype, device=self.device) if loss is None else loss.to(self.dtype)
         step.buffers.launch(step.loss_sum)
