@@ -101,11 +101,22 @@ def validation_loss(model: torch.nn.Module, loaded: Any) -> float:
         return float(workload.loss(model(inputs), target))
 
 
-def job(tmp_path: Path, optimizer: str, ga: list[int], devices: int, parallel: dict[str, Any], **job_keys: Any) -> Path:
-    """The hybrid exactness tests' job (6 iterations an epoch, 2 epochs), with more ``[job]`` keys."""
+def job(
+    tmp_path: Path,
+    optimizer: str,
+    ga: list[int],
+    devices: int,
+    parallel: dict[str, Any],
+    slowdown: float | None = None,
+    **job_keys: Any,
+) -> Path:
+    """The hybrid exactness tests' job (6 iterations an epoch, 2 epochs), with more ``[job]`` keys, its servers
+    emulated ``slowdown`` times slower if given."""
     path = write_config(tmp_path, "gpt", optimizer, ga, parallel, devices=devices)
     config = tomllib.loads(path.read_text())
     config["job"].update({k: v for k, v in job_keys.items() if v is not None})
+    for server in config["cluster"]["servers"] if slowdown is not None else []:
+        server["emulate"] = {"slowdown": slowdown, "memory_bytes": 10**9}
     path.write_bytes(tomli_w.dumps(config).encode())
     return path
 
@@ -151,14 +162,14 @@ def test_trainer_runs_the_layout_and_equals_the_reference(
 CHANGES = [
     # 3 + 1 micro-batches of LBS 2 (GBS 8), then 2 + 2 of LBS 3 (GBS 12): equal counts, ZeRO-3 per micro-batch
     pytest.param([2, 0], 1, {"sharding": "full"}, {"at": 3, "lbs": 3, "ga": [1, 1]}, id="sharding-full"),
-    # GPipe over stages of 1 and 3 blocks, two checkpointed: 4 micro-batches of LBS 2, then 6 of LBS 1 (new
-    # schedules, new shapes)
+    # GPipe over stages of 1 and 3 blocks, two checkpointed, on an emulated 2x slower device (its blocks sleep):
+    # 4 micro-batches of LBS 2, then 6 of LBS 1 (new schedules, new shapes)
     pytest.param(
         [1],
         2,
         {"pp": 2, "stages": [[0, 0], [1, 3]], "schedule": "gpipe", "checkpointing": [1, 2]},
-        {"at": 3, "lbs": 1, "ga": [2]},
-        id="pp-2-gpipe-checkpointing",
+        {"at": 3, "lbs": 1, "ga": [2], "slowdown": 2.0},
+        id="pp-2-gpipe-checkpointing-emulated",
         marks=pytest.mark.slow,
     ),
 ]
@@ -168,7 +179,7 @@ CHANGES = [
 def test_a_gbs_change_mid_epoch_under_a_layout_equals_the_reference_with_the_same_history(
     tmp_path: Path, ga: list[int], devices: int, parallel: dict[str, Any], change: dict[str, Any]
 ) -> None:
-    loaded = load(job(tmp_path, "adam", ga, devices, parallel))
+    loaded = load(job(tmp_path, "adam", ga, devices, parallel, change.get("slowdown")))
     trained, result = train_with_change(loaded.path, len(ga) * devices, tmp_path, change)
     history = result["history"]
     assert [(h["step"], h["epoch"], h["lbs"]) for h in history][1] == (3, 0, change["lbs"]), history

@@ -353,6 +353,7 @@ class Trainer:
             self.weight_sync, self.weight_sync_reason = "sequential", FALLBACK
             self.vsw_name, self.vsw_reason = "sequential", FALLBACK
             self.vsw = self.gradient_sync = self.layout_workers
+            self.layout_workers.emulate(self.emulation, self.workload)
         self.buffers = BufferSync(self.vsw.replicas, plan.workers)
         self.buffers.broadcast_all()
         self.vsw.after_step()  # replicas start from the broadcast parameters

@@ -31,7 +31,7 @@ shards), autocast under pipeline stages, BatchNorm's running statistics under
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ from jabascli.engine.parallel.replica import Replica, build_replica
 from jabascli.engine.parallel.sharding import ShardedMicroBatches
 from jabascli.engine.plan import TrainingPlan
 from jabascli.engine.sampler import MicroBatch
-from jabascli.engine.vsw import WorkerStep
+from jabascli.engine.vsw import Emulation, WorkerStep
 from jabascli.errors import InputError
 from jabascli.workload import Workload
 
@@ -138,6 +138,25 @@ class LayoutWorkers:
             )
         self.equal = True
         self._stage_ranks = [replica.ranks[s * layout.tp + replica.mesh.get_local_rank("tp")] for s in range(layout.pp)]
+
+    def emulate(self, emulation: Emulation, workload: Workload) -> None:
+        """An emulated slower device: with pipeline stages, every block of the stage sleeps ``slowdown - 1``
+        times its forward's and backward's CPU time (elsewhere the worker step does, per micro-batch)."""
+        if self.pipeline is None or not emulation.active:
+            return
+        for block in workload.blocks(self.model) or []:
+            starts: dict[str, float] = {}
+
+            def begin(key: str, starts: dict[str, float] = starts) -> Callable[..., None]:
+                return lambda *_: starts.__setitem__(key, emulation.clock())
+
+            def end(key: str, starts: dict[str, float] = starts) -> Callable[..., None]:
+                return lambda *_: emulation.pause_since(starts.pop(key))
+
+            block.register_forward_pre_hook(begin("forward"))
+            block.register_forward_hook(end("forward"))
+            block.register_full_backward_pre_hook(begin("backward"))
+            block.register_full_backward_hook(end("backward"))
 
     # -- per plan --------------------------------------------------------------------------------
 
