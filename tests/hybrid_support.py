@@ -39,6 +39,7 @@ from jabascli.engine.parallel.replica import build_replica, replica_micro_batche
 from jabascli.engine.parallel.sharding import ShardedMicroBatches
 from jabascli.engine.plan import load_plan
 from jabascli.engine.sampler import IIDPSampler, MicroBatch
+from jabascli.engine.vsw import Emulation
 from jabascli.workload import load_workload
 
 
@@ -66,16 +67,20 @@ def main(config: str, rank: int, world: int, port: int, out: str, checkpoints: a
             pipeline = PipelineMicroBatches(
                 replica.model, replica.stage, layout.pp, cpu, layout.schedule, workload.loss, plan.workers, pipe_group
             )
-        equal = len({plan.rank(r).micro_steps for r in range(world)}) == 1
+        size = layout.tp * layout.pp  # ranks per replica: replica i is ranks i x size ...
+        equal = len({sum(plan.rank(r).micro_steps for r in range(i, i + size)) for i in range(0, world, size)}) == 1
+        emulation = Emulation(plan.rank(rank).slowdown)  # an emulated slow server: slower, same values
         whole_model = layout.plain and world == 1  # saved and restored as the plain trainer does
         progress = Progress()
         if checkpoints.resume is not None:
             progress = _restore(Path(checkpoints.resume), whole_model, model, optimizer)
 
         def step(module: torch.nn.Module, replica: int, mb: MicroBatch, *, sync: bool = False) -> None:
+            start = emulation.clock()
             seed_worker(mb.seed, torch.device("cpu"))
             inputs, target = load(mb.indices)
             (workload.loss(module(inputs), target) / plan.workers).backward()
+            emulation.pause_since(start)
 
         for epoch in range(progress.epoch, cfg.job.epochs):
             start = progress.position if epoch == progress.epoch else 0
@@ -95,6 +100,7 @@ def main(config: str, rank: int, world: int, port: int, out: str, checkpoints: a
                 else:
                     for mb in micro_batches:
                         step(model, 0, mb)
+                replica.sync_gradients()  # several replicas: their whole parameters' gradients summed
                 optimizer.step()
                 progress.step, progress.position = progress.step + 1, progress.position + plan.gbs
                 if checkpoints.save_every and progress.step % checkpoints.save_every == 0:

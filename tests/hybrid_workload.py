@@ -1,6 +1,7 @@
-"""A test workload: the built-in tiny GPT or ViT in float64, with Adam or SGD + momentum.
+"""A test workload: the built-in tiny GPT or ViT in float64 (or float32), with Adam or SGD + momentum.
 
-Options: ``base`` ("gpt" or "vit"), ``optimizer`` ("adam" or "sgd"), and the base's own options.
+Options: ``base`` ("gpt" or "vit"), ``optimizer`` ("adam" or "sgd"), ``float32`` (true: not float64;
+the GPT only, as ``collate`` makes images float64), and the base's own options.
 """
 
 from typing import Any
@@ -18,11 +19,12 @@ def _base(options: dict[str, Any]) -> Any:
 
 
 def _own(options: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in options.items() if k not in ("base", "optimizer")}
+    return {k: v for k, v in options.items() if k not in ("base", "optimizer", "float32")}
 
 
 def build_model(options):
-    return _base(options).build_model(_own(options)).double()
+    model = _base(options).build_model(_own(options))
+    return model if options.get("float32") else model.double()
 
 
 def blocks(model):
@@ -39,6 +41,10 @@ def pipeline_stage(model, first, last):
 
 def train_dataset(options):
     return _base(options).train_dataset(_own(options))
+
+
+def val_dataset(options):
+    return _base(options).val_dataset(_own(options))
 
 
 def collate(samples):

@@ -6,6 +6,9 @@ micro-batches than a slow one) and equal ones, with and without activation check
 parameter within 1e-9 of :func:`jabascli.engine.reference.reference_run`. Tensor parallel: tiny GPT
 as one replica of ``tp = 2`` on a server of two devices, the replica running both devices' micro-batches.
 Pipeline: tiny GPT as one replica of ``pp = 2`` with stages of 3 and 1 blocks, 1F1B and GPipe.
+``tp = 2`` x ``pp = 2`` on 4 ranks; 2 replicas of ``tp = 2`` on two servers, one an emulated slow
+device with another ``ga`` (plain, or sharded over the DP dim); per-block ``layers`` mixing sharded
+and plain blocks with checkpointing. float32 cases hold within 1e-4.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from jabascli.net import free_port
+from jabascli.workload import workload_of
 from tests.conftest import REPO
 from tests.engine_support import TRAINER_ENV, load, max_abs_diff
 
@@ -32,13 +36,26 @@ BASE_OPTIONS = {"gpt": {"variant": "tiny", "context": 8}, "vit": {"variant": "ti
 
 
 def write_config(
-    folder: Path, base: str, optimizer: str, ga: list[int], parallel: dict[str, Any], devices: int = 1
+    folder: Path,
+    base: str,
+    optimizer: str,
+    ga: list[int],
+    parallel: dict[str, Any],
+    devices: int = 1,
+    slowdown: dict[int, float] | None = None,
+    float32: bool = False,
 ) -> Path:
     """A job whose server ``i`` has ``devices`` ranks, each running ``ga[i] + 1`` micro-batches; 6 iterations
-    an epoch."""
+    an epoch. ``slowdown``: server index to the slowdown of its emulated devices."""
     gbs = LBS * devices * sum(g + 1 for g in ga)
     options = {"base": base, "optimizer": optimizer, "synthetic_size": 6 * gbs + 3, **BASE_OPTIONS[base]}
-    servers = [{"name": f"s{i}", "device_type": "cpu", "devices": devices, "ga": g} for i, g in enumerate(ga)]
+    if float32:
+        options["float32"] = True
+    servers: list[dict[str, Any]] = [
+        {"name": f"s{i}", "device_type": "cpu", "devices": devices, "ga": g} for i, g in enumerate(ga)
+    ]
+    for i, factor in (slowdown or {}).items():
+        servers[i] |= {"device_type": "slow", "emulate": {"slowdown": factor, "memory_bytes": 10**9}}
     config = {
         "job": {"workload": str(WORKLOAD), "epochs": 2, "seed": 3, "lbs": LBS, "options": options},
         "cluster": {"servers": servers},
@@ -138,3 +155,95 @@ def test_pipeline_of_unequal_stages_equals_the_single_process_reference(
     reference, _ = reference_run(loaded, load_plan(loaded), steps=12)
     diffs = max_abs_diff(trained, reference.state_dict())
     assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}
+
+
+def assert_equals_reference(loaded: Any, trained: dict[str, torch.Tensor], tolerance: float) -> None:
+    """Every parameter within ``tolerance`` of the reference's 12 iterations, and training moved them."""
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=12)
+    diffs = max_abs_diff(trained, reference.state_dict())
+    assert max(diffs.values()) <= tolerance, {k: v for k, v in diffs.items() if v > tolerance}
+    torch.manual_seed(loaded.config.job.seed)
+    start = workload_of(loaded).build_model().state_dict()
+    assert max(max_abs_diff(trained, start).values()) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "float32", "tolerance"),
+    [
+        pytest.param("adam", False, 1e-9, id="adam-float64"),
+        pytest.param("sgd", True, 1e-4, id="sgd-float32", marks=pytest.mark.slow),
+    ],
+)
+def test_tensor_parallel_pipeline_replica_equals_the_single_process_reference(
+    tmp_path: Path, optimizer: str, float32: bool, tolerance: float
+) -> None:
+    """``tp = 2`` x ``pp = 2`` on 4 ranks, one replica: two stages (3 and 1 blocks), each a TP group of 2."""
+    parallel = {"tp": 2, "pp": 2, "stages": [[0, 2], [3, 3]], "schedule": "1f1b"}
+    loaded = load(write_config(tmp_path, "gpt", optimizer, [1], parallel, devices=4, float32=float32))
+    trained = train_sharded(loaded.path, 4, tmp_path / "model.pt", stages=4)
+    assert_equals_reference(loaded, trained, tolerance)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "sharding", "float32", "tolerance"),
+    [
+        pytest.param("adam", "none", False, 1e-9, id="adam-float64"),
+        pytest.param("sgd", "none", True, 1e-4, id="sgd-float32", marks=pytest.mark.slow),
+        pytest.param("adam", "full", False, 1e-9, id="adam-sharded-over-dp", marks=pytest.mark.slow),
+    ],
+)
+def test_tensor_parallel_replicas_on_unequal_servers_equal_the_single_process_reference(
+    tmp_path: Path, optimizer: str, sharding: str, float32: bool, tolerance: float
+) -> None:
+    """2 replicas of ``tp = 2``, one per server; the second server an emulated 3x slower device running
+    1 micro-batch per device against the first's 3: the replicas run 6 and 2 micro-batches an iteration,
+    and their gradients meet over the DP dimension (all-reduced, or reduce-scattered by FSDP2)."""
+    parallel = {"tp": 2, "sharding": sharding}
+    path = write_config(tmp_path, "gpt", optimizer, [2, 0], parallel, devices=2, slowdown={1: 3.0}, float32=float32)
+    loaded = load(path)
+    trained = train_sharded(loaded.path, 4, tmp_path / "model.pt")
+    assert_equals_reference(loaded, trained, tolerance)
+
+
+LAYERWISE = [
+    pytest.param(
+        "gpt",
+        "adam",
+        [2, 0],
+        1,
+        {"sharding": "full", "checkpointing": [0], "layers": [{"blocks": [2, 3], "checkpointing": True}]},
+        False,
+        id="gpt-adam-blocks-0-1-sharded-2-3-plain-checkpointed",
+    ),
+    pytest.param(
+        "vit",
+        "sgd",
+        [1, 0, 2],
+        1,
+        {"layers": [{"blocks": [0, 0], "sharding": "grads", "checkpointing": True}]},
+        False,
+        id="vit-sgd-block-0-sharded-rest-plain",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "gpt",
+        "adam",
+        [2, 0],
+        2,
+        {"tp": 2, "sharding": "full", "layers": [{"blocks": [3, 3], "tp": 1, "checkpointing": True}]},
+        True,
+        id="gpt-adam-float32-tp-2-sharded-block-3-whole",
+        marks=pytest.mark.slow,
+    ),
+]
+
+
+@pytest.mark.parametrize(("base", "optimizer", "ga", "devices", "parallel", "float32"), LAYERWISE)
+def test_layerwise_strategy_equals_the_single_process_reference(
+    tmp_path: Path, base: str, optimizer: str, ga: list[int], devices: int, parallel: dict[str, Any], float32: bool
+) -> None:
+    """Per-block ``layers`` (Galvatron's layerwise strategies) mixing FSDP2-sharded blocks and plain ones
+    (whole on every replica, gradients all-reduced), with checkpointing, on replicas of unequal counts."""
+    loaded = load(write_config(tmp_path, base, optimizer, ga, parallel, devices=devices, float32=float32))
+    trained = train_sharded(loaded.path, len(ga) * devices, tmp_path / "model.pt")
+    assert_equals_reference(loaded, trained, 1e-4 if float32 else 1e-9)

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from jabascli.config import load_config
+from jabascli.engine.parallel.layout import resolve_layout
 from jabascli.errors import InputError
+from jabascli.workload import load_workload
 from tests.conftest import run_jabas
 
 CLUSTER = """
@@ -102,7 +104,7 @@ def one_server(tmp_path: Path, workload: str, devices: int, parallel: str) -> Pa
         ("digits", 2, "tp = 2", "parallel.tp: workload 'digits' declares no blocks (and no TP plan)"),
         ("gpt", 1, "pp = 1\nstages = [[0, 2]]", "parallel.stages: leaves blocks 3-3 out of every stage"),
         ("gpt", 1, "checkpointing = [4]", "parallel.checkpointing: block 4 is past the model's 4 blocks"),
-        ("gpt", 1, 'sharding = "full"', "parallel: jabas train does not run hybrid layouts yet"),
+        ("gpt", 2, 'pp = 2\nsharding = "full"', "parallel.pp: not built yet with sharding: pp = 2 runs with"),
     ],
 )
 def test_train_refuses_what_the_workload_or_runtime_cannot_honour(
@@ -113,3 +115,39 @@ def test_train_refuses_what_the_workload_or_runtime_cannot_honour(
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and words in lines[0], result.stderr
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize(
+    ("parallel", "field", "words"),
+    [
+        ("tp = 2\nlayers = [{ blocks = [0, 1], tp = 4 }]", "parallel.layers[0].tp", "tp = 1 or the replica's tp = 2"),
+        (
+            'sharding = "full"\nlayers = [{ blocks = [0, 1], sharding = "grads" }]',
+            "parallel.layers[0].sharding",
+            'not built yet: "grads" with "full" elsewhere',
+        ),
+        (
+            'pp = 2\nlayers = [{ blocks = [0, 1], sharding = "full" }]',
+            "parallel.layers[0].sharding",
+            "not built yet with pipeline stages (pp = 2)",
+        ),
+    ],
+)
+def test_layers_the_runtime_cannot_honour_are_one_line_naming_the_entry(
+    tmp_path: Path, parallel: str, field: str, words: str
+) -> None:
+    loaded = load_config(one_server(tmp_path, "gpt", 4, parallel))
+    workload = load_workload("gpt", {"variant": "tiny"})
+    with pytest.raises(InputError) as info:
+        resolve_layout(loaded, workload, 4)
+    lines = info.value.lines()
+    assert len(lines) == 1 and f": {field}: " in lines[0] and words in lines[0], lines
+
+
+def test_layers_resolve_to_each_blocks_strategy(tmp_path: Path) -> None:
+    """Blocks no entry names follow [parallel]'s keys; the outside of the blocks follows [parallel] sharding."""
+    text = 'tp = 2\ncheckpointing = [0]\nlayers = [{ blocks = [2, 3], tp = 2, sharding = "full" }]'
+    layout = resolve_layout(load_config(one_server(tmp_path, "gpt", 4, text)), load_workload("gpt", {}), 4)
+    assert layout is not None
+    assert (layout.sharding, layout.unsharded, layout.outside_unsharded) == ("full", (0, 1), True)
+    assert (layout.checkpointed, layout.tp_whole) == ((0,), ())

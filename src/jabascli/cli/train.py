@@ -281,6 +281,8 @@ class _RunDisplay:
                     f"VSW strategy {event['vsw_strategy']}, precision {event.get('precision', 'fp32')}, "
                     f"loader workers {event.get('loader_workers', 0)}"
                 )
+                if event.get("layout"):
+                    details += f", layout {event['layout']}"
                 console.print(f"[bold]{escape(event['job'])}[/bold]: {escape(details)}", highlight=False)
                 for note in self.notes:
                     console.print(f"  note: {note}", highlight=False, markup=False)

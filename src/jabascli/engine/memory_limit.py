@@ -9,6 +9,11 @@ tensors, the analogue of ``torch.cuda.max_memory_allocated``)::
     static = parameters and buffers of every VSW replica + one gradient per parameter of
              replica 0 (DDP's buckets) + optimizer state that exists already (after a resume)
 
+Under a ``[parallel]`` layout it counts what THIS rank holds: the local shard or
+TP slice of every ``DTensor`` parameter, its gradient and optimizer state, only
+the stage's blocks with pipeline stages; so a model whose optimizer state does
+not fit one device trains sharded over several.
+
 and the first allocation that takes it over the budget fails the trainer with
 "out of memory on emulated device ...", exit 1 through ``jabas run``: a plan
 that would not fit is caught on a laptop. The batches, activations, gradients
@@ -37,6 +42,7 @@ from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from jabascli.errors import JabasError, RuntimeFailure
 from jabascli.memtrack import TensorMemoryTracker
@@ -68,13 +74,15 @@ class MemoryLimit:
         gradients = 0
         for i, replica in enumerate(replicas):
             for t in [*replica.parameters(), *replica.buffers()]:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                storage = _held(t).untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
             if i == 0:
-                gradients = sum(p.numel() * p.element_size() for p in replica.parameters() if p.requires_grad)
+                gradients = sum(_held(p).nbytes for p in replica.parameters() if p.requires_grad)
         for state in optimizer.state.values():
             for t in state.values():
                 if isinstance(t, torch.Tensor):
-                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    storage = _held(t).untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
         self.tracker = TensorMemoryTracker(self.budget, baseline=sum(storages.values()) + gradients)
         if self.tracker.live > self.budget:
             raise self._error(self.tracker.live)
@@ -103,3 +111,8 @@ class MemoryLimit:
             None,
             f"out of memory on emulated device {self.device}: peak {peak:,} bytes over budget {self.budget:,} bytes",
         )
+
+
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a ``DTensor``'s local shard or slice (``[parallel]`` layouts), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -24,7 +24,7 @@ number, so all ranks agree on when the epoch ends without communicating.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +112,15 @@ class IIDPSampler:
                     indices = perm[at : at + lbs]
                     batches.append(MicroBatch(worker, v, a, at, indices, self.worker_seed(epoch, at)))
             yield Iteration(epoch, start, batches)
+
+    def replica_iterations(
+        self, epoch: int, position: int, plan: TrainingPlan, ranks: Sequence[int]
+    ) -> Iterator[Iteration]:
+        """The iterations of a replica of several ranks (a ``[parallel]`` layout's TP group or pipeline): every
+        one of its ranks' micro-batches, in rank order; every rank of the replica runs them all."""
+        streams = [self.rank_iterations(epoch, position, plan, r) for r in ranks]
+        for iterations in zip(*streams, strict=True):
+            yield Iteration(epoch, iterations[0].position, [mb for it in iterations for mb in it.micro_batches])
 
     def global_iterations(self, epoch: int, position: int, plan: TrainingPlan) -> Iterator[Iteration]:
         """Every worker's micro-batch of every iteration, in worker order: what one process would feed."""

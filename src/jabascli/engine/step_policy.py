@@ -26,7 +26,7 @@ be finite or the norm is known.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,8 +153,12 @@ class StepPolicy:
         optimizer: torch.optim.Optimizer,
         params: Iterable[torch.Tensor],
         device: torch.device,
+        clip: Callable[[list[torch.Tensor], float], Any] | None = None,
     ) -> None:
+        """``clip(params, max_norm)``: how to clip by the global norm (``clip_grad_norm_``; a ``[parallel]``
+        layout gives its own, over every rank's part)."""
         self.settings = settings
+        self.clip = clip or torch.nn.utils.clip_grad_norm_
         self.optimizer = optimizer
         self.params = [p for p in params if p.requires_grad]
         self.precision = Precision(settings.precision, device)
@@ -165,12 +169,12 @@ class StepPolicy:
         clip = self.settings.clip_grad_norm
         if not self.scaler.is_enabled():
             if clip is not None:
-                torch.nn.utils.clip_grad_norm_(self.params, clip)
+                self.clip(self.params, clip)
             self.optimizer.step()
             return
         self.scaler.unscale_(self.optimizer)
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, clip)  # NaN when not finite; the step is skipped then
+            self.clip(self.params, clip)  # NaN when not finite; the step is skipped then
         self.scaler.step(self.optimizer)
         self.scaler.update()
 

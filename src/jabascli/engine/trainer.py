@@ -15,6 +15,13 @@ Every iteration, on every rank ``r``::
 which is synchronous SGD at GBS: every rank ends the iteration with the same
 parameters as one process that feeds the GBS samples in micro-batches of LBS
 and applies the mean of their gradients once (:mod:`jabascli.engine.reference`).
+
+Under a ``[parallel]`` layout a replica spans several ranks (FSDP2 shards, TP
+slices, pipeline stages): every rank of a replica runs all of the replica's
+micro-batches, the layout reduces the gradients inside backward, and the
+statistics and loss take one all-reduce of their own. The loop is the same; the
+layout is built in :mod:`jabascli.engine.parallel.runner` and answers the VSW
+strategy's calls (docs/hybrid.md).
 """
 
 from __future__ import annotations
@@ -58,7 +65,16 @@ from jabascli.engine.loader import MicroBatchFeed, default_loader_workers
 from jabascli.engine.memory_limit import MemoryLimit
 from jabascli.engine.metrics import MetricsWriter
 from jabascli.engine.options import TrainOptions
-from jabascli.engine.parallel.layout import check_trainer_layout
+from jabascli.engine.parallel.runner import (
+    FALLBACK,
+    LayoutWorkers,
+    build_layout_workers,
+    check_trainer_layout_inputs,
+    describe_layout,
+    restore_layout_checkpoint,
+    save_layout_checkpoint,
+    trainer_layout,
+)
 from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_dict
 from jabascli.engine.sampler import IIDPSampler, Iteration
 from jabascli.engine.step_policy import StepPolicy, check_job_precision_inputs, check_precision, step_settings
@@ -239,13 +255,14 @@ class Trainer:
         self.workload: Workload = inputs.workload if inputs else workload_of(loaded)
         torch.manual_seed(cfg.job.seed)
         model = self.workload.build_model().to(device)
-        check_trainer_layout(loaded, self.workload, model)  # [parallel] (docs/hybrid.md)
+        # [parallel] (docs/hybrid.md): a layout is built once the process group exists (connect).
+        self.layout = trainer_layout(loaded, self.workload, model)
+        if self.layout is not None:
+            check_trainer_layout_inputs(loaded, self.layout, model)
+        self.layout_workers: LayoutWorkers | None = None
         self.model = model
-        self.optimizer = self.workload.optimizer(model.parameters())
-        self.scheduler = self.workload.lr_scheduler(self.optimizer)
-        # Precision and clipping: how the reduced gradient becomes an update (engine/step_policy.py).
         check_precision(cfg.job.precision, device.type, loaded.path)
-        self.step_policy = StepPolicy(step_settings(cfg.job, self.workload), self.optimizer, model.parameters(), device)
+        self._build_optimizer()
         self.progress = Progress()
 
         # The data: one seeded permutation per epoch, dealt to the workers in LBS chunks.
@@ -263,6 +280,22 @@ class Trainer:
             self.restore()
             self.connect()
 
+    def _build_optimizer(self) -> None:
+        """The optimizer and LR scheduler over the model's parameters, and how the reduced gradient becomes an
+        update: precision and clipping (engine/step_policy.py)."""
+        cfg, params = self.loaded.config, list(self.model.parameters())
+        self.optimizer = self.workload.optimizer(params)
+        self.scheduler = self.workload.lr_scheduler(self.optimizer)
+        clip = self.layout_workers.clip_grad_norm if self.layout_workers is not None else None
+        self.step_policy = StepPolicy(step_settings(cfg.job, self.workload), self.optimizer, params, self.device, clip)
+
+    def _build_layout(self) -> None:
+        """Parallelise the model for its layout (a collective); the optimizer then takes its parameters."""
+        assert self.layout is not None
+        self.layout_workers = build_layout_workers(self.model, self.workload, self.layout, self.device)
+        self.model = self.layout_workers.model
+        self._build_optimizer()
+
     def restore(self, written: dict | None = None) -> None:
         """Resume where training stands: the model, optimizer, LR scheduler and progress of the checkpoint.
 
@@ -274,16 +307,26 @@ class Trainer:
         options = self.options
         if options.resume is None or self._restored:
             return
+        if self.layout is not None and self.layout_workers is None:
+            return  # a layout's checkpoint is read by all ranks together, into the built layout (connect)
         self._restored = True
-        payload = self._payload = written if written is not None else read_checkpoint(options.resume)
-        self.progress = restore_checkpoint(
-            payload, options.resume, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
-        )
+        if self.layout_workers is not None:
+            payload, self.progress = restore_layout_checkpoint(
+                options.resume, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+            )
+        else:
+            payload = written if written is not None else read_checkpoint(options.resume)
+            self.progress = restore_checkpoint(
+                payload, options.resume, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+            )
+        self._payload = payload
         self.step_policy.load_state_dict(payload.get("grad_scaler") or {})
 
     def connect(self) -> None:
         """Take this rank's place in the process group: the plan to start from, VSW replicas, DDP."""
-        loaded, plan, rank, device, options = self.loaded, self.plan, self.rank, self.device, self.options
+        loaded, plan, rank, device = self.loaded, self.plan, self.rank, self.device
+        if self.layout is not None and self.layout_workers is None:
+            self._build_layout()
         cfg, model = loaded.config, self.model
         self.restore()
         payload, self._payload = self._payload, None  # not kept: after a move, the old model's tensors
@@ -298,27 +341,23 @@ class Trainer:
         self.me = plan.rank(rank)
         self.progress.record_plan(plan.gbs, plan.lbs, plan.describe(), self.adaptive.lr_factor())
 
-        # How this rank runs its workers (VSW strategy) and combines gradients (weight sync).
-        self.weight_sync, self.weight_sync_reason = self._choose_weight_sync(plan.weight_sync)
-        self.vsw_name, self.vsw_reason = choose_vsw_strategy(cfg.job.vsw_strategy, self.me.vsw, model, device)
-        replicas = make_replicas(model, self.me.vsw if self.vsw_name == "streams" else 1)
-        self.buffers = BufferSync(replicas, plan.workers)
-        self.buffers.broadcast_all()
-        # Broadcasts rank 0's parameters, unless every rank has just loaded them from one checkpoint.
-        self.ddp = wrap_ddp(model, device, options.bucket_cap_mb, same_start=payload is not None)
-        self.vsw = build_vsw_strategy(self.vsw_name, replicas, self.ddp)
-        self.vsw.after_step()  # replicas start from the broadcast parameters
+        # How this rank runs its workers (VSW strategy, or its part of a layout's replica) and combines
+        # gradients (weight sync: DDP's hook, or the layout's collectives inside backward).
         self.emulation = Emulation(self.me.slowdown)
-        self.gradient_sync = GradientSync(
-            list(model.parameters()),
-            replicas=self.vsw.replica_params(),
-            optimizer=BucketOptimizer(self.optimizer) if self.weight_sync == "overlap" else None,
-            before_last_bucket=self.emulation.backward_done if self.emulation.active else None,
-            riders=self.buffers.take_riders,
-            tap=self.adaptive.tap,
-        )
-        self.gradient_sync.register(self.ddp)
-        self.buffers.carried = True  # the statistics and loss ride on the last bucket's all-reduce
+        self.replica_ranks = [rank]
+        """The ranks whose micro-batches this rank runs: itself, or every rank of its layout's replica."""
+        if self.layout_workers is None:
+            self._plain_workers(same_start=payload is not None)
+        else:
+            self.replica_ranks = self.layout_workers.ranks
+            self.weight_sync, self.weight_sync_reason = "sequential", FALLBACK
+            self.vsw_name, self.vsw_reason = "sequential", FALLBACK
+            self.vsw = self.gradient_sync = self.layout_workers
+            self.layout_workers.emulate(self.emulation, self.workload)
+        self.buffers = BufferSync(self.vsw.replicas, plan.workers)
+        self.buffers.broadcast_all()
+        self.vsw.after_step()  # replicas start from the broadcast parameters
+        self.gradient_sync.attach(self.vsw, self.buffers, plan)
         dtype = next(model.parameters()).dtype  # the loss's: the flag rides in the same all-reduce
         self.control = StopControl.from_environment(rank, dtype, device, self.emit)  # an outside stop request
         self.buffers.riders.append(self.control.flag)
@@ -339,7 +378,24 @@ class Trainer:
         self.timer = PhaseTimer()
         # Emulated devices: out of memory as the GPU would be, over the first iterations (engine/memory_limit.py).
         self.memory_limit = MemoryLimit(self.me.memory_bytes, f"{self.me.server} ({self.me.device_type}), rank {rank}")
-        self.memory_limit.start(replicas, self.optimizer)
+        self.memory_limit.start(self.vsw.replicas, self.optimizer)
+
+    def _plain_workers(self, same_start: bool) -> None:
+        """Plain IIDP: VSW replicas of the model, DDP over replica 0, and its communication hook."""
+        cfg, model, device = self.loaded.config, self.model, self.device
+        self.weight_sync, self.weight_sync_reason = self._choose_weight_sync(self.plan.weight_sync)
+        self.vsw_name, self.vsw_reason = choose_vsw_strategy(cfg.job.vsw_strategy, self.me.vsw, model, device)
+        replicas = make_replicas(model, self.me.vsw if self.vsw_name == "streams" else 1)
+        # Broadcasts rank 0's parameters, unless every rank has just loaded them from one checkpoint.
+        self.ddp = wrap_ddp(model, device, self.options.bucket_cap_mb, same_start=same_start)
+        self.vsw = build_vsw_strategy(self.vsw_name, replicas, self.ddp)
+        self.gradient_sync = GradientSync(
+            list(model.parameters()),
+            optimizer=BucketOptimizer(self.optimizer) if self.weight_sync == "overlap" else None,
+            before_last_bucket=self.emulation.backward_done if self.emulation.active else None,
+            tap=self.adaptive.tap,
+        )
+        self.gradient_sync.register(self.ddp)
 
     def inputs(self) -> Inputs:
         return Inputs(self.workload, self.train_set, self.val_set, self.feed)
@@ -446,7 +502,7 @@ class Trainer:
         A new stream starts a new loader iterator (:meth:`MicroBatchFeed.follow`), which drops what the
         workers had prefetched for the previous one: after a plan change no stale micro-batch is trained.
         """
-        iterations = self.sampler.rank_iterations(epoch, self.progress.position, plan, self.rank)
+        iterations = self.sampler.replica_iterations(epoch, self.progress.position, plan, self.replica_ranks)
         return iterations if self.feed is None else self.feed.follow(iterations)
 
     def train_step(self, iteration: Iteration) -> torch.Tensor:
@@ -499,9 +555,8 @@ class Trainer:
             self.vsw.after_step()
         riders = self.buffers.riders  # the stop flag (engine/control.py) rides on under the new plan too
         self.buffers = BufferSync(self.vsw.replicas, plan.workers)
-        self.buffers.carried, self.buffers.riders = True, riders
-        self.gradient_sync.replicas = [list(r) for r in self.vsw.replica_params()]
-        self.gradient_sync.riders = self.buffers.take_riders
+        self.buffers.riders = riders
+        self.gradient_sync.attach(self.vsw, self.buffers, plan)
         self.worker_step.workers, self.worker_step.buffers = plan.workers, self.buffers
         if plan is not previous:  # not when only the LR factor changed
             self.memory_limit.start(self.vsw.replicas, self.optimizer)
@@ -523,20 +578,22 @@ class Trainer:
         if self.val_set is None:
             return None, None
         n = len(self.val_set)
-        offset = self.plan.worker_offset(self.rank)
+        offset, workers = self.vsw.share(self.plan, self.rank)  # a layout's replica: its ranks together
         lo = n * offset // self.plan.workers
-        hi = n * (offset + self.me.micro_steps) // self.plan.workers
-        batch = self.plan.lbs * self.me.vsw
+        hi = n * (offset + workers) // self.plan.workers
+        batch = self.plan.lbs * self.plan.rank(self.replica_ranks[0]).vsw  # the same on every rank of a replica
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, samples
         has_accuracy = callable(getattr(self.workload.module, "count_correct", None))
         load = BatchLoader(self.val_set, self.device, self.workload.collate)
         model = self.model
         model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.vsw.evaluating():
                 for start in range(lo, hi, batch):
                     inputs, target = load(range(start, min(start + batch, hi)))
-                    output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+                    output = self.vsw.forward(inputs)
+                    if output is None:  # counted where the replica's output is (a layout's last stage)
+                        continue
                     count = batch_len(target)
                     totals[0] += float(self.workload.loss(output, target)) * count
                     if has_accuracy:
@@ -581,20 +638,24 @@ class Trainer:
         return every is not None and self.progress.step > 0 and self.progress.step % every == 0
 
     def _save_checkpoint(self) -> None:
-        if self.rank != 0:
+        """Rank 0 writes the whole model; under a layout every rank writes its shards (DCP), together."""
+        if self.layout_workers is None and self.rank != 0:
             return
-        self.saved, path = save_checkpoint(
-            checkpoint_store(self.loaded),
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            progress=self.progress,
-            workload=self.workload.name,
-            config=self.loaded.config.model_dump(mode="json"),
-            plan=self.plan.to_dict(),
-            adaptive=self.adaptive.state_dict(self.plan),
-            grad_scaler=self.step_policy.state_dict(),
-        )
+        fields = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "progress": self.progress,
+            "workload": self.workload.name,
+            "config": self.loaded.config.model_dump(mode="json"),
+            "plan": self.plan.to_dict(),
+            "adaptive": self.adaptive.state_dict(self.plan),
+            "grad_scaler": self.step_policy.state_dict(),
+        }
+        if self.layout_workers is not None:
+            path = save_layout_checkpoint(checkpoint_store(self.loaded), **fields)
+        else:
+            self.saved, path = save_checkpoint(checkpoint_store(self.loaded), **fields)
         if self.emit:
             p = self.progress
             self.emit(
@@ -624,6 +685,7 @@ class Trainer:
                 "weight_sync": self.weight_sync,
                 "weight_sync_reason": self.weight_sync_reason,
                 "vsw_strategy": self.vsw_name,
+                "layout": describe_layout(self.layout),
                 "loader_workers": 0 if self.feed is None else self.feed.workers,
                 "precision": self.step_policy.settings.precision,
                 "device": str(self.device),

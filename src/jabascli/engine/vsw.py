@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from jabascli.engine.buffers import BufferSync
 from jabascli.engine.data import BatchLoader, seed_worker
 from jabascli.engine.loader import MicroBatchFeed
+from jabascli.engine.plan import TrainingPlan
 from jabascli.engine.sampler import MicroBatch
 from jabascli.engine.step_policy import Precision
 from jabascli.engine.timing import PhaseTimer
@@ -192,6 +193,20 @@ class VswStrategy:
 
     def after_step(self) -> None:
         """Bring the other replicas' parameters up to date with replica 0's."""
+
+    # -- validation (the trainer's; a [parallel] layout's workers answer the same calls) ---------
+
+    def share(self, plan: TrainingPlan, rank: int) -> tuple[int, int]:
+        """(first worker, workers) of the validation set's share this rank evaluates: its own workers'."""
+        return plan.worker_offset(rank), plan.rank(rank).micro_steps
+
+    def evaluating(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def forward(self, inputs: Any) -> Any:
+        """Replica 0's output for a validation batch."""
+        model = self.replicas[0]
+        return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
 
 
 class SequentialVsw(VswStrategy):

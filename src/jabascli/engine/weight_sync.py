@@ -29,11 +29,13 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from jabascli.engine.buffers import BufferSync
 from jabascli.engine.options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB
 
 # Optimizers whose step updates every parameter from its own gradient and state
@@ -134,6 +136,12 @@ class GradientSync:
 
     def register(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         ddp.register_comm_hook(None, self.hook)
+
+    def attach(self, vsw: Any, buffers: BufferSync, plan: Any) -> None:
+        """Under a (new) plan: add the VSW replicas' gradients, and carry the buffers' sums on the last bucket."""
+        self.replicas = [list(r) for r in vsw.replica_params()]
+        self.riders = buffers.take_riders
+        buffers.carried = True
 
     # Unannotated on purpose: DDP checks the annotations' values, and this module's are strings.
     def hook(self, state, bucket):  # (object, dist.GradBucket) -> torch.futures.Future[torch.Tensor]

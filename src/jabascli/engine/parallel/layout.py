@@ -2,10 +2,11 @@
 
 :func:`resolve_layout` is the one place that turns the config section into a
 :class:`Layout` and refuses, in one line naming the field, what the workload or
-the runtime cannot honour. What the runtime honours so far: ``sharding``
-(``full``, ``grads``) over the data-parallel ranks, ``checkpointing``, and
-``tp`` or ``pp`` as the job's single replica. Per-block ``layers``, and ``tp``
-or ``pp`` with sharding, with each other or with several replicas, are validated against the cluster
+the runtime cannot honour. What the runtime honours: replicas of ``tp x pp``
+devices, one or several (the data-parallel, DP, dimension), ``sharding``
+(``full``, ``grads``) over the DP ranks, with or without ``tp``,
+``checkpointing``, and per-block ``layers`` (:mod:`~jabascli.engine.parallel.layerwise`).
+``pp`` with sharding is validated against the cluster
 (:mod:`jabascli.config.parallel_checks`) and the workload, then refused as not
 built yet, rather than trained wrongly.
 """
@@ -14,9 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
-
 from jabascli.config import LoadedConfig
+from jabascli.engine.parallel.layerwise import block_strategies, check_layers
 from jabascli.engine.parallel.pipeline import stage_ranges
 from jabascli.errors import InputError
 from jabascli.workload import Workload
@@ -35,6 +35,13 @@ class Layout:
     """``none``, ``full`` or ``grads`` (docs/hybrid.md)."""
     checkpointed: tuple[int, ...]
     """Indices of the blocks whose activations are recomputed in backward."""
+    unsharded: tuple[int, ...] = ()
+    """Blocks whole on every DP rank (gradients all-reduced) though ``sharding`` shards others (``layers``)."""
+    outside_unsharded: bool = False
+    """The parameters outside the blocks whole on every DP rank too: ``layers`` shard blocks, ``[parallel]``
+    does not."""
+    tp_whole: tuple[int, ...] = ()
+    """Blocks whole on every rank of the TP group (a ``layers`` entry's ``tp = 1`` under ``tp > 1``)."""
 
     @property
     def plain(self) -> bool:
@@ -75,48 +82,34 @@ def resolve_layout(loaded: LoadedConfig, workload: Workload, block_count: int | 
         beyond_blocks = [i for i in parallel.checkpointing if block_count is not None and i >= block_count]
         if beyond_blocks:
             raise refuse("checkpointing", f"block {beyond_blocks[0]} is past the model's {block_count} blocks")
-    if parallel.layers:
-        raise refuse("layers", "not built yet: this jabas runs [parallel] tp, pp, sharding and checkpointing")
+    sharding = check_layers(parallel, refuse)
     if block_count is not None and parallel.pp > block_count:
         raise refuse("pp", f"{parallel.pp} stages for the model's {block_count} blocks: a stage needs a block")
     devices = sum(server.devices for server in loaded.config.available())
-    for field, degree in (("tp", parallel.tp), ("pp", parallel.pp)):
-        alone = parallel.tp == 1 or parallel.pp == 1
-        if degree > 1 and (parallel.sharding != "none" or devices != degree or not alone):
-            raise refuse(
-                field,
-                f"not built yet with sharding, with each other or with several replicas: {field} = {degree} "
-                f'runs as the job\'s one replica ({devices} devices here), with sharding = "none"',
-            )
-    if parallel.checkpointing == "full":
-        checkpointed = tuple(range(block_count or 0))
-    elif parallel.checkpointing == "none":
-        checkpointed = ()
-    else:
-        checkpointed = tuple(sorted(set(parallel.checkpointing)))
+    replicas = devices // (parallel.tp * parallel.pp)
+    if parallel.sharding != "none" and parallel.pp > 1:
+        raise refuse(
+            "pp",
+            f'not built yet with sharding: pp = {parallel.pp} runs with sharding = "none" '
+            f"({replicas} replicas of tp x pp = {parallel.tp * parallel.pp} devices here)",
+        )
+    strategies = block_strategies(parallel, block_count or 0)
+    checkpointed = tuple(i for i, s in enumerate(strategies) if s.checkpointing)
+    unsharded = tuple(i for i, s in enumerate(strategies) if s.sharding == "none") if sharding != "none" else ()
+    tp_whole = tuple(i for i, s in enumerate(strategies) if s.tp == 1) if parallel.tp > 1 else ()
     stages = stage_ranges(block_count or 0, parallel.pp, parallel.stages)
-    return Layout(parallel.tp, parallel.pp, tuple(stages), parallel.schedule, parallel.sharding, checkpointed)
+    return Layout(
+        parallel.tp,
+        parallel.pp,
+        tuple(stages),
+        parallel.schedule,
+        sharding,
+        checkpointed,
+        unsharded,
+        outside_unsharded=sharding != "none" and parallel.sharding == "none",
+        tp_whole=tp_whole,
+    )
 
 
 def _declares(workload: Workload, function: str) -> bool:
     return callable(getattr(workload.module, function, None))
-
-
-def check_trainer_layout(loaded: LoadedConfig, workload: Workload, model: nn.Module) -> None:
-    """Refuse, in one line, a ``[parallel]`` layout that ``jabas train`` does not run yet.
-
-    The layouts above are built and exact (tests/test_hybrid_exactness.py), but the trainer's
-    checkpoints are whole-model ``torch.save`` files written by rank 0, which a sharded or split
-    model cannot write correctly: they wait for DCP checkpoints. A plain layout trains as always.
-    """
-    if loaded.config.parallel is None:
-        return
-    blocks = workload.blocks(model)
-    layout = resolve_layout(loaded, workload, None if blocks is None else len(blocks))
-    if layout is not None and not layout.plain:
-        raise InputError.at(
-            loaded.path,
-            "parallel",
-            "jabas train does not run hybrid layouts yet: their checkpoints need DCP (docs/hybrid.md); "
-            'remove [parallel] or keep tp = 1, pp = 1, sharding = "none", checkpointing = "none"',
-        )

@@ -62,6 +62,12 @@ class PipelineMicroBatches:
         self.workers = workers
         self._schedules: dict[int, Any] = {}
 
+    def follow(self, workers: int) -> None:
+        """A new plan: its micro-batch count ``GBS / LBS``; schedules are made anew (the LBS, so the shapes, may
+        have changed)."""
+        self.workers = workers
+        self._schedules = {}
+
     def _schedule(self, count: int) -> Any:
         # One schedule per micro-batch count: the count changes with the plan (adaptive GBS).
         if count not in self._schedules:

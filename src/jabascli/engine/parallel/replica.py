@@ -6,7 +6,10 @@ data-parallel (DP) dimension. The ranks form a ``(dp, pp, tp)``
 :class:`DeviceMesh`, named explicitly for the CPU (gloo) or CUDA (NCCL) device
 type: FSDP2's default mesh would be a CUDA one. The model is cut to the rank's
 stage first (activation checkpointing is set on the blocks before, by their
-indices in the whole model).
+indices in the whole model); per-block ``layers`` choose which blocks TP splits and
+which FSDP2 shards (:mod:`~jabascli.engine.parallel.layerwise`). What no FSDP2 unit
+holds is whole on every replica: :meth:`Replica.sync_gradients` sums its gradients
+over the replicas (:mod:`~jabascli.engine.parallel.data_parallel`).
 
 The micro-batches of a replica are those the plan deals to its ranks
 (:func:`replica_micro_batches`): ``GBS = LBS x`` all micro-batches of all
@@ -16,7 +19,7 @@ replicas, as in plain IIDP.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from jabascli.engine.parallel.checkpointing import checkpoint_blocks
+from jabascli.engine.parallel.data_parallel import all_reduce_gradients
 from jabascli.engine.parallel.layout import Layout
 from jabascli.engine.parallel.sharding import shard_model
 from jabascli.engine.parallel.tensor import parallelize_blocks
@@ -44,6 +48,13 @@ class Replica:
     """This rank's pipeline stage (0 without pipelining)."""
     ranks: list[int]
     """The ranks of this rank's replica, stage by stage: they run the micro-batches the plan deals to them."""
+    replicated: list[nn.Parameter] = field(default_factory=list)
+    """The parameters no FSDP2 unit holds: whole on every replica, gradients all-reduced over the DP ranks."""
+
+    def sync_gradients(self) -> None:
+        """After the replica's last micro-batch: sum the replicated parameters' gradients over the replicas
+        (:mod:`~jabascli.engine.parallel.data_parallel`; a collective of the DP ranks, none with one replica)."""
+        all_reduce_gradients(self.replicated, self.mesh["dp"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's tensors, gathered from every shard and TP slice (a collective: every rank calls it)."""
@@ -64,12 +75,21 @@ def build_replica(model: nn.Module, workload: Workload, layout: Layout, device_t
     stage = mesh.get_local_rank("pp")
     if layout.pp > 1:
         model = workload.pipeline_stage(model, *layout.stages[stage])
-    blocks = workload.blocks(model) or []
+    offset = layout.stages[stage][0]  # the stage's blocks are numbered as in the whole model
+    blocks = dict(enumerate(workload.blocks(model) or [], start=offset))
     if layout.tp > 1:
-        parallelize_blocks(blocks, workload, mesh["tp"])
-    units = shard_model(model, blocks, mesh["dp"]) if layout.sharding != "none" else []
+        parallelize_blocks([b for i, b in blocks.items() if i not in layout.tp_whole], workload, mesh["tp"])
+    units: list[FSDPModule] = []
+    replicated = list(model.parameters())
+    if layout.sharding != "none":
+        # Blocks `layers` keeps plain are left out of every FSDP2 unit, and all-reduced (sync_gradients).
+        plain = [p for i, b in blocks.items() if i in layout.unsharded for p in b.parameters()]
+        sharded = [b for i, b in blocks.items() if i not in layout.unsharded]
+        units = shard_model(model, sharded, mesh["dp"], ignored=set(plain), root=not layout.outside_unsharded)
+        in_units = {id(p) for b in sharded for p in b.parameters()}
+        replicated = [p for p in model.parameters() if id(p) not in in_units] if layout.outside_unsharded else plain
     first = rank - rank % size
-    return Replica(model, mesh, units, stage, list(range(first, first + size)))
+    return Replica(model, mesh, units, stage, list(range(first, first + size)), replicated)
 
 
 def replica_micro_batches(iterations: Sequence[Iteration]) -> list[MicroBatch]:

@@ -40,15 +40,25 @@ from jabascli.engine.sampler import MicroBatch
 SHARDINGS = ("full", "grads")
 
 
-def shard_model(model: nn.Module, blocks: Sequence[nn.Module] | None, mesh: DeviceMesh) -> list[FSDPModule]:
+def shard_model(
+    model: nn.Module,
+    blocks: Sequence[nn.Module] | None,
+    mesh: DeviceMesh,
+    *,
+    ignored: set[nn.Parameter] | None = None,
+    root: bool = True,
+) -> list[FSDPModule]:
     """Make every block, then ``model``, an FSDP2 unit over ``mesh``, reducing by plain sums; returns the units.
 
-    Call before the optimizer is built: FSDP2 replaces the parameters by sharded ``DTensor`` ones.
+    ``ignored``: parameters of ``model`` that stay whole (per-block ``layers``); ``root=False``: ``model``
+    itself is no unit, so what lies outside ``blocks`` stays whole. Call before the optimizer is built:
+    FSDP2 replaces the parameters by sharded ``DTensor`` ones.
     """
     units: list[FSDPModule] = []
     for block in blocks or ():
         units.append(fully_shard(block, mesh=mesh))  # type: ignore[arg-type]
-    units.append(fully_shard(model, mesh=mesh))  # type: ignore[arg-type]
+    if root:
+        units.append(fully_shard(model, mesh=mesh, ignored_params=ignored))  # type: ignore[arg-type]
     for unit in units:
         unit.set_force_sum_reduction_for_comms(True)
         unit.set_gradient_divide_factor(1.0)
