@@ -232,3 +232,13 @@ def test_layerwise_strategy_equals_the_single_process_reference(
     loaded = load(write_config(tmp_path, base, optimizer, ga, parallel, devices=devices, float32=float32))
     trained = train_sharded(loaded.path, len(ga) * devices, tmp_path / "model.pt")
     assert_equals_reference(loaded, trained, 1e-4 if float32 else 1e-9)
+
+
+@pytest.mark.slow
+def test_sharded_pipeline_replicas_equal_the_single_process_reference(tmp_path: Path) -> None:
+    """2 replicas of ``pp = 2`` (stages of 3 and 1 blocks), each stage FSDP2-sharded over the replicas, which
+    run 6 and 2 pipeline micro-batches: every stage's DP group issues the same collectives."""
+    parallel = {"pp": 2, "stages": [[0, 2], [3, 3]], "sharding": "full"}
+    loaded = load(write_config(tmp_path, "gpt", "adam", [2, 0], parallel, devices=2))
+    trained = train_sharded(loaded.path, 4, tmp_path / "model.pt", stages=4)
+    assert_equals_reference(loaded, trained, 1e-9)
