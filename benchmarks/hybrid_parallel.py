@@ -5,7 +5,8 @@ each layout of ``[parallel]`` the runtime builds (:mod:`jabascli.engine.parallel
 and the world size allows: plain replicas with DDP, ``sharding = "full"``,
 ``checkpointing = "full"`` (plain replicas), both, ``tp = 2`` and ``pp = 2``
 (the GPT's; ``world / (tp x pp)`` replicas whose gradients meet over the DP
-dimension). After ``--iterations`` iterations of ``--micro-batches``
+dimension), and on 4 ranks ``tp = 2`` or ``pp = 2`` sharded over their 2
+replicas. After ``--iterations`` iterations of ``--micro-batches``
 micro-batches of ``--lbs`` samples per device, each rank reports the bytes it
 holds of parameters, gradients and optimizer state (its local shards only) and
 the peak bytes of the tensors one iteration creates on it (activations,
@@ -73,6 +74,9 @@ def layouts(blocks: int, world: int, model: str) -> dict[str, Layout | None]:
     if model == "gpt" and world % 2 == 0:  # ViT declares no TP plan or pipeline stages
         candidates["tp 2"] = Layout(2, 1, whole, "1f1b", "none", ())
         candidates["pp 2"] = Layout(1, 2, tuple(stage_ranges(blocks, 2, None)), "1f1b", "none", ())
+    if model == "gpt" and world % 4 == 0:  # several replicas to shard over
+        candidates["tp 2 + full"] = Layout(2, 1, whole, "1f1b", "full", ())
+        candidates["pp 2 + full"] = Layout(1, 2, tuple(stage_ranges(blocks, 2, None)), "1f1b", "full", ())
     return candidates
 
 

@@ -184,25 +184,15 @@ def test_tensor_parallel_pipeline_replica_equals_the_single_process_reference(
     assert_equals_reference(loaded, trained, tolerance)
 
 
-@pytest.mark.parametrize(
-    ("optimizer", "sharding", "float32", "tolerance"),
-    [
-        pytest.param("adam", "none", False, 1e-9, id="adam-float64"),
-        pytest.param("sgd", "none", True, 1e-4, id="sgd-float32", marks=pytest.mark.slow),
-        pytest.param("adam", "full", False, 1e-9, id="adam-sharded-over-dp", marks=pytest.mark.slow),
-    ],
-)
-def test_tensor_parallel_replicas_on_unequal_servers_equal_the_single_process_reference(
-    tmp_path: Path, optimizer: str, sharding: str, float32: bool, tolerance: float
-) -> None:
+def test_tensor_parallel_replicas_on_unequal_servers_equal_the_single_process_reference(tmp_path: Path) -> None:
     """2 replicas of ``tp = 2``, one per server; the second server an emulated 3x slower device running
     1 micro-batch per device against the first's 3: the replicas run 6 and 2 micro-batches an iteration,
-    and their gradients meet over the DP dimension (all-reduced, or reduce-scattered by FSDP2)."""
-    parallel = {"tp": 2, "sharding": sharding}
-    path = write_config(tmp_path, "gpt", optimizer, [2, 0], parallel, devices=2, slowdown={1: 3.0}, float32=float32)
+    and their gradients meet over the DP dimension. (With FSDP2 over the DP dim and float32: the
+    layerwise case with ``tp = 2`` below.)"""
+    path = write_config(tmp_path, "gpt", "adam", [2, 0], {"tp": 2}, devices=2, slowdown={1: 3.0})
     loaded = load(path)
     trained = train_sharded(loaded.path, 4, tmp_path / "model.pt")
-    assert_equals_reference(loaded, trained, tolerance)
+    assert_equals_reference(loaded, trained, 1e-9)
 
 
 LAYERWISE = [
@@ -247,3 +237,13 @@ def test_layerwise_strategy_equals_the_single_process_reference(
     loaded = load(write_config(tmp_path, base, optimizer, ga, parallel, devices=devices, float32=float32))
     trained = train_sharded(loaded.path, len(ga) * devices, tmp_path / "model.pt")
     assert_equals_reference(loaded, trained, 1e-4 if float32 else 1e-9)
+
+
+@pytest.mark.slow
+def test_sharded_pipeline_replicas_equal_the_single_process_reference(tmp_path: Path) -> None:
+    """2 replicas of ``pp = 2`` (stages of 3 and 1 blocks), each stage FSDP2-sharded over the replicas, which
+    run 6 and 2 pipeline micro-batches: every stage's DP group issues the same collectives."""
+    parallel = {"pp": 2, "stages": [[0, 2], [3, 3]], "sharding": "full"}
+    loaded = load(write_config(tmp_path, "gpt", "adam", [2, 0], parallel, devices=2))
+    trained = train_sharded(loaded.path, 4, tmp_path / "model.pt", stages=4)
+    assert_equals_reference(loaded, trained, 1e-9)

@@ -8,7 +8,7 @@ honours (anything else is refused in one line naming the entry's field):
   group is whole on every rank of the group, which computes it alike (the
   group's inputs are identical), as the embeddings are.
 * ``sharding``: ``none`` or the one mode (``full`` or ``grads``) of every
-  sharded block, without pipeline stages. A sharded block is its own FSDP2 unit
+  sharded block; with pipeline stages, only the whole stage sharded or not. A sharded block is its own FSDP2 unit
   over the DP ranks; a plain block is whole on every DP rank and its gradients
   are all-reduced over them after the replica's last micro-batch
   (:mod:`~jabascli.engine.parallel.data_parallel`). The parameters outside the
@@ -68,7 +68,8 @@ def check_layers(parallel: ParallelConfig, refuse: Callable[[str, str], InputErr
                 f'not built yet: "{layer.sharding}" with "{modes.pop()}" elsewhere; every sharded block '
                 "shares one mode",
             )
-        if layer.sharding != "none" and parallel.pp > 1:
-            raise refuse(f"layers[{i}].sharding", f"not built yet with pipeline stages (pp = {parallel.pp})")
+        if parallel.pp > 1 and (layer.sharding != "none" or parallel.sharding != "none"):
+            message = f"per-block sharding is not built yet with pipeline stages (pp = {parallel.pp})"
+            raise refuse(f"layers[{i}].sharding", message)
         modes |= {layer.sharding} - {"none"}
     return modes.pop() if modes else "none"

@@ -4,9 +4,9 @@
 :class:`Layout` and refuses, in one line naming the field, what the workload or
 the runtime cannot honour. What the runtime honours: replicas of ``tp x pp``
 devices, one or several (the data-parallel, DP, dimension), ``sharding``
-(``full``, ``grads``) over the DP ranks, with or without ``tp``,
-``checkpointing``, and per-block ``layers`` (:mod:`~jabascli.engine.parallel.layerwise`).
-``pp`` with sharding is validated against the cluster
+(``full``, ``grads``) over the DP ranks, with ``tp`` or ``pp`` or neither,
+``checkpointing``, and per-block ``layers`` (:mod:`~jabascli.engine.parallel.layerwise`),
+whose sharded blocks with ``pp`` are validated against the cluster
 (:mod:`jabascli.config.parallel_checks`) and the workload, then refused as not
 built yet, rather than trained wrongly.
 """
@@ -85,14 +85,6 @@ def resolve_layout(loaded: LoadedConfig, workload: Workload, block_count: int | 
     sharding = check_layers(parallel, refuse)
     if block_count is not None and parallel.pp > block_count:
         raise refuse("pp", f"{parallel.pp} stages for the model's {block_count} blocks: a stage needs a block")
-    devices = sum(server.devices for server in loaded.config.available())
-    replicas = devices // (parallel.tp * parallel.pp)
-    if parallel.sharding != "none" and parallel.pp > 1:
-        raise refuse(
-            "pp",
-            f'not built yet with sharding: pp = {parallel.pp} runs with sharding = "none" '
-            f"({replicas} replicas of tp x pp = {parallel.tp * parallel.pp} devices here)",
-        )
     strategies = block_strategies(parallel, block_count or 0)
     checkpointed = tuple(i for i, s in enumerate(strategies) if s.checkpointing)
     unsharded = tuple(i for i, s in enumerate(strategies) if s.sharding == "none") if sharding != "none" else ()

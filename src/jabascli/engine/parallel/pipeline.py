@@ -11,6 +11,14 @@ stage's loss of each micro-batch is divided by the job's micro-batch count
 so a stage's accumulated gradient is its part of the same sum plain IIDP
 computes.
 
+With ``sharding`` the stage is an FSDP2 root over the DP ranks of its
+position (the same stage of every replica). The schedule turns gradient sync
+off for every backward and reduce-scatters once after the last one
+(``perform_reduce_grad``); :meth:`PipelineMicroBatches.run` also keeps the
+parameters gathered from the first forward on, so a stage issues one all-gather
+and one reduce-scatter per unit an iteration however many micro-batches its
+replica runs: replicas of unequal counts never deadlock the stage's DP group.
+
 A micro-batch is not re-seeded inside the schedule: layouts with ``pp > 1`` are
 exact for models without dropout (or with ``dropout = 0``).
 """
@@ -22,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -84,6 +93,8 @@ class PipelineMicroBatches:
 
         Returns the last stage's scaled micro-batch losses (empty elsewhere)."""
         losses: list[torch.Tensor] = []
+        if isinstance(self.pipe.submod, FSDPModule):  # gathered until the schedule's reduce (module docstring)
+            self.pipe.submod.set_reshard_after_forward(False)
         schedule = self._schedule(count)
         last = self.stage == self.stages - 1
         if self.stage == 0:
