@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from jabascli.config import LoadedConfig
+from jabascli.config.models import ParallelConfig
 from jabascli.engine.parallel.pipeline import stage_ranges
 from jabascli.errors import InputError
 from jabascli.workload import Workload
@@ -42,10 +43,13 @@ class Layout:
         return self.tp == 1 and self.pp == 1 and self.sharding == "none" and not self.checkpointed
 
 
-def resolve_layout(loaded: LoadedConfig, workload: Workload, block_count: int | None) -> Layout | None:
+def resolve_layout(
+    loaded: LoadedConfig, workload: Workload, block_count: int | None, planned: ParallelConfig | None = None
+) -> Layout | None:
     """The job's layout, or None without ``[parallel]``. ``block_count``: ``len(workload.blocks(model))``,
-    None when the workload declares no blocks."""
-    parallel, file = loaded.config.parallel, loaded.path
+    None when the workload declares no blocks. ``planned``: a plan file's ``parallel`` (``jabas solve --hybrid``),
+    which wins over the config's ``[parallel]``."""
+    parallel, file = planned or loaded.config.parallel, loaded.path
     if parallel is None:
         return None
 
@@ -102,17 +106,19 @@ def _declares(workload: Workload, function: str) -> bool:
     return callable(getattr(workload.module, function, None))
 
 
-def check_trainer_layout(loaded: LoadedConfig, workload: Workload, model: nn.Module) -> None:
+def check_trainer_layout(
+    loaded: LoadedConfig, workload: Workload, model: nn.Module, planned: ParallelConfig | None = None
+) -> None:
     """Refuse, in one line, a ``[parallel]`` layout that ``jabas train`` does not run yet.
 
     The layouts above are built and exact (tests/test_hybrid_exactness.py), but the trainer's
     checkpoints are whole-model ``torch.save`` files written by rank 0, which a sharded or split
     model cannot write correctly: they wait for DCP checkpoints. A plain layout trains as always.
     """
-    if loaded.config.parallel is None:
+    if (planned or loaded.config.parallel) is None:
         return
     blocks = workload.blocks(model)
-    layout = resolve_layout(loaded, workload, None if blocks is None else len(blocks))
+    layout = resolve_layout(loaded, workload, None if blocks is None else len(blocks), planned)
     if layout is not None and not layout.plain:
         raise InputError.at(
             loaded.path,
