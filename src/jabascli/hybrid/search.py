@@ -45,6 +45,21 @@ class ServerGroup:
     count: int
 
 
+@dataclass
+class Shortfall:
+    """The layout closest to fitting, over every candidate that did not: its largest need against its device's
+    memory, every block checkpointed (what a memory budget no plan fits is told in)."""
+
+    ratio: float = math.inf
+    need: float = 0.0
+    device: str = ""
+    budget: float = 0.0
+
+    def offer(self, need: float, device: str, budget: float) -> None:
+        if need / budget < self.ratio:
+            self.ratio, self.need, self.device, self.budget = need / budget, need, device, budget
+
+
 @dataclass(frozen=True)
 class Choice:
     plan: Plan
@@ -73,7 +88,7 @@ def search(
         devices[g.device] += g.count * model.profiles.devices[g.device].devices_per_server
     best: list[tuple[float, int, Callable[[], Plan | None]]] = []
     counter = itertools.count()
-    smallest = [math.inf]
+    smallest = Shortfall()
 
     def offer(estimate: float, plan: Callable[[], Plan | None]) -> None:
         heapq.heappush(best, (-estimate, next(counter), plan))
@@ -91,14 +106,14 @@ def search(
     choices = [Choice(p, model.predict(p)) for p in plans if p is not None]
     choices = [c for c in choices if c.prediction.fits]
     if not choices:
-        largest = max(model.profiles.devices[g.device].memory_bytes for g in servers) / 1e9
-        if math.isinf(smallest[0]):
+        if not smallest.device:
             raise InputError.at(None, "gbs", f"no plan at GBS {gbs}: no profiled micro-batch size divides it")
         raise InputError.at(
             None,
             "memory",
             f"no plan fits the devices' memory at GBS {gbs}: the smallest footprint found needs "
-            f"{smallest[0] / 1e9:.2f} GB on one device, the largest device has {largest:.2f} GB",
+            f"{smallest.need / 1e9:.2f} GB on a {smallest.device} device (every block checkpointed), "
+            f"which has {smallest.budget / 1e9:.2f} GB",
         )
     return min(choices, key=lambda c: c.prediction.iteration_s)
 
@@ -149,7 +164,7 @@ def _fitting_layout(
 
 
 def _iidp_plans(
-    model: CostModel, devices: dict[str, int], b: int, n_micro: int, smallest: list[float]
+    model: CostModel, devices: dict[str, int], b: int, n_micro: int, smallest: Shortfall
 ) -> list[tuple[float, Plan]]:
     """Plain IIDP: whole-model replicas on every device type used, micro-batch counts by water-filling."""
     n_blocks = model.profiles.num_blocks
@@ -166,7 +181,7 @@ def _iidp_plans(
                 if any(lay is None for lay in layouts):
                     for d, t in zip(used, tps, strict=False):
                         mem = model.stage_memory(d, b, t, 0, n_blocks, frozenset(range(n_blocks)), 1, shards)
-                        smallest[0] = min(smallest[0], mem)
+                        smallest.offer(mem, d, model.profiles.devices[d].memory_bytes)
                     continue
                 ckpt = frozenset().union(*(lay[1] for lay in layouts if lay))
                 places, sigma = [], []
@@ -194,7 +209,7 @@ def _pipeline_plans(
     n_micro: int,
     stage_counts: tuple[int, ...],
     tp_candidates: int,
-    smallest: list[float],
+    smallest: Shortfall,
     even_split: bool,
 ) -> list[tuple[float, Callable[[], Plan | None]]]:
     out = []
@@ -252,7 +267,7 @@ def _split_blocks(
     replicas: int,
     n_micro: int,
     sharding: Sharding,
-    smallest: list[float],
+    smallest: Shortfall,
     even_split: bool = False,
 ) -> tuple[float, Callable[[], Plan | None]] | None:
     """The layerwise DP over block boundaries for one pipeline template: the estimated iteration time and how to
@@ -266,9 +281,8 @@ def _split_blocks(
     f_prev: np.ndarray | None = None
     choice = []
     sigmas = []
-    mem = np.zeros(1)
     for s, (d, t) in enumerate(stages):
-        sigma, mem = _stage_matrix(model, d, t, b, min(micro, n_stages - s), shards)
+        sigma, _ = _stage_matrix(model, d, t, b, min(micro, n_stages - s), shards)
         if s + 1 < n_stages:
             sigma = sigma + _send_times(model, b, heads[s], heads[s + 1])[idx_j]
         if s > 0:
@@ -288,7 +302,7 @@ def _split_blocks(
         f_prev = f_cur
     assert f_prev is not None
     if not np.isfinite(f_prev[n_blocks]):
-        smallest[0] = min(smallest[0], float(mem[0, n_blocks]))
+        _closest_split(model, stages, b, micro, shards, smallest)
         return None
     bounds = [n_blocks]
     for s in range(n_stages - 1, 0, -1):
@@ -317,6 +331,46 @@ def _split_blocks(
         return Plan(b, tuple(bounds), reps, frozenset(ckpt), sharding)
 
     return estimate, build
+
+
+def _closest_split(
+    model: CostModel, stages: list[tuple[str, int]], b: int, micro: int, shards: int, smallest: Shortfall
+) -> None:
+    """Offer the split whose largest need over its device's memory is least, every block checkpointed
+    (the same DP: ``g_s[j] = min_i max(g_{s-1}[i], need_s(i, j) / budget_s)``)."""
+    n_blocks, n_stages = model.profiles.num_blocks, len(stages)
+    needs, choice = [], []
+    g_prev: np.ndarray | None = None
+    for s, (d, t) in enumerate(stages):
+        need = _least_memory(model, d, t, b, min(micro, n_stages - s), shards)
+        needs.append(need)
+        ratio = need / model.profiles.devices[d].memory_bytes
+        if g_prev is None:
+            g_prev = ratio[0].copy()
+            choice.append(np.zeros(n_blocks + 1, dtype=int))
+        else:
+            cand = np.maximum(g_prev[:, None], ratio)
+            choice.append(cand.argmin(axis=0))
+            g_prev = cand.min(axis=0)
+    bounds = [n_blocks]
+    for s in range(n_stages - 1, 0, -1):
+        bounds.append(int(choice[s][bounds[-1]]))
+    bounds = [0, *reversed(bounds)]
+    for s, (d, _) in enumerate(stages):
+        smallest.offer(float(needs[s][bounds[s], bounds[s + 1]]), d, model.profiles.devices[d].memory_bytes)
+
+
+def _least_memory(model: CostModel, d: str, t: int, b: int, in_flight: int, shards: int) -> np.ndarray:
+    """``need[i, j]``: peak memory of a stage holding blocks ``i..j-1``, every one checkpointed (``inf`` if empty)."""
+    key = ("least", d, t, b, in_flight, shards)
+    if key not in model.memo:
+        n_blocks = model.profiles.num_blocks
+        need = np.full((n_blocks + 1, n_blocks + 1), np.inf)
+        for i in range(n_blocks):
+            for j in range(i + 1, n_blocks + 1):
+                need[i, j] = model.stage_memory(d, b, t, i, j, frozenset(range(i, j)), in_flight, shards)
+        model.memo[key] = need
+    return model.memo[key]
 
 
 def _first_replica(model: CostModel, stages: list[tuple[str, int]], replicas: int) -> list[Placement]:
