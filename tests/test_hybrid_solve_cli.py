@@ -109,7 +109,7 @@ def test_memory_budget_forces_a_hybrid_layout_the_runtime_reads(cli: CliRunner, 
 def test_table_names_stages_blocks_and_memory(cli: CliRunner, tmp_path: Path) -> None:
     result = invoke(cli, "-c", str(job(tmp_path, memory_gb=11)), "--gbs", "16")
     assert result.exit_code == 0, result.output
-    for text in ("stage", "blocks", "device type", "peak GB/device", "budget GB", "micro-batches each", "11.00"):
+    for text in ("stage", "blocks", "device type", "peak/device", "budget", "micro-batches each", "11.00 GB"):
         assert text in result.stdout
     assert "s per iteration predicted" in result.stdout
 

@@ -16,7 +16,13 @@ if TYPE_CHECKING:
     from jabascli.hybrid.job import HybridJob
     from jabascli.hybrid.search import Choice
 
-GB = 1e9
+
+def size(value: float) -> str:
+    """``15.54 GB``, ``612.3 KB``: bytes in the unit that reads best."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}" if unit == "GB" else f"{value / scale:.1f} {unit}"
+    return f"{value:.0f} B"
 
 
 def solve_hybrid(
@@ -92,8 +98,8 @@ def plan_document(job: HybridJob, choice: Choice) -> dict[str, Any]:
 def print_hybrid(job: HybridJob, choice: Choice, out: Path | None) -> None:
     plan, pred = choice.plan, choice.prediction
     stages = Table(title=f"Hybrid plan for GBS {plan.gbs}: stages")
-    for column in ("stage", "blocks", "device type", "TP", "sharding", "checkpointed", "peak GB/device", "budget GB"):
-        stages.add_column(column, justify="right" if column in ("stage", "TP") or "GB" in column else "left")
+    for column in ("stage", "blocks", "device type", "TP", "sharding", "checkpointed", "peak/device", "budget"):
+        stages.add_column(column, justify="right" if column in ("stage", "TP", "peak/device", "budget") else "left")
     rows: dict[tuple[int, str, int], float] = {}
     for r, rep in enumerate(plan.replicas):
         for s, place in enumerate(rep.stages):
@@ -110,12 +116,12 @@ def print_hybrid(job: HybridJob, choice: Choice, out: Path | None) -> None:
             str(tp),
             plan.sharding,
             ",".join(map(str, ckpt)) or "-",
-            f"{peak / GB:.2f}",
-            f"{budget / GB:.2f}",
+            size(peak),
+            size(budget),
         )
     console.print(stages)
     replicas = Table(title="replicas")
-    for column in ("replicas", "devices, stage by stage", "micro-batches each", "predicted s", "peak GB/device"):
+    for column in ("replicas", "devices, stage by stage", "micro-batches each", "predicted s", "peak/device"):
         replicas.add_column(column, justify="left" if column.startswith("devices") else "right")
     groups: dict[tuple[str, int, float, float], int] = {}
     for r, rep in enumerate(plan.replicas):
@@ -123,7 +129,7 @@ def print_hybrid(job: HybridJob, choice: Choice, out: Path | None) -> None:
         key = (where, rep.microbatches, round(pred.pipeline_s[r], 6), max(pred.peak_bytes[r]))
         groups[key] = groups.get(key, 0) + 1
     for (where, micro, time_s, peak), count in groups.items():
-        replicas.add_row(str(count), where, str(micro), f"{time_s:.3f}", f"{peak / GB:.2f}")
+        replicas.add_row(str(count), where, str(micro), f"{time_s:.3f}", size(peak))
     console.print(replicas)
     micro = sum(r.microbatches for r in plan.replicas)
     console.print(
@@ -138,7 +144,7 @@ def print_hybrid(job: HybridJob, choice: Choice, out: Path | None) -> None:
 
 def print_hybrid_range(choices: list[Choice], lo: int, hi: int) -> None:
     table = Table(title=f"Hybrid plan per GBS in {lo}..{hi} ({len(choices)} with a plan)")
-    for column in ("GBS", "LBS", "layout", "s/iteration", "samples/s", "peak GB"):
+    for column in ("GBS", "LBS", "layout", "s/iteration", "samples/s", "peak/device"):
         table.add_column(column, justify="left" if column == "layout" else "right")
     for c in choices:
         t = c.prediction.iteration_s
@@ -148,7 +154,7 @@ def print_hybrid_range(choices: list[Choice], lo: int, hi: int) -> None:
             layout_name(c),
             f"{t:.3f}",
             f"{c.plan.gbs / t:.1f}",
-            f"{c.prediction.max_peak_bytes / GB:.2f}",
+            size(c.prediction.max_peak_bytes),
         )
     console.print(table)
 
