@@ -193,6 +193,8 @@ def test_imported_folder_in_the_wrong_format(cli: CliRunner, tmp_path: Path) -> 
 def test_hybrid_options_need_hybrid(cli: CliRunner, tmp_path: Path) -> None:
     result = cli.invoke(app, ["solve", "-c", str(job(tmp_path)), "--gbs", "16", "--tp", "2"], env=WIDE)
     assert "--tp: goes with --hybrid" in _one_line(result)
+    result = invoke(cli, "-c", str(job(tmp_path)), "--gbs", "16", "--servers", "all")
+    assert "--servers: not used with --hybrid" in _one_line(result)
 
 
 @pytest.mark.parametrize("model", [None, "toy"])

@@ -21,7 +21,12 @@ if TYPE_CHECKING:
 def solve(
     config: ConfigOption,
     gbs: Annotated[int | None, typer.Option(help="Global batch size to solve for.")] = None,
-    range_: Annotated[str | None, typer.Option("--range", help="LO:HI: the best plan for every feasible GBS.")] = None,
+    range_: Annotated[
+        str | None,
+        typer.Option(
+            "--range", help="LO:HI: the best plan for every feasible GBS (--hybrid: LO, 2 LO, 4 LO ... and HI)."
+        ),
+    ] = None,
     servers: Annotated[
         str | None,
         typer.Option(help="auto (default: leave out any server that slows the job), all, or a list: node0,node1."),
@@ -66,7 +71,7 @@ def solve(
 
     With --hybrid, the hybrid planner: pipeline stages, blocks per stage, TP
     degree, sharding and checkpointing, and each replica's micro-batches, from
-    the profiles under <profiles>/hybrid/ (`jabas profile all --hybrid` or
+    the profiles under <profiles>/hybrid/ (`jabas profile hybrid` or
     `jabas profile import`); --range LO:HI plans LO, 2 LO, 4 LO ... and HI.
 
         jabas solve -c jabas.toml --hybrid --gbs 256 --out plan.json
@@ -81,6 +86,13 @@ def solve(
         raise InputError.at(None, "--tp", f"expected a TP degree >= 1, got {tp}")
     check_hybrid_options(hybrid, profiles=profiles, model=model, tp=tp)
     if hybrid:
+        for name, value in (("servers", servers), ("weight-sync", weight_sync)):
+            if value is not None:
+                raise InputError.at(
+                    None,
+                    f"--{name}",
+                    "not used with --hybrid: the hybrid search picks the servers, and has no weight-sync choice",
+                )
         gbs_range = parse_range(range_) if range_ is not None else None
         loaded = load_config(config, check_profiles=False)
         solve_hybrid(loaded, gbs, gbs_range, profiles, model, tp, out, json_out)
