@@ -278,11 +278,9 @@ def _split_blocks(
     shards = replicas if sharding == "full" else 1
     heads = _first_replica(model, stages, replicas)
     idx_i, idx_j = _grid(n_blocks)
-    f_prev: np.ndarray | None = None
-    choice = []
     sigmas = []
     for s, (d, t) in enumerate(stages):
-        sigma, _ = _stage_matrix(model, d, t, b, min(micro, n_stages - s), shards)
+        sigma = _stage_matrix(model, d, t, b, min(micro, n_stages - s), shards)
         if s + 1 < n_stages:
             sigma = sigma + _send_times(model, b, heads[s], heads[s + 1])[idx_j]
         if s > 0:
@@ -292,22 +290,10 @@ def _split_blocks(
             allowed[_even_bounds(n_blocks, n_stages)[s + 1]] = 0.0
             sigma = sigma + allowed[None, :]
         sigmas.append(sigma)
-        if f_prev is None:
-            f_cur = sigma[0].copy()
-            choice.append(np.zeros(n_blocks + 1, dtype=int))
-        else:
-            cand = np.maximum(f_prev[:, None], sigma)
-            choice.append(cand.argmin(axis=0))
-            f_cur = cand.min(axis=0)
-        f_prev = f_cur
-    assert f_prev is not None
-    if not np.isfinite(f_prev[n_blocks]):
+    bottleneck, bounds = _bottleneck_split(sigmas)
+    if not math.isfinite(bottleneck):
         _closest_split(model, stages, b, micro, shards, smallest)
         return None
-    bounds = [n_blocks]
-    for s in range(n_stages - 1, 0, -1):
-        bounds.append(int(choice[s][bounds[-1]]))
-    bounds = [0, *reversed(bounds)]
     steps = [float(sigmas[s][bounds[s], bounds[s + 1]]) for s in range(n_stages)]
     sync = 0.0
     for s, (d, t) in enumerate(stages):
@@ -338,26 +324,29 @@ def _closest_split(
 ) -> None:
     """Offer the split whose largest need over its device's memory is least, every block checkpointed
     (the same DP: ``g_s[j] = min_i max(g_{s-1}[i], need_s(i, j) / budget_s)``)."""
-    n_blocks, n_stages = model.profiles.num_blocks, len(stages)
-    needs, choice = [], []
-    g_prev: np.ndarray | None = None
-    for s, (d, t) in enumerate(stages):
-        need = _least_memory(model, d, t, b, min(micro, n_stages - s), shards)
-        needs.append(need)
-        ratio = need / model.profiles.devices[d].memory_bytes
-        if g_prev is None:
-            g_prev = ratio[0].copy()
-            choice.append(np.zeros(n_blocks + 1, dtype=int))
-        else:
-            cand = np.maximum(g_prev[:, None], ratio)
-            choice.append(cand.argmin(axis=0))
-            g_prev = cand.min(axis=0)
-    bounds = [n_blocks]
-    for s in range(n_stages - 1, 0, -1):
-        bounds.append(int(choice[s][bounds[-1]]))
-    bounds = [0, *reversed(bounds)]
+    n_stages = len(stages)
+    needs = [_least_memory(model, d, t, b, min(micro, n_stages - s), shards) for s, (d, t) in enumerate(stages)]
+    _, bounds = _bottleneck_split(
+        [need / model.profiles.devices[d].memory_bytes for need, (d, _) in zip(needs, stages, strict=True)]
+    )
     for s, (d, _) in enumerate(stages):
         smallest.offer(float(needs[s][bounds[s], bounds[s + 1]]), d, model.profiles.devices[d].memory_bytes)
+
+
+def _bottleneck_split(cost: list[np.ndarray]) -> tuple[float, list[int]]:
+    """Galvatron's layerwise DP over stage boundaries: ``f_s[j] = min_{i<j} max(f_{s-1}[i], cost_s[i, j])``; the
+    least ``max_s cost_s`` over every split of the blocks into ``len(cost)`` stages, and that split's bounds."""
+    n_blocks = cost[0].shape[0] - 1
+    f = cost[0][0].copy()
+    choice = [np.zeros(n_blocks + 1, dtype=int)]
+    for c in cost[1:]:
+        cand = np.maximum(f[:, None], c)
+        choice.append(cand.argmin(axis=0))
+        f = cand.min(axis=0)
+    bounds = [n_blocks]
+    for s in range(len(cost) - 1, 0, -1):
+        bounds.append(int(choice[s][bounds[-1]]))
+    return float(f[n_blocks]), [0, *reversed(bounds)]
 
 
 def _least_memory(model: CostModel, d: str, t: int, b: int, in_flight: int, shards: int) -> np.ndarray:
@@ -398,12 +387,10 @@ def _grid(n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     return np.meshgrid(np.arange(n_blocks + 1), np.arange(n_blocks + 1), indexing="ij")  # type: ignore[return-value]
 
 
-def _stage_matrix(
-    model: CostModel, d: str, t: int, b: int, in_flight: int, shards: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _stage_matrix(model: CostModel, d: str, t: int, b: int, in_flight: int, shards: int) -> np.ndarray:
     """``sigma[i, j]``: compute time per micro-batch of a stage holding blocks ``i..j-1`` on ``t`` devices ``d``,
-    with the checkpointed blocks it needs to fit (``inf`` if it cannot), and ``mem[i, j]`` without checkpointing.
-    Cached on the model: the DP asks for the same matrices for every pipeline template."""
+    with the checkpointed blocks it needs to fit (``inf`` if it cannot). Cached on the model: the DP asks for the
+    same matrices for every pipeline template."""
     cache = model.memo
     key = (d, t, b, in_flight, shards)
     if key in cache:
@@ -429,8 +416,8 @@ def _stage_matrix(
     need = np.where(excess > 0, np.ceil((excess + b * span["a"] / count) / np.maximum(save, 1.0)), 0)
     sigma = span["fb"] + need * span["f"] / count
     sigma = np.where(valid & (need <= count), sigma, np.inf)
-    cache[key] = (sigma, mem)
-    return sigma, mem
+    cache[key] = sigma
+    return sigma
 
 
 def _even_bounds(n_blocks: int, n_stages: int) -> list[int]:
