@@ -201,3 +201,10 @@ def test_hybrid_options_need_hybrid(cli: CliRunner, tmp_path: Path) -> None:
 def test_profiles_parse_back(tmp_path: Path, model: str | None) -> None:
     write_profiles(tmp_path, profiles())
     assert read_profiles(tmp_path, model or "toy") == profiles()
+
+
+def test_a_plan_the_runtime_cannot_deal_is_refused(cli: CliRunner, tmp_path: Path) -> None:
+    # One micro-batch cannot be dealt to the two ranks of a TP group: each rank runs one at least.
+    line = _one_line(invoke(cli, "-c", str(job(tmp_path)), "--gbs", "1", "--tp", "2"))
+    assert "gives replica 0 1 micro-batches for 2 devices" in line and "--tp 1" in line
+    assert invoke(cli, "-c", str(job(tmp_path)), "--gbs", "1").exit_code == 0  # TP 1 deals it

@@ -155,21 +155,36 @@ def check_blocks(profiles: HybridProfiles, folder: Path) -> None:
 
 
 def solve(job: HybridJob, gbs: int) -> Choice:
-    """The fastest plan for ``gbs`` on the job's servers with one TP degree; InputError if none fits."""
-    best: Choice | None = None
+    """The fastest plan for ``gbs`` on the job's servers with one TP degree that the runtime can deal
+    (:func:`dealable`); InputError if none fits."""
+    found: list[Choice] = []
     failure: InputError | None = None
     for tp in job.degrees():
         try:
-            found = search(job.model(tp), job.servers, gbs)
+            found.append(search(job.model(tp), job.servers, gbs))
         except InputError as err:
             failure = failure or err
-            continue
-        if best is None or found.prediction.iteration_s < best.prediction.iteration_s:
-            best = found
-    if best is None:
-        assert failure is not None
-        raise failure
-    return best
+    found.sort(key=lambda c: c.prediction.iteration_s)
+    for choice in found:
+        if dealable(choice.plan) is None:
+            return choice
+    if found:
+        raise InputError.at(None, "gbs", str(dealable(found[0].plan)))
+    assert failure is not None
+    raise failure
+
+
+def dealable(plan: Plan) -> str | None:
+    """Why the runtime cannot run ``plan`` (a replica with fewer micro-batches than ranks: every rank runs at least
+    one), or None."""
+    for r, rep in enumerate(plan.replicas):
+        size = sum(p.tp for p in rep.stages)
+        if rep.microbatches < size:
+            return (
+                f"the fastest plan at GBS {plan.gbs} gives replica {r} {rep.microbatches} micro-batches for {size} "
+                "devices, and the runtime gives every device one at least: a larger GBS, or --tp 1"
+            )
+    return None
 
 
 def range_values(lo: int, hi: int) -> list[int]:
@@ -233,15 +248,11 @@ def plan_file(job: HybridJob, choice: Choice) -> PlanFile:
     """The plan file the runtime reads: ``parallel`` and every rank's micro-batches (module docstring)."""
     plan, pred = choice.plan, choice.prediction
     ranks: list[tuple[str, str, int, float]] = []  # server, device type, micro-batches, predicted T_r
+    why = dealable(plan)
+    if why is not None:
+        raise InputError.at(None, "gbs", why)
     for r, rep in enumerate(plan.replicas):
         size = sum(p.tp for p in rep.stages)
-        if rep.microbatches < size:
-            raise InputError.at(
-                None,
-                "gbs",
-                f"replica {r} runs {rep.microbatches} micro-batches on {size} devices; the runtime gives every "
-                "device at least one: a larger GBS, or --tp 1",
-            )
         base, extra = divmod(rep.microbatches, size)
         k = 0
         for place in rep.stages:
