@@ -206,5 +206,9 @@ def test_profiles_parse_back(tmp_path: Path, model: str | None) -> None:
 def test_a_plan_the_runtime_cannot_deal_is_refused(cli: CliRunner, tmp_path: Path) -> None:
     # One micro-batch cannot be dealt to the two ranks of a TP group: each rank runs one at least.
     line = _one_line(invoke(cli, "-c", str(job(tmp_path)), "--gbs", "1", "--tp", "2"))
-    assert "gives replica 0 1 micro-batches for 2 devices" in line and "--tp 1" in line
-    assert invoke(cli, "-c", str(job(tmp_path)), "--gbs", "1").exit_code == 0  # TP 1 deals it
+    assert "no plan at GBS 1 gives every device of a replica one micro-batch at least" in line
+    result = invoke(cli, "-c", str(job(tmp_path)), "--gbs", "1", "--json")  # TP 1: one replica, one device
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["assignments"] == [
+        {"server": "fast", "device_type": "fast", "gpus": 1, "vsw": 1, "ga": 0, "iteration_time_s": pytest.approx(0.12)}
+    ]

@@ -12,7 +12,8 @@
 * **the plan file** (:func:`plan_file`): ``parallel`` holds the ``[parallel]`` keys of the plan's layout and the
   assignments deal each replica's ``M_r`` micro-batches to its ``S t`` ranks, in the runtime's rank order
   (replica by replica, stage by stage, the ``t`` ranks of a TP group), as ``ga``: rank ``k`` of a replica runs
-  ``floor(M_r / (S t)) + [k < M_r mod (S t)]``, so that ``GBS = LBS * sum of every rank's micro-batches``.
+  ``floor(M_r / (S t)) + [k < M_r mod (S t)]``, so that ``GBS = LBS * sum of every rank's micro-batches``; so
+  ``M_r >= S t``, which the search keeps to (``search(..., deal=True)``).
 """
 
 from __future__ import annotations
@@ -155,35 +156,28 @@ def check_blocks(profiles: HybridProfiles, folder: Path) -> None:
 
 
 def solve(job: HybridJob, gbs: int) -> Choice:
-    """The fastest plan for ``gbs`` on the job's servers with one TP degree that the runtime can deal
-    (:func:`dealable`); InputError if none fits."""
+    """The fastest plan for ``gbs`` on the job's servers with one TP degree, every device of a replica running one
+    micro-batch at least (the runtime deals a replica's micro-batches to its ranks); InputError if none fits."""
     found: list[Choice] = []
     failure: InputError | None = None
     for tp in job.degrees():
         try:
-            found.append(search(job.model(tp), job.servers, gbs))
+            found.append(search(job.model(tp), job.servers, gbs, deal=True))
         except InputError as err:
             failure = failure or err
-    found.sort(key=lambda c: c.prediction.iteration_s)
-    for choice in found:
-        if dealable(choice.plan) is None:
-            return choice
-    if found:
-        raise InputError.at(None, "gbs", str(dealable(found[0].plan)))
-    assert failure is not None
-    raise failure
+    if not found:
+        assert failure is not None
+        raise failure
+    return min(found, key=lambda c: c.prediction.iteration_s)
 
 
 def dealable(plan: Plan) -> str | None:
     """Why the runtime cannot run ``plan`` (a replica with fewer micro-batches than ranks: every rank runs at least
-    one), or None."""
+    one), or None. :func:`solve`'s plans can (``search(deal=True)``)."""
     for r, rep in enumerate(plan.replicas):
         size = sum(p.tp for p in rep.stages)
         if rep.microbatches < size:
-            return (
-                f"the fastest plan at GBS {plan.gbs} gives replica {r} {rep.microbatches} micro-batches for {size} "
-                "devices, and the runtime gives every device one at least: a larger GBS, or --tp 1"
-            )
+            return f"replica {r} has {rep.microbatches} micro-batches for {size} devices: each runs one at least"
     return None
 
 

@@ -75,11 +75,13 @@ def search(
     tp_candidates: int = 2,
     keep: int = 4,
     even_split: bool = False,
+    deal: bool = False,
 ) -> Choice:
     """The fastest plan that fits every device's memory; ``InputError`` naming the smallest footprint if none.
 
     ``even_split``: every pipeline splits the blocks evenly over its stages (as Galvatron and most planners for
-    one device type do), for comparisons."""
+    one device type do), for comparisons. ``deal``: only plans whose every replica runs at least one micro-batch per
+    device (the runtime deals a replica's micro-batches to its ranks, one at least each: ``jabas solve --hybrid``)."""
     devices = {g.device: 0 for g in servers}
     for g in servers:
         if g.device not in model.profiles.devices:
@@ -97,17 +99,21 @@ def search(
 
     for b in _lbs_values(model, list(devices), gbs):
         n_micro = gbs // b
-        for estimate, plan in _iidp_plans(model, devices, b, n_micro, smallest):
+        for estimate, plan in _iidp_plans(model, devices, b, n_micro, smallest, deal):
             offer(estimate, lambda plan=plan: plan)
-        pipelines = _pipeline_plans(model, devices, b, n_micro, stage_counts, tp_candidates, smallest, even_split)
+        pipelines = _pipeline_plans(model, devices, b, n_micro, stage_counts, tp_candidates, smallest, even_split, deal)
         for estimate, plan in pipelines:
             offer(estimate, plan)
     plans = [build() for _, _, build in best]
     choices = [Choice(p, model.predict(p)) for p in plans if p is not None]
     choices = [c for c in choices if c.prediction.fits]
     if not choices:
-        if not smallest.device:
+        if not _lbs_values(model, list(devices), gbs):
             raise InputError.at(None, "gbs", f"no plan at GBS {gbs}: no profiled micro-batch size divides it")
+        if not smallest.device:  # every candidate was left out for dealing, none for memory
+            raise InputError.at(
+                None, "gbs", f"no plan at GBS {gbs} gives every device of a replica one micro-batch at least"
+            )
         raise InputError.at(
             None,
             "memory",
@@ -164,7 +170,7 @@ def _fitting_layout(
 
 
 def _iidp_plans(
-    model: CostModel, devices: dict[str, int], b: int, n_micro: int, smallest: Shortfall
+    model: CostModel, devices: dict[str, int], b: int, n_micro: int, smallest: Shortfall, deal: bool = False
 ) -> list[tuple[float, Plan]]:
     """Plain IIDP: whole-model replicas on every device type used, micro-batch counts by water-filling."""
     n_blocks = model.profiles.num_blocks
@@ -190,12 +196,30 @@ def _iidp_plans(
                     for r in range(devices[d] // t):
                         places.append(Placement(d, t, f"{d}-{r * t // per_server}"))
                         sigma.append(model.stage_compute(d, b, t, 0, n_blocks, ckpt))
-                counts = _water_fill(sigma, n_micro)
+                counts = _deal(sigma, [p.tp for p in places], n_micro) if deal else _water_fill(sigma, n_micro)
+                if counts is None:
+                    continue
                 reps = tuple(Replica((p,), m) for p, m in zip(places, counts, strict=False) if m > 0)
                 plan = Plan(b, (0, n_blocks), reps, ckpt, sharding)  # type: ignore[arg-type]
                 out.append((model.predict(plan).iteration_s, plan))
                 break  # sharding only when plain replicas do not fit
     return out
+
+
+def _deal(times: list[float], devices: list[int], n: int) -> list[int] | None:
+    """Water-filling over the replicas that can run their share: a replica dealt fewer micro-batches than it has
+    devices (but some) is left out, the slowest first, and the rest filled again; None if none is left."""
+    active = list(range(len(times)))
+    while active:
+        share = _water_fill([times[r] for r in active], n)
+        short = [r for r, m in zip(active, share, strict=True) if 0 < m < devices[r]]
+        if not short:
+            counts = [0] * len(times)
+            for r, m in zip(active, share, strict=True):
+                counts[r] = m
+            return counts
+        active.remove(max(short, key=lambda r: times[r]))
+    return None
 
 
 def _subsets(types: list[str]) -> list[tuple[str, ...]]:
@@ -211,6 +235,7 @@ def _pipeline_plans(
     tp_candidates: int,
     smallest: Shortfall,
     even_split: bool,
+    deal: bool = False,
 ) -> list[tuple[float, Callable[[], Plan | None]]]:
     out = []
     for n_stages in stage_counts:
@@ -227,6 +252,8 @@ def _pipeline_plans(
                         if replicas < 1:
                             continue
                         stages = [(d, t) for d, t, k in zip(order, tps, split, strict=False) for _ in range(k)]
+                        if deal and max(1, n_micro // replicas) < sum(t for _, t in stages):
+                            continue  # a replica's devices would outnumber its micro-batches
                         for sharding in ("none", "full"):
                             found = _split_blocks(model, stages, b, replicas, n_micro, sharding, smallest, even_split)  # type: ignore[arg-type]
                             if found is not None:
