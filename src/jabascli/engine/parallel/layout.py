@@ -106,19 +106,17 @@ def _declares(workload: Workload, function: str) -> bool:
     return callable(getattr(workload.module, function, None))
 
 
-def check_trainer_layout(
-    loaded: LoadedConfig, workload: Workload, model: nn.Module, planned: ParallelConfig | None = None
-) -> None:
+def check_trainer_layout(loaded: LoadedConfig, workload: Workload, model: nn.Module) -> None:
     """Refuse, in one line, a ``[parallel]`` layout that ``jabas train`` does not run yet.
 
     The layouts above are built and exact (tests/test_hybrid_exactness.py), but the trainer's
     checkpoints are whole-model ``torch.save`` files written by rank 0, which a sharded or split
     model cannot write correctly: they wait for DCP checkpoints. A plain layout trains as always.
     """
-    if (planned or loaded.config.parallel) is None:
+    if loaded.config.parallel is None:
         return
     blocks = workload.blocks(model)
-    layout = resolve_layout(loaded, workload, None if blocks is None else len(blocks), planned)
+    layout = resolve_layout(loaded, workload, None if blocks is None else len(blocks))
     if layout is not None and not layout.plain:
         raise InputError.at(
             loaded.path,
