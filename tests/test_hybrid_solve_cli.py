@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from jabascli.cli.app import app
 from jabascli.config import load_config
 from jabascli.config.models import ParallelConfig
 from jabascli.engine.plan import load_plan
+from jabascli.errors import InputError
 from jabascli.hybrid.job import range_values
 from jabascli.profiles.hybrid import (
     BandwidthFit,
@@ -212,3 +214,20 @@ def test_a_plan_the_runtime_cannot_deal_is_refused(cli: CliRunner, tmp_path: Pat
     assert json.loads(result.stdout)["assignments"] == [
         {"server": "fast", "device_type": "fast", "gpus": 1, "vsw": 1, "ga": 0, "iteration_time_s": pytest.approx(0.12)}
     ]
+
+
+def test_jabas_run_solves_the_hybrid_plan_when_asked(tmp_path: Path) -> None:
+    from jabascli.solver.autoplan import solve_for_run
+
+    config = job(tmp_path, memory_gb=11, extra='[parallel]\nplan = "auto"\n')
+    solved = solve_for_run(load_config(config), 16)
+    assert solved is not None and solved.source == "--gbs"
+    assert solved.plan.parallel is not None and solved.plan.parallel.tp * solved.plan.parallel.pp > 1
+    assert solved.plan.gbs == 16
+    with pytest.raises(InputError, match="the hybrid search picks the servers"):
+        solve_for_run(load_config(config), 16, servers="all")
+    shutil.rmtree(tmp_path / "profiles")
+    with pytest.raises(
+        InputError, match=r'no hybrid profiles for \[parallel\] plan = "auto": run `jabas profile hybrid'
+    ):
+        solve_for_run(load_config(config), 16)

@@ -265,3 +265,16 @@ def plan_file(job: HybridJob, choice: Choice) -> PlanFile:
     return PlanFile(
         plan.gbs, plan.mbs, "recommend", pred.iteration_s, samples_s, tuple(assignments), parallel_section(plan)
     )
+
+
+def plan_for_run(loaded: LoadedConfig, gbs: int) -> PlanFile:
+    """``jabas run``'s plan for a job with ``[parallel] plan = "auto"``: ``jabas solve --hybrid``'s for ``gbs``."""
+    root = profiles_root(loaded)
+    if not (root / "hybrid").is_dir():
+        raise InputError.at(
+            root / "hybrid",
+            None,
+            f'no hybrid profiles for [parallel] plan = "auto": run `jabas profile hybrid -c {loaded.path}` first',
+        )
+    job = load_job(loaded, root, model_name(loaded, root))
+    return plan_file(job, solve(job, gbs))
