@@ -231,3 +231,14 @@ def test_jabas_run_solves_the_hybrid_plan_when_asked(tmp_path: Path) -> None:
         InputError, match=r'no hybrid profiles for \[parallel\] plan = "auto": run `jabas profile hybrid'
     ):
         solve_for_run(load_config(config), 16)
+
+
+def test_auto_layout_needs_a_plan(tmp_path: Path) -> None:
+    from jabascli.engine.parallel.layout import resolve_layout
+    from jabascli.workload import load_workload
+
+    loaded = load_config(job(tmp_path, extra='[parallel]\nplan = "auto"\n'))
+    with pytest.raises(InputError, match=r'parallel\.plan: "auto" takes the layout from a hybrid plan file'):
+        resolve_layout(loaded, load_workload("gpt"), 4)
+    layout = resolve_layout(loaded, load_workload("gpt"), 4, ParallelConfig(checkpointing=[3]))
+    assert layout is not None and layout.checkpointed == (3,)

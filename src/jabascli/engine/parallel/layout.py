@@ -52,6 +52,13 @@ def resolve_layout(
     parallel, file = planned or loaded.config.parallel, loaded.path
     if parallel is None:
         return None
+    if planned is None and parallel.plan == "auto":
+        raise InputError.at(
+            file,
+            "parallel.plan",
+            '"auto" takes the layout from a hybrid plan file (`jabas run` solves one, or '
+            "`jabas solve --hybrid --out` then --plan), and none was given",
+        )
 
     def refuse(field: str, message: str) -> InputError:
         return InputError.at(file, f"parallel.{field}", message)
