@@ -53,7 +53,10 @@ class HybridJob:
             for g in self.servers
         }
         if self.tp is None:
-            return sorted(set.intersection(*(set(v) for v in have.values())))
+            common = sorted(set.intersection(*(set(v) for v in have.values())))
+            if not common:
+                raise InputError.at(self.folder, "times", f"no TP degree is profiled on every device type: {have}")
+            return common
         for device, degrees in have.items():
             if self.tp not in degrees:
                 raise InputError.at(
@@ -96,7 +99,7 @@ def model_name(loaded: LoadedConfig, root: Path, model: str | None = None) -> st
         root / "hybrid",
         None,
         f"which model? name one with --model (hybrid profiles here: {have}; "
-        "`jabas profile all --hybrid` or `jabas profile import` writes them)",
+        "`jabas profile hybrid` or `jabas profile import` writes them)",
     )
 
 
