@@ -5,7 +5,9 @@ every validation plan under DIR (``**/validation/**/plan_config_*.json``: plans 
 time and peak memory measured) and print predicted vs measured per plan; the last line gives the median absolute
 errors over the homogeneous (one device type) and the mixed plans separately. Before it, on each mixed cluster of
 the validation plans (plans whose stages take whole servers, grouped by servers and GBS), jabas's searched plan
-against the best measured Sailor plan, the best plan on one device type and the best even-split plan.
+against the best measured Sailor plan, the best plan on one device type and the best even-split plan. First, the
+planning speed on 48 blocks x 64 servers x 8 GPUs of 3 types: the search, `jabas solve --hybrid`'s path (one TP
+degree for the job, plans the runtime can deal) and its `--range 256:32768` table, in CPU seconds.
 
     .venv/bin/python benchmarks/hybrid_planner.py --sailor ../shared/reference/planners/sailor
 """
