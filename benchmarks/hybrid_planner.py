@@ -5,7 +5,9 @@ every validation plan under DIR (``**/validation/**/plan_config_*.json``: plans 
 time and peak memory measured) and print predicted vs measured per plan; the last line gives the median absolute
 errors over the homogeneous (one device type) and the mixed plans separately. Before it, on each mixed cluster of
 the validation plans (plans whose stages take whole servers, grouped by servers and GBS), jabas's searched plan
-against the best measured Sailor plan, the best plan on one device type and the best even-split plan.
+against the best measured Sailor plan, the best plan on one device type and the best even-split plan. First, the
+planning speed on 48 blocks x 64 servers x 8 GPUs of 3 types: the search, `jabas solve --hybrid`'s path (one TP
+degree for the job, plans the runtime can deal) and its `--range 256:32768` table, in CPU seconds.
 
     .venv/bin/python benchmarks/hybrid_planner.py --sailor ../shared/reference/planners/sailor
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from jabascli.errors import InputError
 from jabascli.hybrid.costmodel import CostModel
+from jabascli.hybrid.job import HybridJob, solve, solve_range
 from jabascli.hybrid.plan import Placement, Plan, Replica
 from jabascli.hybrid.search import ServerGroup, search
 from jabascli.inputs import read_json
@@ -113,6 +116,23 @@ def planning_speed(root: Path) -> None:
     took = time.process_time() - start
     print(f"\nplanning 48 blocks on 64 servers x 8 GPUs of 3 types, GBS 4096: {took:.2f} s CPU (target <= 10 s)")
     print(f"  {found.plan.describe()[:150]}: predicted {found.prediction.iteration_s:.2f} s")
+    # What `jabas solve --hybrid` runs: one TP degree for the whole job (the runtime's [parallel] tp), each searched.
+    names = {g.device: [f"{g.device}-{k}" for k in range(g.count)] for g in servers}
+    job = HybridJob(model.profiles, servers, names, root)
+    start = time.process_time()
+    chosen = solve(job, 4096)
+    took = time.process_time() - start
+    print(
+        f"`jabas solve --hybrid --gbs 4096` (one TP degree per plan, each searched): {took:.2f} s CPU (target <= 10 s)"
+    )
+    print(f"  {chosen.plan.describe()[:150]}: predicted {chosen.prediction.iteration_s:.2f} s")
+    job = HybridJob(model.profiles, servers, names, root)  # nothing cached from the single GBS
+    start = time.process_time()
+    table = solve_range(job, 256, 32768)
+    took = time.process_time() - start
+    print(f"`jabas solve --hybrid --range 256:32768` ({len(table)} GBS values): {took:.2f} s CPU (target <= 60 s)")
+    for c in table:
+        print(f"  GBS {c.plan.gbs:6d}: {c.prediction.iteration_s:7.2f} s  {c.plan.describe()[:110]}")
 
 
 STRATEGY = re.compile(

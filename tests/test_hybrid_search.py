@@ -122,7 +122,8 @@ def test_no_plan_fits_names_the_smallest_footprint() -> None:
     rng = random.Random(1)
     model = CostModel(random_profiles(rng, 4, {"fast": 0.2 * GB, "slow": 0.2 * GB}))
     with pytest.raises(
-        InputError, match=r"no plan fits .*smallest footprint found needs \d+\.\d\d GB.*largest device has 0\.20 GB"
+        InputError,
+        match=r"no plan fits .*smallest footprint found needs \d+\.\d\d GB on a (fast|slow) .*which has 0\.20 GB",
     ) as err:
         search(model, [ServerGroup("fast", 1), ServerGroup("slow", 1)], 4)
     assert len(err.value.lines()) == 1
@@ -133,3 +134,20 @@ def test_device_type_without_profile_is_input_error() -> None:
     model = CostModel(random_profiles(random.Random(0), 3, {"fast": 4 * GB}))
     with pytest.raises(InputError, match=r"servers\.tpu: no hybrid profile of this device type"):
         search(model, [ServerGroup("tpu", 1)], 4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dealt_plans_give_every_device_a_micro_batch(seed: int) -> None:
+    """``deal=True`` (``jabas solve --hybrid``): every replica runs at least one micro-batch per device, and it
+    never beats the unrestricted search (a subset of its space). Unrestricted, 10 of these 24 plans break the rule."""
+    rng = random.Random(100 + seed)
+    model = CostModel(random_profiles(rng, rng.randint(3, 6), {"fast": 3 * GB, "slow": 3 * GB}))
+    servers = [ServerGroup("fast", 1), ServerGroup("slow", 1)]
+    for gbs in (2, 3, 4, 8):
+        try:
+            dealt = search(model, servers, gbs, deal=True)
+        except InputError:
+            continue
+        assert all(r.microbatches >= sum(p.tp for p in r.stages) for r in dealt.plan.replicas)
+        free = search(model, servers, gbs)
+        assert dealt.prediction.iteration_s >= free.prediction.iteration_s * (1 - 1e-9)

@@ -26,6 +26,7 @@ from rich.table import Table
 
 from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
 from jabascli.config import load_config
+from jabascli.errors import InputError
 from jabascli.profiler.common import Reporter
 
 app = typer.Typer(help="Measure what the solver needs, per device type.", no_args_is_help=True)
@@ -429,6 +430,13 @@ def all_(
     ] = None,
     force: ForceOption = False,
     json_out: JsonOption = False,
+    hybrid: Annotated[
+        bool,
+        typer.Option(
+            "--hybrid",
+            help="Also the hybrid planner's profiles (`jabas profile hybrid`; always when the job has \\[parallel]).",
+        ),
+    ] = False,
 ) -> None:
     """Every profile the solver needs, in one command: buckets, memory and computation per server, all-reduce.
 
@@ -460,6 +468,7 @@ def all_(
             sizes=sizes,
             force=force,
             reporter=reporter,
+            hybrid=hybrid,
         )
     took = time.monotonic() - began
     failure = failure_error(run)
@@ -553,6 +562,52 @@ def summary(
                 cells.append(f"max {fit}; {best}: {ms:,.1f} ms, {row.throughput(best):,.0f}/s")
         table.add_row(str(lbs), *cells)
     console.print(table)
+
+
+@app.command()
+@cli_command
+def hybrid(
+    config: ConfigOption,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Profiles folder to write <out>/hybrid/ into (default: the config's).")
+    ] = None,
+    mbs: Annotated[str, typer.Option(help="Micro-batch sizes to time, a comma-separated list.")] = "1,2,4,8",
+    force: ForceOption = False,
+    json_out: JsonOption = False,
+) -> None:
+    """The hybrid planner's profiles of the job's workload on the servers of this machine.
+
+    Per block and device type: forward and backward seconds by micro-batch
+    size (TP 2 derived where the workload has a TP plan), parameter,
+    activation and output bytes, optimizer state; and all-reduce, all-gather,
+    reduce-scatter and send on gloo. Writes <out>/hybrid/ (docs/formats.md),
+    which `jabas solve --hybrid` reads.
+
+    Example:
+
+        jabas profile hybrid -c jabas.toml --mbs 1,2,4
+    """
+    from jabascli.profiler.hybrid import profile_hybrid
+
+    sizes = _mbs_list(mbs)
+    loaded = load_config(config, check_profiles=False)
+    with _reporting("Hybrid profiles", json_out) as reporter:
+        result = profile_hybrid(loaded, out=out, mbs=sizes, force=force, reporter=reporter)
+    if json_out:
+        print_json({"model": result.model, "devices": result.devices, "written": [str(p) for p in result.written]})
+        return
+    state = "already on disk" if result.skipped else f"written: {len(result.written)} files"
+    console.print(f"{result.model} on {', '.join(result.devices)}: {state}", highlight=False)
+
+
+def _mbs_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        values = ()
+    if not values or values[0] < 1:
+        raise InputError.at(None, "--mbs", f"expected positive integers separated by commas, got {text!r}")
+    return values
 
 
 @app.command("import")

@@ -40,6 +40,15 @@ def solve_own_plan(
             highlight=False,
             markup=False,
         )
+        if p.parallel is not None:
+            lay = p.parallel
+            ckpt = lay.checkpointing if isinstance(lay.checkpointing, str) else f"blocks {lay.checkpointing}"
+            console.print(
+                f"hybrid layout (the planner's): tp {lay.tp}, pp {lay.pp}, stages {lay.stages}, "
+                f"sharding {lay.sharding}, checkpointing {ckpt}",
+                highlight=False,
+                markup=False,
+            )
         left_out = solved.choice.line() if solved.choice is not None else None
         if left_out is not None:
             console.print(f"{left_out} (--servers all keeps every server)", highlight=False, markup=False)

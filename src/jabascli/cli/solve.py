@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
+from jabascli.cli.solve_hybrid import check_hybrid_options, solve_hybrid
 from jabascli.config import load_config
 from jabascli.errors import InputError, Problem
 
@@ -20,7 +21,12 @@ if TYPE_CHECKING:
 def solve(
     config: ConfigOption,
     gbs: Annotated[int | None, typer.Option(help="Global batch size to solve for.")] = None,
-    range_: Annotated[str | None, typer.Option("--range", help="LO:HI: the best plan for every feasible GBS.")] = None,
+    range_: Annotated[
+        str | None,
+        typer.Option(
+            "--range", help="LO:HI: the best plan for every feasible GBS (--hybrid: LO, 2 LO, 4 LO ... and HI)."
+        ),
+    ] = None,
     servers: Annotated[
         str | None,
         typer.Option(help="auto (default: leave out any server that slows the job), all, or a list: node0,node1."),
@@ -30,6 +36,23 @@ def solve(
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Write the plan for `jabas train` to this file.")] = None,
     json_out: JsonOption = False,
+    hybrid: Annotated[
+        bool,
+        typer.Option(
+            "--hybrid",
+            help="Plan data, sharded, tensor and pipeline parallelism from the hybrid profiles "
+            "(docs/hybrid-planner.md), e.g. jabas solve -c jabas.toml --hybrid --gbs 256.",
+        ),
+    ] = False,
+    profiles: Annotated[
+        Path | None, typer.Option(help="With --hybrid: the profiles folder holding hybrid/ (default: the config's).")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="With --hybrid: the model under hybrid/ (default: the only one, or the job's).")
+    ] = None,
+    tp: Annotated[
+        int | None, typer.Option(help="With --hybrid: plan with this TP degree only (default: searched).")
+    ] = None,
 ) -> None:
     """Best LBS, weight sync and (VSW, GA) per device for a global batch size.
 
@@ -45,11 +68,35 @@ def solve(
         jabas solve -c jabas.toml --gbs 128 --servers all --out plan.json
 
         jabas solve -c jabas.toml --range 256:8192 --json
+
+    With --hybrid, the hybrid planner: pipeline stages, blocks per stage, TP
+    degree, sharding and checkpointing, and each replica's micro-batches, from
+    the profiles under <profiles>/hybrid/ (`jabas profile hybrid` or
+    `jabas profile import`); --range LO:HI plans LO, 2 LO, 4 LO ... and HI.
+
+        jabas solve -c jabas.toml --hybrid --gbs 256 --out plan.json
+
+        jabas solve -c jabas.toml --hybrid --profiles imported/ --model OPT-350 --range 256:32768
     """
     if (gbs is None) == (range_ is None):
         raise InputError.at(None, "--gbs", "give exactly one of --gbs N and --range LO:HI")
     if range_ is not None and out is not None:
         raise InputError.at(None, "--out", "writes one plan: use it with --gbs, not --range")
+    if tp is not None and tp < 1:
+        raise InputError.at(None, "--tp", f"expected a TP degree >= 1, got {tp}")
+    check_hybrid_options(hybrid, profiles=profiles, model=model, tp=tp)
+    if hybrid:
+        for name, value in (("servers", servers), ("weight-sync", weight_sync)):
+            if value is not None:
+                raise InputError.at(
+                    None,
+                    f"--{name}",
+                    "not used with --hybrid: the hybrid search picks the servers, and has no weight-sync choice",
+                )
+        gbs_range = parse_range(range_) if range_ is not None else None
+        loaded = load_config(config, check_profiles=False)
+        solve_hybrid(loaded, gbs, gbs_range, profiles, model, tp, out, json_out)
+        return
     from jabascli.solver import write_plan  # numpy: only when solving
     from jabascli.solver.choice import choose_plan, solver_for
 

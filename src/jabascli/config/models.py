@@ -208,6 +208,9 @@ class ParallelConfig(Section):
     """Activation checkpointing: of no block, of every block, or of the listed block indices."""
     layers: list[LayerStrategy] | None = None
     """Per-block strategies; blocks no entry names follow the keys above."""
+    plan: Literal["config", "auto"] = "config"
+    """``auto``: ``jabas run`` (without a plan file) trains the hybrid planner's layout and micro-batches for its GBS
+    (``jabas solve --hybrid``) instead of the keys above; ``config``: the keys above."""
 
 
 class StorageConfig(Section):

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from jabascli.config import LoadedConfig, ServerConfig
+from jabascli.config.models import ParallelConfig
 from jabascli.errors import InputError, Problem
 from jabascli.solver.plan import Assignment, Plan, read_plan
 
@@ -64,6 +65,8 @@ class TrainingPlan:
     file: str = ""
     """The file the plan came from: the plan file, or the config."""
     from_plan_file: bool = False
+    parallel: ParallelConfig | None = None
+    """A hybrid plan's layout (the plan file's ``parallel``), which wins over the config's ``[parallel]``."""
 
     @property
     def world_size(self) -> int:
@@ -105,7 +108,7 @@ class TrainingPlan:
                 assignments[-1] = dataclasses.replace(last, gpus=last.gpus + 1)
             else:
                 assignments.append(Assignment(r.server, r.device_type, 1, r.vsw, r.ga))
-        return Plan(self.gbs, self.lbs, self.weight_sync, None, None, tuple(assignments))
+        return Plan(self.gbs, self.lbs, self.weight_sync, None, None, tuple(assignments), self.parallel)
 
     def describe(self) -> str:
         """The seed's notation, e.g. ``node0:4GPU,VSW:2,GA:0 node1:2GPU,VSW:1,GA:1``."""
@@ -200,4 +203,6 @@ def plan_from_solver(plan: Plan, path: Path | str, loaded: LoadedConfig) -> Trai
             ranks.append(_rank(len(ranks), server, a.server, a.device_type or server.device_type, a.vsw, a.ga))
     if problems:
         raise InputError(problems)
-    return TrainingPlan(plan.lbs, tuple(ranks), plan.weight_sync, str(path), from_plan_file=True)
+    return TrainingPlan(
+        plan.lbs, tuple(ranks), plan.weight_sync, str(path), from_plan_file=True, parallel=plan.parallel
+    )

@@ -256,7 +256,7 @@ class Trainer:
         torch.manual_seed(cfg.job.seed)
         model = self.workload.build_model().to(device)
         # [parallel] (docs/hybrid.md): a layout is built once the process group exists (connect).
-        self.layout = trainer_layout(loaded, self.workload, model)
+        self.layout = trainer_layout(loaded, self.workload, model, plan.parallel)
         if self.layout is not None:
             check_trainer_layout_inputs(loaded, self.layout, model)
         self.layout_workers: LayoutWorkers | None = None

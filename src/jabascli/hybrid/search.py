@@ -45,6 +45,21 @@ class ServerGroup:
     count: int
 
 
+@dataclass
+class Shortfall:
+    """The layout closest to fitting, over every candidate that did not: its largest need against its device's
+    memory, every block checkpointed (what a memory budget no plan fits is told in)."""
+
+    ratio: float = math.inf
+    need: float = 0.0
+    device: str = ""
+    budget: float = 0.0
+
+    def offer(self, need: float, device: str, budget: float) -> None:
+        if need / budget < self.ratio:
+            self.ratio, self.need, self.device, self.budget = need / budget, need, device, budget
+
+
 @dataclass(frozen=True)
 class Choice:
     plan: Plan
@@ -60,11 +75,13 @@ def search(
     tp_candidates: int = 2,
     keep: int = 4,
     even_split: bool = False,
+    deal: bool = False,
 ) -> Choice:
     """The fastest plan that fits every device's memory; ``InputError`` naming the smallest footprint if none.
 
     ``even_split``: every pipeline splits the blocks evenly over its stages (as Galvatron and most planners for
-    one device type do), for comparisons."""
+    one device type do), for comparisons. ``deal``: only plans whose every replica runs at least one micro-batch per
+    device (the runtime deals a replica's micro-batches to its ranks, one at least each: ``jabas solve --hybrid``)."""
     devices = {g.device: 0 for g in servers}
     for g in servers:
         if g.device not in model.profiles.devices:
@@ -73,7 +90,7 @@ def search(
         devices[g.device] += g.count * model.profiles.devices[g.device].devices_per_server
     best: list[tuple[float, int, Callable[[], Plan | None]]] = []
     counter = itertools.count()
-    smallest = [math.inf]
+    smallest = Shortfall()
 
     def offer(estimate: float, plan: Callable[[], Plan | None]) -> None:
         heapq.heappush(best, (-estimate, next(counter), plan))
@@ -82,23 +99,27 @@ def search(
 
     for b in _lbs_values(model, list(devices), gbs):
         n_micro = gbs // b
-        for estimate, plan in _iidp_plans(model, devices, b, n_micro, smallest):
+        for estimate, plan in _iidp_plans(model, devices, b, n_micro, smallest, deal):
             offer(estimate, lambda plan=plan: plan)
-        pipelines = _pipeline_plans(model, devices, b, n_micro, stage_counts, tp_candidates, smallest, even_split)
+        pipelines = _pipeline_plans(model, devices, b, n_micro, stage_counts, tp_candidates, smallest, even_split, deal)
         for estimate, plan in pipelines:
             offer(estimate, plan)
     plans = [build() for _, _, build in best]
     choices = [Choice(p, model.predict(p)) for p in plans if p is not None]
     choices = [c for c in choices if c.prediction.fits]
     if not choices:
-        largest = max(model.profiles.devices[g.device].memory_bytes for g in servers) / 1e9
-        if math.isinf(smallest[0]):
+        if not _lbs_values(model, list(devices), gbs):
             raise InputError.at(None, "gbs", f"no plan at GBS {gbs}: no profiled micro-batch size divides it")
+        if not smallest.device:  # every candidate was left out for dealing, none for memory
+            raise InputError.at(
+                None, "gbs", f"no plan at GBS {gbs} gives every device of a replica one micro-batch at least"
+            )
         raise InputError.at(
             None,
             "memory",
             f"no plan fits the devices' memory at GBS {gbs}: the smallest footprint found needs "
-            f"{smallest[0] / 1e9:.2f} GB on one device, the largest device has {largest:.2f} GB",
+            f"{smallest.need / 1e9:.2f} GB on a {smallest.device} device (every block checkpointed), "
+            f"which has {smallest.budget / 1e9:.2f} GB",
         )
     return min(choices, key=lambda c: c.prediction.iteration_s)
 
@@ -149,7 +170,7 @@ def _fitting_layout(
 
 
 def _iidp_plans(
-    model: CostModel, devices: dict[str, int], b: int, n_micro: int, smallest: list[float]
+    model: CostModel, devices: dict[str, int], b: int, n_micro: int, smallest: Shortfall, deal: bool = False
 ) -> list[tuple[float, Plan]]:
     """Plain IIDP: whole-model replicas on every device type used, micro-batch counts by water-filling."""
     n_blocks = model.profiles.num_blocks
@@ -166,7 +187,7 @@ def _iidp_plans(
                 if any(lay is None for lay in layouts):
                     for d, t in zip(used, tps, strict=False):
                         mem = model.stage_memory(d, b, t, 0, n_blocks, frozenset(range(n_blocks)), 1, shards)
-                        smallest[0] = min(smallest[0], mem)
+                        smallest.offer(mem, d, model.profiles.devices[d].memory_bytes)
                     continue
                 ckpt = frozenset().union(*(lay[1] for lay in layouts if lay))
                 places, sigma = [], []
@@ -175,12 +196,30 @@ def _iidp_plans(
                     for r in range(devices[d] // t):
                         places.append(Placement(d, t, f"{d}-{r * t // per_server}"))
                         sigma.append(model.stage_compute(d, b, t, 0, n_blocks, ckpt))
-                counts = _water_fill(sigma, n_micro)
+                counts = _deal(sigma, [p.tp for p in places], n_micro) if deal else _water_fill(sigma, n_micro)
+                if counts is None:
+                    continue
                 reps = tuple(Replica((p,), m) for p, m in zip(places, counts, strict=False) if m > 0)
                 plan = Plan(b, (0, n_blocks), reps, ckpt, sharding)  # type: ignore[arg-type]
                 out.append((model.predict(plan).iteration_s, plan))
                 break  # sharding only when plain replicas do not fit
     return out
+
+
+def _deal(times: list[float], devices: list[int], n: int) -> list[int] | None:
+    """Water-filling over the replicas that can run their share: a replica dealt fewer micro-batches than it has
+    devices (but some) is left out, the slowest first, and the rest filled again; None if none is left."""
+    active = list(range(len(times)))
+    while active:
+        share = _water_fill([times[r] for r in active], n)
+        short = [r for r, m in zip(active, share, strict=True) if 0 < m < devices[r]]
+        if not short:
+            counts = [0] * len(times)
+            for r, m in zip(active, share, strict=True):
+                counts[r] = m
+            return counts
+        active.remove(max(short, key=lambda r: times[r]))
+    return None
 
 
 def _subsets(types: list[str]) -> list[tuple[str, ...]]:
@@ -194,8 +233,9 @@ def _pipeline_plans(
     n_micro: int,
     stage_counts: tuple[int, ...],
     tp_candidates: int,
-    smallest: list[float],
+    smallest: Shortfall,
     even_split: bool,
+    deal: bool = False,
 ) -> list[tuple[float, Callable[[], Plan | None]]]:
     out = []
     for n_stages in stage_counts:
@@ -212,6 +252,8 @@ def _pipeline_plans(
                         if replicas < 1:
                             continue
                         stages = [(d, t) for d, t, k in zip(order, tps, split, strict=False) for _ in range(k)]
+                        if deal and max(1, n_micro // replicas) < sum(t for _, t in stages):
+                            continue  # a replica's devices would outnumber its micro-batches
                         for sharding in ("none", "full"):
                             found = _split_blocks(model, stages, b, replicas, n_micro, sharding, smallest, even_split)  # type: ignore[arg-type]
                             if found is not None:
@@ -252,7 +294,7 @@ def _split_blocks(
     replicas: int,
     n_micro: int,
     sharding: Sharding,
-    smallest: list[float],
+    smallest: Shortfall,
     even_split: bool = False,
 ) -> tuple[float, Callable[[], Plan | None]] | None:
     """The layerwise DP over block boundaries for one pipeline template: the estimated iteration time and how to
@@ -263,12 +305,9 @@ def _split_blocks(
     shards = replicas if sharding == "full" else 1
     heads = _first_replica(model, stages, replicas)
     idx_i, idx_j = _grid(n_blocks)
-    f_prev: np.ndarray | None = None
-    choice = []
     sigmas = []
-    mem = np.zeros(1)
     for s, (d, t) in enumerate(stages):
-        sigma, mem = _stage_matrix(model, d, t, b, min(micro, n_stages - s), shards)
+        sigma = _stage_matrix(model, d, t, b, min(micro, n_stages - s), shards)
         if s + 1 < n_stages:
             sigma = sigma + _send_times(model, b, heads[s], heads[s + 1])[idx_j]
         if s > 0:
@@ -278,22 +317,10 @@ def _split_blocks(
             allowed[_even_bounds(n_blocks, n_stages)[s + 1]] = 0.0
             sigma = sigma + allowed[None, :]
         sigmas.append(sigma)
-        if f_prev is None:
-            f_cur = sigma[0].copy()
-            choice.append(np.zeros(n_blocks + 1, dtype=int))
-        else:
-            cand = np.maximum(f_prev[:, None], sigma)
-            choice.append(cand.argmin(axis=0))
-            f_cur = cand.min(axis=0)
-        f_prev = f_cur
-    assert f_prev is not None
-    if not np.isfinite(f_prev[n_blocks]):
-        smallest[0] = min(smallest[0], float(mem[0, n_blocks]))
+    bottleneck, bounds = _bottleneck_split(sigmas)
+    if not math.isfinite(bottleneck):
+        _closest_split(model, stages, b, micro, shards, smallest)
         return None
-    bounds = [n_blocks]
-    for s in range(n_stages - 1, 0, -1):
-        bounds.append(int(choice[s][bounds[-1]]))
-    bounds = [0, *reversed(bounds)]
     steps = [float(sigmas[s][bounds[s], bounds[s + 1]]) for s in range(n_stages)]
     sync = 0.0
     for s, (d, t) in enumerate(stages):
@@ -317,6 +344,49 @@ def _split_blocks(
         return Plan(b, tuple(bounds), reps, frozenset(ckpt), sharding)
 
     return estimate, build
+
+
+def _closest_split(
+    model: CostModel, stages: list[tuple[str, int]], b: int, micro: int, shards: int, smallest: Shortfall
+) -> None:
+    """Offer the split whose largest need over its device's memory is least, every block checkpointed
+    (the same DP: ``g_s[j] = min_i max(g_{s-1}[i], need_s(i, j) / budget_s)``)."""
+    n_stages = len(stages)
+    needs = [_least_memory(model, d, t, b, min(micro, n_stages - s), shards) for s, (d, t) in enumerate(stages)]
+    _, bounds = _bottleneck_split(
+        [need / model.profiles.devices[d].memory_bytes for need, (d, _) in zip(needs, stages, strict=True)]
+    )
+    for s, (d, _) in enumerate(stages):
+        smallest.offer(float(needs[s][bounds[s], bounds[s + 1]]), d, model.profiles.devices[d].memory_bytes)
+
+
+def _bottleneck_split(cost: list[np.ndarray]) -> tuple[float, list[int]]:
+    """Galvatron's layerwise DP over stage boundaries: ``f_s[j] = min_{i<j} max(f_{s-1}[i], cost_s[i, j])``; the
+    least ``max_s cost_s`` over every split of the blocks into ``len(cost)`` stages, and that split's bounds."""
+    n_blocks = cost[0].shape[0] - 1
+    f = cost[0][0].copy()
+    choice = [np.zeros(n_blocks + 1, dtype=int)]
+    for c in cost[1:]:
+        cand = np.maximum(f[:, None], c)
+        choice.append(cand.argmin(axis=0))
+        f = cand.min(axis=0)
+    bounds = [n_blocks]
+    for s in range(len(cost) - 1, 0, -1):
+        bounds.append(int(choice[s][bounds[-1]]))
+    return float(f[n_blocks]), [0, *reversed(bounds)]
+
+
+def _least_memory(model: CostModel, d: str, t: int, b: int, in_flight: int, shards: int) -> np.ndarray:
+    """``need[i, j]``: peak memory of a stage holding blocks ``i..j-1``, every one checkpointed (``inf`` if empty)."""
+    key = ("least", d, t, b, in_flight, shards)
+    if key not in model.memo:
+        n_blocks = model.profiles.num_blocks
+        need = np.full((n_blocks + 1, n_blocks + 1), np.inf)
+        for i in range(n_blocks):
+            for j in range(i + 1, n_blocks + 1):
+                need[i, j] = model.stage_memory(d, b, t, i, j, frozenset(range(i, j)), in_flight, shards)
+        model.memo[key] = need
+    return model.memo[key]
 
 
 def _first_replica(model: CostModel, stages: list[tuple[str, int]], replicas: int) -> list[Placement]:
@@ -344,12 +414,10 @@ def _grid(n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     return np.meshgrid(np.arange(n_blocks + 1), np.arange(n_blocks + 1), indexing="ij")  # type: ignore[return-value]
 
 
-def _stage_matrix(
-    model: CostModel, d: str, t: int, b: int, in_flight: int, shards: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _stage_matrix(model: CostModel, d: str, t: int, b: int, in_flight: int, shards: int) -> np.ndarray:
     """``sigma[i, j]``: compute time per micro-batch of a stage holding blocks ``i..j-1`` on ``t`` devices ``d``,
-    with the checkpointed blocks it needs to fit (``inf`` if it cannot), and ``mem[i, j]`` without checkpointing.
-    Cached on the model: the DP asks for the same matrices for every pipeline template."""
+    with the checkpointed blocks it needs to fit (``inf`` if it cannot). Cached on the model: the DP asks for the
+    same matrices for every pipeline template."""
     cache = model.memo
     key = (d, t, b, in_flight, shards)
     if key in cache:
@@ -375,8 +443,8 @@ def _stage_matrix(
     need = np.where(excess > 0, np.ceil((excess + b * span["a"] / count) / np.maximum(save, 1.0)), 0)
     sigma = span["fb"] + need * span["f"] / count
     sigma = np.where(valid & (need <= count), sigma, np.inf)
-    cache[key] = (sigma, mem)
-    return sigma, mem
+    cache[key] = sigma
+    return sigma
 
 
 def _even_bounds(n_blocks: int, n_stages: int) -> list[int]:

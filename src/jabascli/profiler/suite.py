@@ -22,7 +22,9 @@ emulated or not), in this order:
    server has devices, at least 2);
 4. with several servers, the inter-node all-reduce over loopback, one process
    per server, as ``jabas run``'s trainers of different servers reach each
-   other.
+   other;
+5. with ``hybrid`` (``--hybrid``), or when the job has ``[parallel]``, the hybrid
+   planner's profiles (:mod:`.hybrid`).
 
 A server whose profile fails does not stop the others: the failure is kept
 and named at the end. On a real cluster (``server`` given), this node's
@@ -53,7 +55,7 @@ INTER_PORT = 29510
 # Calibrated on the tiny ResNet on 2 cores (30 memory trials in 28 s, 15 computation points in 68 s).
 CHILD_S = 1.5
 TRIAL_S = 1.0
-FIXED_S = {"bucket": 4.0, "intra": 8.0, "inter": 8.0}
+FIXED_S = {"bucket": 4.0, "intra": 8.0, "inter": 8.0, "hybrid": 20.0}
 POINT_SECONDS = 2.0
 """Seconds of measured iterations per computation point, at most (five iterations at least)."""
 
@@ -170,6 +172,7 @@ def profile_all(
     sizes: str | None = None,
     force: bool = False,
     reporter: Reporter | None = None,
+    hybrid: bool = False,
 ) -> SuiteRun:
     """Measure every profile the solver needs for ``loaded``'s job on this machine.
 
@@ -213,6 +216,8 @@ def profile_all(
         for kind in ("intra", "inter")
     }
     comm_s = comm_weight["intra"] * need_intra + comm_weight["inter"] * inter_here
+    hybrid = (hybrid or loaded.config.parallel is not None) and server is None
+    comm_s += FIXED_S["hybrid"] * hybrid
     expected = expected_seconds(sweep, bound, len(mine) - len(measured), comm_s)
     weights = {x.name: (0.0, 0.0) if x.name in measured else (expected["mem"], expected["comp"]) for x in mine}
     run = SuiteRun(gbs_max=bound, lbs_values=lbs_values, expected_s=expected["total"])
@@ -299,9 +304,19 @@ def profile_all(
         stage("intra", comm_weight["intra"], lambda sub: comm(sub, "intra"))
     if inter_here:
         stage("inter", comm_weight["inter"], lambda sub: comm(sub, "inter"))
+    if hybrid:
+        stage("hybrid", FIXED_S["hybrid"], lambda sub: _hybrid(loaded, force, sub))
     if server is not None and many:
         run.commands = inter_commands(loaded)
     return run
+
+
+def _hybrid(loaded: LoadedConfig, force: bool, reporter: Reporter) -> str:
+    from jabascli.profiler.hybrid import profile_hybrid
+
+    result = profile_hybrid(loaded, force=force, reporter=reporter)
+    where = f"{result.model}, {', '.join(result.devices)}"
+    return f"{where} (on disk)" if result.skipped else where
 
 
 def _minutes(seconds: float) -> str:

@@ -99,6 +99,16 @@ class BandwidthFit(_Strict):
         return size_bytes / self.bandwidth(size_bytes) if size_bytes > 0 else 0.0
 
 
+class CollectiveTime(_Strict):
+    """One measured collective: ``collective`` of ``size_bytes`` (per device) over ``devices`` devices."""
+
+    collective: Literal["all_reduce", "all_gather", "reduce_scatter", "send"]
+    devices: int = Field(ge=2)
+    link: Link
+    size_bytes: float
+    seconds: float
+
+
 class Network(_Strict):
     format: Literal["jabas-hybrid-network/1"] = NETWORK_FORMAT
     source: str = ""
@@ -106,6 +116,8 @@ class Network(_Strict):
     """``intra[device][n]``: n devices of one server exchanging among themselves."""
     inter: dict[str, dict[int, BandwidthFit]] = {}
     """``inter[device][n]``: n devices of one server exchanging with other servers, aggregate."""
+    collectives: list[CollectiveTime] = []
+    """What ``jabas profile hybrid`` measured, as measured (the fits above come from its all-reduces)."""
 
     def fit(self, link: Link, device: str, n: int) -> BandwidthFit:
         table = (self.intra if link == "intra" else self.inter).get(device)

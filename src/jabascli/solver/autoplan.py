@@ -10,6 +10,12 @@ the job slower is left out, :mod:`jabascli.solver.choice`). The solver needs pro
 available server; a missing one is bad input naming the command that makes
 it (``jabas profile all``). Without a GBS, or without any profiles, the
 config's plan is trained as before.
+
+A job with ``[parallel] plan = "auto"`` gets the hybrid planner's plan instead
+(:func:`jabascli.hybrid.job.plan_for_run`: ``jabas solve --hybrid`` for that
+GBS, from ``<profiles>/hybrid/``), whose ``parallel`` the trainers take over the
+config's keys; the hybrid search picks its own servers (``--servers`` is not
+taken), and a missing hybrid profile is bad input naming ``jabas profile hybrid``.
 """
 
 from __future__ import annotations
@@ -50,6 +56,13 @@ def solve_for_run(
         if servers not in (None, AUTO, ALL):
             raise InputError.at(None, "--servers", "chooses servers for a solved plan: give --gbs and profiles")
         return None
+    parallel = loaded.config.parallel
+    if parallel is not None and parallel.plan == "auto":
+        from jabascli.hybrid.job import plan_for_run
+
+        if servers not in (None, AUTO):
+            raise InputError.at(None, "--servers", '[parallel] plan = "auto": the hybrid search picks the servers')
+        return RunPlan(plan_for_run(loaded, gbs), source)
     if not loaded.profile_dirs().computation.is_dir():
         if source == "--gbs":
             raise InputError.at(

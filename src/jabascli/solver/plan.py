@@ -14,6 +14,12 @@ numbered by walking ``assignments`` in order, one rank per GPU: the first
 assignment's GPUs are ranks ``0 .. gpus-1``, and so on. The plan holds
 ``gbs == lbs * sum(gpus * vsw * (ga + 1))`` exactly.
 
+A hybrid plan (``jabas solve --hybrid``) also holds ``"parallel"``: the
+``[parallel]`` keys of its layout (tp, pp, stages, schedule, sharding,
+checkpointing, layers; docs/hybrid.md), which win over the config's; its
+assignments then give every rank of a replica its share of the replica's
+micro-batches as ``ga`` (docs/hybrid-planner.md).
+
 Readers ignore keys they do not know, so keys can be added. A plan may also be
 written by hand: ``gbs`` (derived), ``device_type`` (the server's), and the
 predicted times may be left out, and ``weight_sync`` may be ``recommend`` (the
@@ -29,7 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from jabascli.atomic import atomic_write_json
+from jabascli.config.models import ParallelConfig
 from jabascli.errors import InputError, Problem
 from jabascli.inputs import read_json
 
@@ -78,6 +87,8 @@ class Plan:
     iteration_time_s: float | None
     throughput: float | None
     assignments: tuple[Assignment, ...]
+    parallel: ParallelConfig | None = None
+    """The layout of every replica (a hybrid plan); None: the config's ``[parallel]``, if any."""
 
     @property
     def gpus(self) -> int:
@@ -107,6 +118,7 @@ class Plan:
             "iteration_time_s": self.iteration_time_s,
             "throughput": self.throughput,
             "assignments": [a.to_dict() for a in self.assignments],
+            "parallel": self.parallel.model_dump(mode="json") if self.parallel is not None else None,
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -151,6 +163,7 @@ class Plan:
             ga = _int(item, "ga", 0, bad_item)
             item_time = _float(item, "iteration_time_s", bad_item) if "iteration_time_s" in item else None
             assignments.append(Assignment(str(server), device_type, gpus, vsw, ga, item_time))
+        parallel = _parallel(data["parallel"], bad) if "parallel" in data else None
         workers = sum(a.workers for a in assignments)
         if gbs is None:
             gbs = lbs * workers
@@ -158,7 +171,16 @@ class Plan:
             bad("gbs", f"is {gbs} but lbs * sum(gpus * vsw * (ga + 1)) = {lbs} * {workers} = {lbs * workers}")
         if problems:
             raise InputError(problems)
-        return cls(gbs, lbs, str(weight_sync), time_s, throughput, tuple(assignments))
+        return cls(gbs, lbs, str(weight_sync), time_s, throughput, tuple(assignments), parallel)
+
+
+def _parallel(value: Any, bad: Any) -> ParallelConfig | None:
+    try:
+        return ParallelConfig.model_validate(value)
+    except ValidationError as err:
+        first = err.errors()[0]
+        bad(".".join(["parallel", *(str(p) for p in first["loc"])]), first["msg"])
+        return None
 
 
 def _int(data: dict[str, Any], key: str, minimum: int, bad: Any) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jabascli.config import LoadedConfig
+from jabascli.config.models import ParallelConfig
 from jabascli.engine.parallel.layerwise import block_strategies, check_layers
 from jabascli.engine.parallel.pipeline import stage_ranges
 from jabascli.errors import InputError
@@ -49,12 +50,22 @@ class Layout:
         return self.tp == 1 and self.pp == 1 and self.sharding == "none" and not self.checkpointed
 
 
-def resolve_layout(loaded: LoadedConfig, workload: Workload, block_count: int | None) -> Layout | None:
+def resolve_layout(
+    loaded: LoadedConfig, workload: Workload, block_count: int | None, planned: ParallelConfig | None = None
+) -> Layout | None:
     """The job's layout, or None without ``[parallel]``. ``block_count``: ``len(workload.blocks(model))``,
-    None when the workload declares no blocks."""
-    parallel, file = loaded.config.parallel, loaded.path
+    None when the workload declares no blocks. ``planned``: a plan file's ``parallel`` (``jabas solve --hybrid``),
+    which wins over the config's ``[parallel]``."""
+    parallel, file = planned or loaded.config.parallel, loaded.path
     if parallel is None:
         return None
+    if planned is None and parallel.plan == "auto":
+        raise InputError.at(
+            file,
+            "parallel.plan",
+            '"auto" takes the layout from a hybrid plan file (`jabas run` solves one, or '
+            "`jabas solve --hybrid --out` then --plan), and none was given",
+        )
 
     def refuse(field: str, message: str) -> InputError:
         return InputError.at(file, f"parallel.{field}", message)

@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from jabascli.config import LoadedConfig
+from jabascli.config.models import ParallelConfig
 from jabascli.engine.buffers import BufferSync, allreduce_sum, norm_layers
 from jabascli.engine.checkpoint import Progress, extra_payload, resolve_checkpoint, set_rng_states
 from jabascli.engine.checkpoint_store import CheckpointStore
@@ -59,16 +60,20 @@ from jabascli.workload import Workload
 FALLBACK = "a [parallel] layout runs one model per replica, reduced inside backward (FSDP2, TP): sequential"
 
 
-def trainer_layout(loaded: LoadedConfig, workload: Workload, model: nn.Module) -> Layout | None:
+def trainer_layout(
+    loaded: LoadedConfig, workload: Workload, model: nn.Module, planned: ParallelConfig | None = None
+) -> Layout | None:
     """The layout the trainer builds, or None: no ``[parallel]``, or one that needs no device mesh.
+
+    ``planned``: the plan file's layout (``jabas solve --hybrid``), which wins over ``[parallel]``.
 
     ``checkpointing`` alone needs none: its blocks are checkpointed here, in place, and the model
     trains as plain IIDP (VSW replicas, deep copies, keep it).
     """
-    if loaded.config.parallel is None:
+    if (planned or loaded.config.parallel) is None:
         return None
     blocks = workload.blocks(model)
-    layout = resolve_layout(loaded, workload, None if blocks is None else len(blocks))
+    layout = resolve_layout(loaded, workload, None if blocks is None else len(blocks), planned)
     if layout is None or (layout.tp == 1 and layout.pp == 1 and layout.sharding == "none"):
         checkpoint_blocks(blocks or [], layout.checkpointed if layout is not None else ())
         return None

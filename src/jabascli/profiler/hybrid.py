@@ -1,0 +1,218 @@
+"""The hybrid planner's profiles of a job's own workload (``jabas profile hybrid``, ``jabas profile all --hybrid``).
+
+Writes ``<profiles>/hybrid/<workload>/blocks.json``, ``device-<type>.json`` per device type of the servers here and
+``<profiles>/hybrid/network.json`` (docs/formats.md, "Hybrid profiles"), from two measurements in child processes
+(:mod:`.hybrid_worker`):
+
+* **blocks**, once per kind of device here (the CPU, or the GPU): per block ``f_i, g_i`` forward and backward
+  seconds at every micro-batch size; the embeddings' part of the iteration is added to the first block and the
+  head's and the loss's to the last (a pipeline's first and last stages hold them); ``u_i`` is the optimizer step
+  shared by parameter bytes; parameter, activation and output bytes per block; optimizer state bytes per parameter
+  byte. An emulated server's device type gets ``f_i, g_i`` times its ``slowdown`` (the engine sleeps
+  ``slowdown - 1`` times each forward and backward; the update is not slowed);
+* **collectives**, two gloo processes on loopback: all-reduce, all-gather, reduce-scatter and send by size, kept
+  as measured (``network.json``: ``collectives``); the bandwidth fit of every device type (``intra`` and ``inter``,
+  2 devices) is the all-reduce's bus bandwidth ``2 (n-1)/n S / t`` fitted as ``polyval(c, log2(S / 1e6))`` GB/s
+  (degree 2) under the largest measured. Servers on one machine reach each other over loopback: ``inter`` is the
+  same fit.
+
+TP degree 2, where the workload declares a TP plan, is **derived, not measured**: per block ``f_i / 2 + 2 AR(b O_i)``
+and ``g_i / 2 + 2 AR(b O_i)`` (Megatron's two all-reduces of the block's activations forward and two backward, at
+the measured all-reduce), the embeddings and head whole; the block's own parameters and activations halved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jabascli.config import LoadedConfig
+from jabascli.errors import InputError, RuntimeFailure
+from jabascli.net import free_port
+from jabascli.profiler.child import ChildCrashed, run_child, run_children
+from jabascli.profiler.common import Reporter, ensure_writable, job_workload, resolve_target
+from jabascli.profiler.suite import servers_here
+from jabascli.profiles.hybrid import (
+    BandwidthFit,
+    BlockInfo,
+    CollectiveTime,
+    DeviceTimes,
+    HybridProfiles,
+    ModelBlocks,
+    Network,
+    model_dir,
+    write_profiles,
+)
+
+WORKER = "jabascli.profiler.hybrid_worker"
+MBS = (1, 2, 4, 8)
+SIZES_BYTES = tuple(4**k * 1024 for k in range(0, 7))
+"""1 KiB to 4 MiB: from a tiny model's activations to a small one's gradients."""
+
+
+@dataclass
+class HybridRun:
+    model: str
+    written: list[Path]
+    devices: list[str]
+    skipped: bool = False
+
+
+def profile_hybrid(
+    loaded: LoadedConfig,
+    *,
+    out: Path | None = None,
+    mbs: tuple[int, ...] = MBS,
+    force: bool = False,
+    reporter: Reporter | None = None,
+) -> HybridRun:
+    """Measure and write the hybrid profiles of the job's workload on the servers of this machine."""
+    reporter = reporter or Reporter()
+    workload, spec = job_workload(loaded)
+    if not callable(getattr(workload.module, "blocks", None)):
+        raise InputError.at(
+            workload.path, "blocks", "the hybrid planner needs the workload's blocks (docs/workloads.md)"
+        )
+    mine, elsewhere = servers_here(loaded)
+    if elsewhere or not mine:
+        names = ", ".join(s.name for s in elsewhere) or "none here"
+        raise InputError.at(
+            loaded.path, "cluster.servers", f"hybrid profiles measure servers on this machine ({names})"
+        )
+    root = ensure_writable(out or loaded.config.profiles.dir or loaded.folder / "profiles")
+    folder = model_dir(root, workload.name)
+    types = sorted({s.device_type for s in mine})
+    if not force and (folder / "blocks.json").is_file() and all((folder / f"device-{t}.json").is_file() for t in types):
+        reporter.note(f"hybrid profiles already measured ({folder})")
+        return HybridRun(workload.name, [], types, skipped=True)
+    targets = {t: resolve_target(loaded, next(s for s in mine if s.device_type == t).name) for t in types}
+    measured: dict[tuple[str, int | None], dict[str, Any]] = {}
+    for t in types:
+        key = (targets[t].device, targets[t].threads)
+        if key not in measured:
+            reporter.progress(0, len(mbs), f"blocks on {targets[t].describe()}")
+            measured[key] = _blocks(spec, key, mbs, reporter)
+    network, allreduce = _collectives(types, reporter)
+    first = next(iter(measured.values()))
+    tp2 = callable(getattr(workload.module, "tp_plan", None))
+    blocks = _model_blocks(workload.name, first, tp2)
+    devices = {}
+    for t in types:
+        target = targets[t]
+        server = next(s for s in mine if s.device_type == t)
+        times = _device_times(measured[target.device, target.threads], target.slowdown, tp2, allreduce, first)
+        devices[t] = DeviceTimes(
+            device=t,
+            source=_source(target.describe(), tp2),
+            memory_bytes=float(target.memory_bytes),
+            devices_per_server=server.devices,
+            times=times,
+        )
+    profiles = HybridProfiles(blocks=blocks, devices=devices, network=network)
+    written = write_profiles(root, profiles)
+    return HybridRun(workload.name, written, types)
+
+
+def _source(device: str, tp2: bool) -> str:
+    derived = "; TP 2 derived from TP 1 and the measured all-reduce" if tp2 else ""
+    return f"jabas profile hybrid on {device}{derived}"
+
+
+def _blocks(spec: dict[str, Any], key: tuple[str, int | None], mbs: tuple[int, ...], reporter: Reporter) -> dict:
+    device, threads = key
+
+    def progress(fields: dict[str, Any]) -> None:
+        reporter.progress(fields.get("done", 0), len(mbs), f"blocks: micro-batch size {fields.get('mbs')}")
+
+    job = {"kind": "blocks", **spec, "device": device, "threads": threads, "mbs": list(mbs)}
+    try:
+        result = run_child(WORKER, job, progress, timeout=600)
+    except ChildCrashed as crash:
+        raise RuntimeFailure([f"hybrid block profile failed: {crash.describe()}"]) from None
+    if result.get("status") != "ok":
+        raise RuntimeFailure([f"hybrid block profile failed: {result.get('error')}"])
+    return result
+
+
+def _collectives(types: list[str], reporter: Reporter) -> tuple[Network, BandwidthFit]:
+    """Two gloo processes on loopback; the all-reduce's bandwidth fit for every device type."""
+    base = {"kind": "collectives", "world_size": 2, "master_addr": "127.0.0.1", "sizes_bytes": list(SIZES_BYTES)}
+
+    def progress(fields: dict[str, Any]) -> None:
+        reporter.progress(fields.get("done", 0), len(SIZES_BYTES), f"collectives: {fields.get('size_bytes')} bytes")
+
+    for attempt in range(3):
+        port = free_port()
+        try:
+            results = run_children(WORKER, [{**base, "rank": r, "master_port": port} for r in (0, 1)], progress, 300)
+            break
+        except ChildCrashed as crash:
+            if "address already in use" not in crash.describe().lower() or attempt == 2:
+                raise RuntimeFailure([f"hybrid collective profile failed: {crash.describe()}"]) from None
+    rows = [CollectiveTime(devices=2, link="intra", **row) for row in results[0]["rows"]]
+    ring = [r for r in rows if r.collective == "all_reduce"]
+    fit = bus_bandwidth_fit([r.size_bytes for r in ring], [r.seconds for r in ring], 2)
+    table = {t: {2: fit} for t in types}
+    source = "jabas profile hybrid: gloo, 2 processes on loopback (inter = intra: the servers share this machine)"
+    return Network(source=source, intra=table, inter=table, collectives=rows), fit
+
+
+def bus_bandwidth_fit(sizes: list[float], seconds: list[float], n: int) -> BandwidthFit:
+    """``bw(S) = polyval(c, log2(S / 1e6))`` GB/s through the ring all-reduce's bus bandwidth, capped at the
+    largest measured."""
+    bus = [2 * (n - 1) / n * s / max(t, 1e-9) for s, t in zip(sizes, seconds, strict=True)]
+    x = np.log2(np.array(sizes) / 1e6)
+    coeffs = np.polyfit(x, np.array(bus) / 1e9, min(2, len(sizes) - 1))
+    return BandwidthFit(coeffs=[float(c) for c in coeffs], cap=max(bus))
+
+
+def _model_blocks(model: str, measured: dict[str, Any], tp2: bool) -> ModelBlocks:
+    params, acts, out = measured["params_bytes"], measured["act_bytes"], measured["boundary_bytes"]
+    own = measured["own_params_bytes"]
+    blocks = []
+    for i, (p, a, o) in enumerate(zip(params, acts, out, strict=True)):
+        by_tp_p, by_tp_a = {1: float(p)}, {1: float(a)}
+        if tp2:  # the block's own parameters and activations split over the TP group; embeddings and head whole
+            by_tp_p[2], by_tp_a[2] = p - own[i] / 2, a / 2
+        blocks.append(BlockInfo(name=str(i), params_bytes=by_tp_p, act_bytes=by_tp_a, boundary_bytes=float(o)))
+    return ModelBlocks(
+        model=model,
+        source="jabas profile hybrid",
+        optimizer_bytes_per_param_byte=float(measured["optimizer_bytes_per_param_byte"]),
+        blocks=blocks,
+    )
+
+
+def _device_times(
+    measured: dict[str, Any], slowdown: float, tp2: bool, allreduce: BandwidthFit, sizes: dict[str, Any]
+) -> dict[int, dict[int, list[tuple[float, float, float]]]]:
+    params = measured["params_bytes"]
+    out = sizes["boundary_bytes"]
+    times: dict[int, dict[int, list[tuple[float, float, float]]]] = {}
+    for b_text, t in measured["times"].items():
+        b = int(b_text)
+        n = len(t["fwd"])
+        fwd, bwd = list(t["fwd"]), list(t["bwd"])
+        # The embeddings run with the first block, the head and the loss with the last.
+        extra_f = [t["embed"][0] if i == 0 else 0.0 for i in range(n)]
+        extra_b = [t["embed"][1] if i == 0 else 0.0 for i in range(n)]
+        extra_f[n - 1] += t["head"][0]
+        extra_b[n - 1] += t["head"][1]
+        update = [t["update"] * p / sum(params) for p in params]
+        rows = {
+            1: [
+                (slowdown * (f + ef), slowdown * (g + eg), u)
+                for f, g, ef, eg, u in zip(fwd, bwd, extra_f, extra_b, update, strict=True)
+            ]
+        }
+        if tp2:
+            ar = [2 * allreduce.seconds(b * o) for o in out]
+            rows[2] = [
+                (slowdown * (f / 2 + ef) + a, slowdown * (g / 2 + eg) + a, u / 2)
+                for f, g, ef, eg, u, a in zip(fwd, bwd, extra_f, extra_b, update, ar, strict=True)
+            ]
+        times[b] = rows
+    return times

@@ -1,0 +1,230 @@
+"""One process of the hybrid profile: ``python -m jabascli.profiler.hybrid_worker SPEC RESULT``.
+
+Two kinds of spec (``kind``):
+
+* ``blocks``: the workload's model on this device, for every micro-batch size ``b`` of the spec, timed block by
+  block inside whole training iterations (hooks stamp the clock as each block's forward starts and ends, and as
+  its backward starts and ends): per block forward and backward seconds, and the part of the iteration before the
+  first block (the embeddings) and after the last one (the head and the loss), forward and backward; the
+  optimizer step; per block the parameter bytes (modules outside the blocks counted with the first block when
+  they run before it, else with the last), the activation bytes kept for backward per sample (every tensor autograd
+  saves while the block runs, parameters excepted, each storage once) and the block's output bytes per sample
+  (what a checkpointed block keeps);
+  the optimizer state bytes per parameter byte after one step.
+* ``collectives``: one rank of a gloo group on loopback: all-reduce, all-gather, reduce-scatter and a
+  point-to-point send of every size, each the median of timed repetitions started together (the slowest rank's).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from jabascli.profiler.child import emit_progress
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
+
+
+def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from jabascli.profiler.step import to_device
+    from jabascli.workload import load_workload
+
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    torch.manual_seed(0)
+    workload = load_workload(spec["workload"], spec.get("options") or {}, spec.get("data"))
+    device = torch.device(spec["device"])
+    model = workload.build_model().to(device)
+    blocks = workload.blocks(model)
+    if not blocks:
+        return {"status": "error", "error": f"workload {workload.name!r} declares no blocks (docs/workloads.md)"}
+    n = len(blocks)
+
+    def clock() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    stamps: dict[tuple[str, int], float] = {}
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda m, a, i=i: stamps.__setitem__(("f0", i), clock()))
+        block.register_forward_hook(lambda m, a, o, i=i: stamps.__setitem__(("f1", i), clock()))
+        block.register_full_backward_pre_hook(lambda m, g, i=i: stamps.__setitem__(("b0", i), clock()))
+        block.register_full_backward_hook(lambda m, gi, go, i=i: stamps.__setitem__(("b1", i), clock()))
+    optimizer = workload.optimizer(model.parameters())
+
+    def iteration(x: Any, y: Any) -> tuple[list[float], list[float], float, float, float, float, float]:
+        t0 = clock()
+        loss = workload.loss(model(x), y)
+        t1 = clock()
+        loss.backward()
+        t2 = clock()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t3 = clock()
+        fwd = [stamps["f1", i] - stamps["f0", i] for i in range(n)]
+        bwd = [stamps["b1", i] - stamps["b0", i] for i in range(n)]
+        before = (stamps["f0", 0] - t0, t2 - stamps["b1", 0])
+        after = (t1 - stamps["f1", n - 1], stamps["b0", n - 1] - t1)
+        return fwd, bwd, *before, *after, t3 - t2
+
+    times: dict[str, Any] = {}
+    sizes = [int(b) for b in spec["mbs"]]
+    for k, b in enumerate(sizes):
+        x, y = to_device(workload.synthetic_batch(b), device)
+        runs = []
+        for _ in range(int(spec.get("warmup", 2))):
+            iteration(x, y)
+        began = time.perf_counter()
+        while len(runs) < int(spec.get("min_reps", 5)) or (
+            time.perf_counter() - began < float(spec.get("seconds", 0.5)) and len(runs) < 50
+        ):
+            runs.append(iteration(x, y))
+        fwd = [median(r[0][i] for r in runs) for i in range(n)]
+        bwd = [median(r[1][i] for r in runs) for i in range(n)]
+        rest = [median(r[j] for r in runs) for j in range(2, 7)]
+        times[str(b)] = {"fwd": fwd, "bwd": bwd, "embed": rest[0:2], "head": rest[2:4], "update": rest[4]}
+        emit_progress(done=k + 1, total=len(sizes), mbs=b, seconds=sum(fwd) + sum(bwd))
+    return {"status": "ok", "times": times, **_sizes(torch, workload, model, blocks, optimizer, sizes[-1], device)}
+
+
+def _sizes(torch: Any, workload: Any, model: Any, blocks: list[Any], optimizer: Any, b: int, device: Any) -> dict:
+    """Parameter, activation and output bytes per block, and optimizer state bytes per parameter byte."""
+    from jabascli.profiler.step import to_device
+
+    n = len(blocks)
+    in_block = {id(m) for blk in blocks for m in blk.modules()}
+    phase = {"block": -1, "after": False}
+    ran_before: set[int] = set()
+
+    def outside(module: Any, args: Any) -> None:
+        if phase["block"] < 0 and not phase["after"]:
+            ran_before.add(id(module))
+
+    hooks = [m.register_forward_pre_hook(outside) for m in model.modules() if id(m) not in in_block]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: list[dict[int, int]] = [{} for _ in range(n)]
+    output = [0.0] * n
+
+    def enter(i: int) -> Any:
+        return lambda m, a: phase.__setitem__("block", i)
+
+    def leave(i: int) -> Any:
+        def hook(m: Any, a: Any, o: Any) -> None:
+            phase["block"] = -1
+            phase["after"] = i == n - 1
+            output[i] = o.numel() * o.element_size() / b
+
+        return hook
+
+    def pack(t: Any) -> Any:
+        storage = t.untyped_storage()
+        if phase["block"] >= 0 and storage.data_ptr() not in params:
+            saved[phase["block"]][storage.data_ptr()] = storage.nbytes()
+        return t
+
+    hooks += [blk.register_forward_pre_hook(enter(i)) for i, blk in enumerate(blocks)]
+    hooks += [blk.register_forward_hook(leave(i)) for i, blk in enumerate(blocks)]
+    x, y = to_device(workload.synthetic_batch(b), device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = workload.loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for h in hooks:
+        h.remove()
+    block_params = [sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks]
+    own = list(block_params)
+    owned = {id(p) for blk in blocks for p in blk.parameters()}
+    for module in model.modules():
+        if id(module) in in_block:
+            continue
+        for p in module.parameters(recurse=False):
+            if id(p) not in owned:
+                block_params[0 if id(module) in ran_before else n - 1] += p.numel() * p.element_size()
+                owned.add(id(p))
+    state = sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+    )
+    return {
+        "params_bytes": block_params,
+        "own_params_bytes": own,
+        "act_bytes": [sum(s.values()) / b for s in saved],
+        "boundary_bytes": output,
+        "optimizer_bytes_per_param_byte": state / max(sum(block_params), 1),
+    }
+
+
+def measure_collectives(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from jabascli.engine.distributed import bind_gloo_towards, rendezvous_store
+
+    rank, world = int(spec["rank"]), int(spec["world_size"])
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=float(spec.get("timeout", 120)))
+    bind_gloo_towards(spec["master_addr"])
+    store = rendezvous_store(spec["master_addr"], int(spec["master_port"]), rank == 0, timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        rows = []
+        sizes = [int(s) for s in spec["sizes_bytes"]]
+        for k, size in enumerate(sizes):
+            count = max(world, size // 4 // world * world)
+            data = torch.ones(count)
+            part = torch.ones(count // world)
+            for name in COLLECTIVES:
+                taken = []
+                for _ in range(int(spec.get("reps", 7))):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    _collective(dist, name, data, part, rank)
+                    taken.append(time.perf_counter() - t0)
+                slowest = torch.tensor(taken, dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                rows.append({"collective": name, "size_bytes": count * 4, "seconds": median(slowest.tolist())})
+            if rank == 0:
+                emit_progress(done=k + 1, total=len(sizes), size_bytes=count * 4)
+        return {"status": "ok", "rows": rows}
+    finally:
+        dist.destroy_process_group()
+
+
+def _collective(dist: Any, name: str, data: Any, part: Any, rank: int) -> None:
+    """``data``: what each rank holds whole (all-reduced, gathered into, reduce-scattered from); ``part``: its
+    ``1/n`` share; ``send``: rank 0 to rank 1."""
+    if name == "all_reduce":
+        dist.all_reduce(data)
+    elif name == "all_gather":
+        dist.all_gather_into_tensor(data, part)
+    elif name == "reduce_scatter":
+        dist.reduce_scatter_tensor(part, data)
+    elif rank == 0:
+        dist.send(data, 1)
+    elif rank == 1:
+        dist.recv(data, 0)
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    try:
+        result = measure_blocks(spec) if spec["kind"] == "blocks" else measure_collectives(spec)
+    except Exception as exc:
+        traceback.print_exc()
+        lines = str(exc).strip().splitlines()
+        result = {"status": "error", "error": f"{type(exc).__name__}: {lines[0] if lines else ''}"}
+    Path(argv[1]).write_text(json.dumps(result), encoding="utf-8")
+    return 0 if result["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

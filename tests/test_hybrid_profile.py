@@ -1,0 +1,56 @@
+"""`jabas profile hybrid` on tiny GPT (a fast CPU server and an emulated 3x slower one, real child processes and
+two gloo processes): the profiles parse back, hold what the model is, and `jabas solve --hybrid` plans from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jabascli.config import load_config
+from jabascli.engine.plan import load_plan
+from jabascli.profiles.hybrid import read_profiles
+from tests.conftest import run_jabas
+
+TINY_GPT_PARAMS = 55_488  # models/gpt.py's table
+BUDGET = 600_000
+"""Bytes: tiny GPT's parameters, gradients and AdamW state take 4 x 222 KB, so neither device holds it whole."""
+
+
+@pytest.mark.slow
+def test_profile_parses_back_and_plans(tmp_path: Path) -> None:
+    config = tmp_path / "jabas.toml"
+    config.write_text(
+        '[job]\nworkload = "gpt"\noptions = { variant = "tiny" }\n\n'
+        f'[[cluster.servers]]\nname = "fast"\ndevice_type = "cpu"\nmemory_bytes = {BUDGET}\n\n'
+        f'[[cluster.servers]]\nname = "slow"\ndevice_type = "cpu-slow"\n'
+        f"emulate = {{ slowdown = 3.0, memory_bytes = {BUDGET} }}\n"
+    )
+    profiled = run_jabas("profile", "hybrid", "-c", str(config), "--mbs", "1,2", "--json")
+    assert profiled.returncode == 0, profiled.stderr
+    assert json.loads(profiled.stdout)["devices"] == ["cpu", "cpu-slow"]
+
+    profiles = read_profiles(tmp_path / "profiles", "gpt")
+    blocks = profiles.blocks
+    assert len(blocks.blocks) == 4
+    assert sum(b.params_bytes[1] for b in blocks.blocks) == 4 * TINY_GPT_PARAMS
+    assert all(b.act_bytes[1] > b.boundary_bytes > 0 for b in blocks.blocks)  # checkpointing keeps less
+    assert blocks.optimizer_bytes_per_param_byte == pytest.approx(2.0, abs=0.01)  # AdamW: two moments
+    fast, slow = profiles.devices["cpu"], profiles.devices["cpu-slow"]
+    assert (fast.memory_bytes, slow.memory_bytes) == (BUDGET, BUDGET)
+    assert sorted(fast.times) == [1, 2] and sorted(fast.times[1]) == [1, 2]  # TP 2 derived: gpt has a TP plan
+    for b in (1, 2):
+        for (f, g, u), (fs, gs, us) in zip(fast.times[b][1], slow.times[b][1], strict=True):
+            assert (fs, gs, us) == pytest.approx((3 * f, 3 * g, u))  # the emulated device: compute x slowdown
+    kinds = {(c.collective, c.size_bytes) for c in profiles.network.collectives}
+    assert {k for k, _ in kinds} == {"all_reduce", "all_gather", "reduce_scatter", "send"}
+    assert all(c.seconds > 0 for c in profiles.network.collectives)
+
+    out = tmp_path / "plan.json"
+    solved = run_jabas("solve", "-c", str(config), "--hybrid", "--gbs", "16", "--out", str(out))
+    assert solved.returncode == 0, solved.stderr
+    plan = load_plan(load_config(config), out)
+    assert plan.parallel is not None and plan.parallel.pp == 2  # the only way to fit: one stage per device
+    assert plan.world_size == 2 and plan.gbs == 16
+    assert sorted(r.server for r in plan.ranks) == ["fast", "slow"]
