@@ -20,8 +20,8 @@ import pytest
 from jabascli.errors import InputError
 from jabascli.simulate import forecast, simulate_trace
 from jabascli.simulate.cluster import parse_cluster, parse_prices, prices_for
-from jabascli.simulate.configs import Timing, TraceCostModel
-from jabascli.simulate.planner import Candidate, choose_allocation
+from jabascli.simulate.configs import Timing
+from jabascli.simulate.planner import TraceCostModel, TraceSpace, choose_allocation
 from jabascli.simulate.policies import Simulation, run_policies
 from jabascli.simulate.progress import Statistics
 from jabascli.simulate.similarity import expected_similarity, fixed_point, next_gbs
@@ -321,23 +321,22 @@ def test_a_mixed_job_is_never_faster_than_its_types_traced_steps(sia: Path) -> N
         assert iter_s >= alone_frontier.iter_s[np.isclose(alone_frontier.gbs, gbs)].min() - 1e-12
 
 
-def test_planner_takes_the_fastest_charges_moves_and_keeps_a_margin() -> None:
+def test_trace_planner_charges_moves_and_keeps_a_margin() -> None:
+    """The simulator's allocation step is autoscale's planner on predicted times to finish."""
     a, b, c = (("aws", 4),), (("rtx", 8),), (("aws", 4), ("rtx", 8))
-    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(b, 96.0, 3.0, 0.03), Candidate(c, 93.0, 4.0, 0.05)]
-    assert choose_allocation(cands, None, move_s=0.0).allocation == c  # objective time: the fastest
-    assert choose_allocation(cands, None, move_s=0.0, slack=0.05).allocation == b  # cheapest within 5%
-    assert choose_allocation(cands, None, move_s=0.0, slack=0.10).allocation == a
-    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(c, 90.0, 4.0, 0.05)]
-    assert choose_allocation(cands, a, move_s=0.0).allocation == c
-    assert choose_allocation(cands, a, move_s=20.0).allocation == a  # the move does not pay off
-    # the current allocation stays unless the winner is faster (or, as fast, cheaper) by the margin
-    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(c, 97.0, 4.0, 0.05)]
-    assert choose_allocation(cands, a, move_s=0.0).allocation == a
-    assert choose_allocation(cands, a, move_s=0.0, margin=0.01).allocation == c
-    cands = [Candidate(a, 100.0, 1.03, 0.01), Candidate(b, 100.0, 0.9, 0.01)]
-    assert choose_allocation(cands, a, move_s=0.0).allocation == b
-    cands = [Candidate(a, 100.0, 1.03, 0.01), Candidate(b, 100.0, 1.0, 0.01)]
-    assert choose_allocation(cands, a, move_s=0.0).allocation == a
+    space = TraceSpace([a, b, c], ["aws", "rtx"], {"aws": 36.0, "rtx": 13.5})  # 0.04 $/s per allocation
+    assert space.choice(c) == (4, 8) and space.allocation((4, 0)) == a and space.single_type() == [(4, 0), (0, 8)]
+    assert space.price_per_hour((4, 8)) == pytest.approx(252.0)
+    times = {a: 100.0, c: 90.0}
+    assert TraceCostModel(space, times).iteration_time((0, 8), 0) == math.inf  # no prediction: cannot run
+    assert choose_allocation(space, times, None, move_s=0.0) == c
+    assert choose_allocation(space, times, a, move_s=0.0) == c
+    assert choose_allocation(space, times, a, move_s=20.0) == a  # the move does not pay off
+    times = {a: 100.0, c: 97.0}  # 3 %: within the margin, the job stays
+    assert choose_allocation(space, times, a, move_s=0.0) == a
+    assert choose_allocation(space, times, a, move_s=0.0, margin=0.01) == c
+    with pytest.raises(ValueError, match="unknown objective"):
+        choose_allocation(space, times, None, move_s=0.0, objective="fast")
 
 
 def test_rate_curve_is_the_best_goodput_at_a_noise_scale_and_forecasts_follow_a_trend(sia: Path) -> None:
@@ -359,20 +358,24 @@ def test_rate_curve_is_the_best_goodput_at_a_noise_scale_and_forecasts_follow_a_
     assert np.all(np.diff(growing) > 0) and growing[0] > 220.0
 
 
-def test_planner_no_dearer_adds_types_only_where_they_cost_nothing_more() -> None:
+def test_trace_planner_no_dearer_adds_types_only_where_they_cost_nothing_more() -> None:
+    """``no-dearer``: the planner's ``time`` within the cost of the fastest single type, ties to the cheaper."""
     a, b, c = (("aws", 4),), (("rtx", 8),), (("aws", 4), ("rtx", 8))
-    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(b, 90.0, 3.0, 0.03), Candidate(c, 80.0, 4.0, 0.05)]
-    assert choose_allocation(cands, None, move_s=0.0, objective="no-dearer").allocation == b  # c dearer than b
-    cands[2] = Candidate(c, 80.0, 2.9, 0.05)
-    assert choose_allocation(cands, None, move_s=0.0, objective="no-dearer").allocation == c
+    prices = {"aws": 9.0, "rtx": 13.5}  # per hour: a 36 $, b 108 $, c 144 $
+    space = TraceSpace([a, b, c], ["aws", "rtx"], prices)
+    times = {a: 100.0, b: 90.0, c: 80.0}  # cost: a 1.0, b 2.7, c 3.2
+    assert choose_allocation(space, times, None, move_s=0.0, objective="no-dearer") == b  # c dearer than b
+    assert choose_allocation(space, times, None, move_s=0.0, objective="time") == c
+    times[c] = 70.0  # 2.8 $: still dearer than b
+    assert choose_allocation(space, times, None, move_s=0.0, objective="no-dearer") == b
+    times[c] = 60.0  # 2.4 $
+    assert choose_allocation(space, times, None, move_s=0.0, objective="no-dearer") == c
     # within the margin (5%) of the fastest, the cheaper wins: the predictions cannot tell them apart
-    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(b, 96.0, 3.0, 0.03)]
-    assert choose_allocation(cands, None, move_s=0.0, objective="no-dearer").allocation == a
-    assert choose_allocation(cands, None, move_s=0.0, objective="time").allocation == b
-    assert choose_allocation(cands, None, move_s=0.0, objective="cost").allocation == a
-    assert choose_allocation(cands, b, move_s=0.0, objective="cost").allocation == a  # 67% cheaper: moves
-    with pytest.raises(ValueError, match="unknown objective"):
-        choose_allocation(cands, None, move_s=0.0, objective="fast")
+    times = {a: 100.0, b: 96.0}
+    assert choose_allocation(space, times, None, move_s=0.0, objective="no-dearer") == a
+    assert choose_allocation(space, times, None, move_s=0.0, objective="time") == b
+    assert choose_allocation(space, times, None, move_s=0.0, objective="cost") == a
+    assert choose_allocation(space, times, b, move_s=0.0, objective="cost") == a  # 64% cheaper: moves
 
 
 def test_policies_json_shape_and_sanity(sia: Path) -> None:
@@ -443,20 +446,6 @@ def test_a_cluster_the_trace_cannot_run_on(synthetic: Path) -> None:
     with pytest.raises(InputError, match="cluster: too small for the trace"):
         simulate_trace(synthetic, "aws:1")
     assert simulate_trace(synthetic, "aws:2").get("jabas") is not None
-
-
-def test_trace_cost_model_for_the_autoscale_planner(sia: Path) -> None:
-    trace = load_trace(sia / "imagenet", ["aws", "dgx-ext"])
-    timing = Timing({t: StepTimes(trace.timings[t]) for t in ("aws", "dgx-ext")})
-    model = TraceCostModel(timing, {"aws": 6, "dgx-ext": 2}, 200, 12800)
-    frontier = timing.frontier((("aws", 8), ("dgx-ext", 16)), 200, 12800)
-    assert frontier is not None
-    i = len(frontier.gbs) // 2
-    exact = frontier.iter_s[frontier.gbs == frontier.gbs[i]].min()
-    assert model.iteration_time((2, 2), int(frontier.gbs[i])) == pytest.approx(exact)
-    assert model.iteration_time((0, 0), 400) == math.inf
-    # an unreachable GBS costs the per-sample time of its nearest reachable neighbour
-    assert model.iteration_time((0, 1), 12801) == pytest.approx(model.iteration_time((0, 1), 12800) * 12801 / 12800)
 
 
 @pytest.mark.parametrize("job", ["cifar10", "imagenet"])
