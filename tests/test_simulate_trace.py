@@ -13,12 +13,13 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from jabascli.errors import InputError
-from jabascli.simulate import forecast, simulate_trace
+from jabascli.simulate import forecast, policies, simulate_trace
 from jabascli.simulate.cluster import parse_cluster, parse_prices, prices_for
 from jabascli.simulate.configs import Timing
 from jabascli.simulate.planner import TraceCostModel, TraceSpace, choose_allocation
@@ -266,6 +267,47 @@ def test_fixed_batch_reproduces_traced_iterations(sia: Path, job: str) -> None:
         early = simulate_trace(sia / job, "dgx-ext:2", policies=[f"fixed-{batch}"], target_metric=final).policies[0]
         assert early.epochs == first + 1 and early.target_reached
         assert early.iterations == pytest.approx(float(rows[first]["iteration"]), rel=0.01), policy.policy
+
+
+def test_target_metric_plans_to_the_epoch_the_traced_runs_reach_it(sia: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``--target-metric`` jabas predicts the time to the target, not to the trace's end.
+
+    The planning horizon is the (lower) median of the epochs by which each traced run
+    first reaches the target (read here from the CSV files). Rewriting every row past
+    it (more work, a larger noise scale) leaves what the planner is handed at the
+    first epoch unchanged with a target, and changes it without one.
+    """
+    target = 0.9
+    firsts = []
+    for path in sorted((sia / "cifar10").glob("validation-*.csv")):
+        metrics = [float(r["metric"]) for r in _rows(path)]
+        firsts.append(next(k for k, m in enumerate(metrics) if max(metrics[: k + 1]) >= target))
+    horizon = sorted(firsts)[(len(firsts) - 1) // 2] + 1
+    cluster = {"aws": 2, "rtx": 1, "azure": 1}
+    trace = load_trace(sia / "cifar10", list(cluster))
+    handed: list[dict[Any, float]] = []
+
+    def spy(space: TraceSpace, time_s: dict[Any, float], *args: Any, **kwargs: Any) -> Any:
+        handed.append(dict(time_s))
+        return choose_allocation(space, time_s, *args, **kwargs)
+
+    monkeypatch.setattr(policies, "choose_allocation", spy)
+
+    def first_prediction(target_metric: float | None, rewrite: bool) -> dict[Any, float]:
+        sim = Simulation(trace, cluster, prices_for(list(cluster), None), target_metric=target_metric)
+        assert target_metric is None or sim.horizon == horizon
+        if rewrite:
+            work = np.diff(sim.stats.boundaries, prepend=0.0)
+            work[horizon:] *= 10.0
+            sim.stats.boundaries = np.cumsum(work)
+            sim.stats._var[:, horizon:] *= 8.0
+        handed.clear()
+        run_policies(sim, ["jabas"])
+        return handed[0]
+
+    assert first_prediction(target, False) == first_prediction(target, True)
+    assert first_prediction(None, False) != first_prediction(None, True)
+    assert min(first_prediction(target, False).values()) < 0.6 * min(first_prediction(None, False).values())
 
 
 def test_target_metric_ends_the_job_early(sia: Path) -> None:

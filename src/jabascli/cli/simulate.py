@@ -73,8 +73,8 @@ def simulate(
     target_metric: Annotated[
         float | None,
         typer.Option(
-            help="With --trace: end the job when the traced validation metric reaches this, e.g. 0.75 "
-            "(default: at the trace's end).",
+            help="With --trace: end the job when the traced validation metric reaches this, and plan "
+            "to it, e.g. 0.75 (default: at the trace's end).",
             show_default=False,
         ),
     ] = None,

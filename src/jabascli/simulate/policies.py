@@ -74,8 +74,11 @@ class Simulation:
                 None, "objective", f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVES)}"
             )
         self.objective = objective
+        # The epochs the job is planned for: to the target (Statistics.target_epoch) or the trace's end.
+        self.horizon = self.stats.epochs
         if target_metric is not None:
             self.stats.check_target(target_metric)
+            self.horizon = self.stats.target_epoch(target_metric) + 1
 
     # -- helpers ---------------------------------------------------------------
 
@@ -112,9 +115,17 @@ class Simulation:
         i = frontier.best_goodput(eff)
         return i, float(eff[i] * frontier.gbs[i] / self.stats.m0 / frontier.iter_s[i])
 
+    def planned_end(self, epoch: int) -> int:
+        """The epoch the job is planned to end with (exclusive): the horizon, or ``epoch + 1`` past it.
+
+        Past the horizon the target is late; the job is planned one epoch at a time.
+        """
+        return max(self.horizon, epoch + 1)
+
     def remaining_progress(self, epoch: int) -> float:
-        """Progress left from the start of ``epoch`` to the trace's end: the horizon a move must pay off in."""
-        return float(self.stats.boundaries[-1] - (self.stats.boundaries[epoch - 1] if epoch > 0 else 0.0))
+        """Progress left from the start of ``epoch`` to the planned end: the horizon a move must pay off in."""
+        start = self.stats.boundaries[epoch - 1] if epoch > 0 else 0.0
+        return float(self.stats.boundaries[self.planned_end(epoch) - 1] - start)
 
     # -- policies --------------------------------------------------------------
 
@@ -220,7 +231,8 @@ class Simulation:
             row = self._seen_row(epoch, False)
             noise = self.stats.noise_scale(now, row)
             measured[row] = noise  # epochs 0 and 1 both see the first epoch's: one measurement
-            future = forecast.noise_scales(list(measured.values()), self.stats.epochs - epoch)
+            end = self.planned_end(epoch)
+            future = forecast.noise_scales(list(measured.values()), end - epoch)
             if batching == "similarity":
                 iterations = self.stats.epoch_progress(epoch) * self.stats.m0 / now
                 target = similarity.next_gbs(now, noise, iterations, low=self.stats.m0, high=self.stats.max_gbs)
@@ -234,11 +246,11 @@ class Simulation:
                     i = forecast.robust_point(frontier, self.stats.m0, band)
                 else:
                     i, _ = self._rate(frontier, epoch, gbs, oracle=False)
-                    time_s[allocation] = float(np.sum(epoch_work[epoch:] / rate_at[allocation](future)))
+                    time_s[allocation] = float(np.sum(epoch_work[epoch:end] / rate_at[allocation](future)))
                 points[allocation] = i
             move_s = self.trace.restart_s
             if robust:
-                time_s = self._least_regret(list(frontiers), current, epoch_work[epoch:], future, band, rate_at)
+                time_s = self._least_regret(list(frontiers), current, epoch_work[epoch:end], future, band, rate_at)
                 move_s = 0.0  # charged in every scenario already
             chosen = choose_allocation(space, time_s, current, move_s, objective=self.objective)
             return chosen, frontiers[chosen].config(points[chosen])
@@ -289,18 +301,19 @@ class Simulation:
                 i, rate = self._rate(frontiers[allocation], k, None, oracle=True)
                 points[k, j] = i
                 times[k, j] = self.stats.epoch_progress(k) / rate
-        # total[j]: least time to the end of epoch k, ending on allocation j
+        # total[j]: least time to the end of epoch k, ending on allocation j; to the horizon
+        # (the target's epoch), then on the last allocation should the target come later
         total = times[0].copy()
         came_from = np.zeros((epochs, len(allocations)), dtype=int)
-        came_from[0] = np.arange(len(allocations))
-        for k in range(1, epochs):
+        came_from[:] = np.arange(len(allocations))
+        for k in range(1, self.horizon):
             best = int(np.argmin(total))
             move = total[best] + self.trace.restart_s
             stay = total <= move
             came_from[k] = np.where(stay, np.arange(len(allocations)), best)
             total = np.where(stay, total, move) + times[k]
         path = [int(np.argmin(total))]
-        for k in range(epochs - 1, 0, -1):
+        for k in range(epochs - 1, 0, -1):  # came_from[k] is the identity past the horizon
             path.append(int(came_from[k, path[-1]]))
         path.reverse()
 
