@@ -22,7 +22,7 @@ from jabascli.errors import InputError
 from jabascli.simulate import forecast, policies, simulate_trace
 from jabascli.simulate.cluster import parse_cluster, parse_prices, prices_for
 from jabascli.simulate.configs import Timing
-from jabascli.simulate.planner import TraceCostModel, TraceSpace, choose_allocation
+from jabascli.simulate.planner import TraceCostModel, TraceSpace, choose_allocation, uncertain_margin
 from jabascli.simulate.policies import Simulation, run_policies
 from jabascli.simulate.progress import Statistics
 from jabascli.simulate.similarity import expected_similarity, fixed_point, next_gbs
@@ -398,6 +398,35 @@ def test_rate_curve_is_the_best_goodput_at_a_noise_scale_and_forecasts_follow_a_
     assert forecast.noise_scales([100.0, 120.0], 3) == pytest.approx([120.0] * 3)  # too few to fit a trend
     growing = forecast.noise_scales([100.0, 130.0, 170.0, 220.0], 5)
     assert np.all(np.diff(growing) > 0) and growing[0] > 220.0
+
+
+def test_a_move_must_clear_the_margin_at_the_ends_of_the_noise_scales_uncertainty() -> None:
+    a, c = (("aws", 4),), (("aws", 4), ("rtx", 8))
+    space = TraceSpace([a, c], ["aws", "rtx"], {"aws": 9.0, "rtx": 13.5})
+    times = {a: 100.0, c: 90.0}  # 10 % faster at the forecast: clears the 5 % margin
+    assert choose_allocation(space, times, a, move_s=0.0) == c
+    holds = [{a: 120.0, c: 109.0}, {a: 80.0, c: 73.0}]  # 9.2 % and 8.75 % faster at the ends
+    assert choose_allocation(space, times, a, move_s=0.0, uncertain=holds) == c
+    fails = [{a: 120.0, c: 109.0}, {a: 80.0, c: 77.0}]  # 3.75 % at one end: within the margin there
+    assert choose_allocation(space, times, a, move_s=0.0, uncertain=fails) == a
+    assert choose_allocation(space, times, None, move_s=0.0, uncertain=fails) == c  # a first choice is no move
+    # the uncertainty widens only the margin: the forecast's ratio 0.9 must beat (1 - m') = 0.95 * 0.9 / 0.9625
+    assert uncertain_margin(c, a, times, fails, 0.0, 0.05, space, "time") == pytest.approx(1 - 0.95 * 0.9 / 0.9625)
+
+
+def test_forecast_error_is_the_rms_log_error_one_epoch_ahead() -> None:
+    error = forecast.ForecastError()
+    assert error.sigma == 0.0
+    error.forecast(1, 100.0, trend=False)
+    error.measured(1, 200.0)  # the first epochs' jump: log 2
+    assert error.sigma == pytest.approx(math.log(2.0))
+    error.measured(1, 400.0)  # no forecast pending for it: not scored twice
+    error.forecast(2, 100.0, trend=True)
+    error.measured(3, 150.0)  # another row: not this forecast's
+    error.measured(2, 110.0)
+    error.forecast(3, 100.0, trend=True)
+    error.measured(3, 100.0 / 1.1)
+    assert error.sigma == pytest.approx(math.log(1.1))  # once the trend is scored, its errors alone
 
 
 def test_trace_planner_no_dearer_adds_types_only_where_they_cost_nothing_more() -> None:

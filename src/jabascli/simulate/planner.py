@@ -109,13 +109,70 @@ def choose_allocation(
     move_s: float,
     objective: str = "time",
     margin: float = DEFAULT_MARGIN,
+    uncertain: Sequence[Mapping[Allocation, float]] = (),
 ) -> Allocation:
     """The allocation for the coming epoch: the planner's choice on the predicted times ``time_s``.
 
     ``move_s``: the restart a move costs (0 where ``time_s`` charges it already).
+    ``uncertain``: the same predictions at the ends of the noise scale's uncertainty
+    (``forecast.ForecastError``); a move must clear the margin at each of them
+    (:func:`uncertain_margin`).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}")
+    tie, widened = margin, margin
+    while True:
+        chosen = _plan(space, time_s, current, move_s, objective, widened, tie)
+        wider = uncertain_margin(chosen, current, time_s, uncertain, move_s, margin, space, objective)
+        if wider <= widened:
+            return chosen
+        widened = wider
+
+
+def uncertain_margin(
+    chosen: Allocation,
+    current: Allocation | None,
+    time_s: Mapping[Allocation, float],
+    uncertain: Sequence[Mapping[Allocation, float]],
+    move_s: float,
+    margin: float,
+    space: TraceSpace,
+    objective: str,
+) -> float:
+    """The margin a move from ``current`` to ``chosen`` must clear for its gain to hold in every scenario.
+
+    With ``v`` the objective's value (time, or cost = time x price) and the move
+    charged ``move_s``, the planner moves when ``v_new / v_cur < 1 - margin`` at the
+    forecast; at a scenario ``s`` of ``uncertain`` the ratio is ``q_s``, so the move
+    holds everywhere when ``q_0 < (1 - margin) * q_0 / max_s q_s``: the margin
+
+        margin' = 1 - (1 - margin) * q_0 / max(q_0, max_s q_s)
+
+    (``margin`` itself where no scenario is worse than the forecast, or there is no move).
+    """
+    if current is None or chosen == current or not uncertain:
+        return margin
+    price = {a: space.price_per_hour(space.choice(a)) for a in (chosen, current)}
+
+    def ratio(times: Mapping[Allocation, float]) -> float:
+        new, old = times[chosen] + move_s, times[current]
+        return new * price[chosen] / (old * price[current]) if objective == "cost" else new / old
+
+    q0 = ratio(time_s)
+    worst = max([q0, *(ratio(times) for times in uncertain)])
+    return 1 - (1 - margin) * q0 / worst
+
+
+def _plan(
+    space: TraceSpace,
+    time_s: Mapping[Allocation, float],
+    current: Allocation | None,
+    move_s: float,
+    objective: str,
+    margin: float,
+    tie: float,
+) -> Allocation:
+    """One call of the planner with the objective mapped as in the module doc (``tie``: no-dearer's band)."""
     cost_model = TraceCostModel(space, time_s)
     now = space.choice(current) if current is not None else None
     kind = "cost" if objective == "cost" else "time"
@@ -124,5 +181,5 @@ def choose_allocation(
     if objective == "no-dearer" and single:
         estimates = [Planner(space, cost_model, plan).estimate(c, WHOLE_JOB, now) for c in single]
         budget = min(estimates, key=lambda e: (e.time_s, e.cost)).cost * (1 + 1e-9)
-        plan = Objective("time", budget_per_epoch=budget, margin=margin, move_downtime_s=move_s, tie=margin)
+        plan = Objective("time", budget_per_epoch=budget, margin=margin, move_downtime_s=move_s, tie=tie)
     return space.allocation(Planner(space, cost_model, plan).plan(WHOLE_JOB, now).choice)

@@ -211,6 +211,9 @@ class Simulation:
         The planner (``planner.choose_allocation``) picks one. While the statistics are unsettled
         (``forecast.settled``) the goodput policy plans on its regret over a band of
         noise scales instead (:meth:`_least_regret`, ``forecast.robust_point``).
+        Once settled, a move must also clear the margin with the forecast scaled
+        by the forecast's measured error (``forecast.ForecastError``,
+        ``planner.uncertain_margin``).
         """
         frontiers = self._node_frontiers()
         if not frontiers:
@@ -220,6 +223,7 @@ class Simulation:
         )
         space = TraceSpace(list(frontiers), list(self.cluster), self.prices)
         measured: dict[int, float] = {}  # by the epoch (trace row) the statistics are of
+        error = forecast.ForecastError()
         epoch_work = np.diff(self.stats.boundaries, prepend=0.0)
 
         def decide(epoch: int, current: Allocation | None, gbs: float | None) -> tuple[Allocation, Config]:
@@ -231,12 +235,15 @@ class Simulation:
             row = self._seen_row(epoch, False)
             noise = self.stats.noise_scale(now, row)
             measured[row] = noise  # epochs 0 and 1 both see the first epoch's: one measurement
+            error.measured(row, noise)
             end = self.planned_end(epoch)
             future = forecast.noise_scales(list(measured.values()), end - epoch)
+            uncertain: list[dict[Allocation, float]] = []
             if batching == "similarity":
                 iterations = self.stats.epoch_progress(epoch) * self.stats.m0 / now
                 target = similarity.next_gbs(now, noise, iterations, low=self.stats.m0, high=self.stats.max_gbs)
             robust = batching == "goodput" and not forecast.settled(list(measured.values()))
+            error.forecast(epoch, float(future[0]), trend=not robust)
             band = forecast.scenarios(noise, self.stats.max_gbs)
             for allocation, frontier in frontiers.items():
                 if batching == "similarity":
@@ -247,12 +254,18 @@ class Simulation:
                 else:
                     i, _ = self._rate(frontier, epoch, gbs, oracle=False)
                     time_s[allocation] = float(np.sum(epoch_work[epoch:end] / rate_at[allocation](future)))
+                    if error.sigma > 0:  # the same at the ends of the forecast's uncertainty
+                        if not uncertain:
+                            uncertain = [{}, {}]
+                        for times, sign in zip(uncertain, (-1.0, 1.0), strict=True):
+                            scaled = future * np.exp(sign * error.sigma)
+                            times[allocation] = float(np.sum(epoch_work[epoch:end] / rate_at[allocation](scaled)))
                 points[allocation] = i
             move_s = self.trace.restart_s
             if robust:
                 time_s = self._least_regret(list(frontiers), current, epoch_work[epoch:end], future, band, rate_at)
                 move_s = 0.0  # charged in every scenario already
-            chosen = choose_allocation(space, time_s, current, move_s, objective=self.objective)
+            chosen = choose_allocation(space, time_s, current, move_s, objective=self.objective, uncertain=uncertain)
             return chosen, frontiers[chosen].config(points[chosen])
 
         return self.run("jabas" if batching == "goodput" else f"jabas-{batching}", decide)
