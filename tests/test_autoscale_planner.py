@@ -191,6 +191,24 @@ def test_budget_and_deadline() -> None:
         Planner(space, model, Objective("time", budget_per_epoch=0.5)).plan(segments)
 
 
+def test_a_tie_within_the_band_goes_to_the_other_measure() -> None:
+    space = two_servers(1.0, 3.0)
+    model = TableCostModel({(1, 0): 1.0, (0, 1): 0.96, (1, 1): 0.8})
+    segments = [Segment(1024, 3600)]  # (1, 0): 1 h, 1 $; (0, 1): 0.96 h, 2.88 $; (1, 1): 0.8 h, 3.2 $
+    budget = 2.9  # (1, 1) over it
+    plain = Objective("time", budget_per_epoch=budget)
+    assert Planner(space, model, plain).plan(segments).choice == (0, 1)  # the fastest within the budget
+    tied = Objective("time", budget_per_epoch=budget, tie=0.05)
+    assert Planner(space, model, tied).plan(segments).choice == (1, 0)  # 4 % slower: a tie, and 2.9 x cheaper
+    assert Planner(space, model, Objective("time", budget_per_epoch=budget, tie=0.03)).plan(segments).choice == (0, 1)
+    # by cost, a tie goes to the faster
+    model = TableCostModel({(1, 0): 1.0, (0, 1): 0.34, (1, 1): 0.9})  # (0, 1): 1.02 $ in 0.34 h
+    assert Planner(space, model, Objective("cost")).plan(segments).choice == (1, 0)
+    assert Planner(space, model, Objective("cost", tie=0.05)).plan(segments).choice == (0, 1)
+    # the margin still keeps the current allocation: the tied winner is no gain over it
+    assert Planner(space, model, Objective("cost", tie=0.05)).plan(segments, (1, 0)).choice == (1, 0)
+
+
 @pytest.fixture
 def reference_space(reference_dir: Path) -> tuple[AllocationSpace, SolverCostModel]:
     from jabascli.autoscale.setup import scaling_from_config

@@ -116,6 +116,34 @@ def test_cost_objective_table(cli: CliRunner, reference_dir: Path, tmp_path: Pat
     assert rows["jabas"]["cost"] < rows["all"]["cost"]
 
 
+def test_a_cluster_without_prices_shows_no_cost(cli: CliRunner, reference_dir: Path, tmp_path: Path) -> None:
+    """No price_per_hour and no tflops: the table says "-", not a cost of 0.00."""
+    config = config_with(tmp_path, reference_dir, servers=server("node0", V100) + server("node1", P100))
+    result = simulate(cli, config, "--trajectory", "grow:256:4096", "--epochs", "3", "--dataset-size", "100000")
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.stdout.splitlines() if line.strip("│ ").startswith(POLICIES)]
+    assert len(rows) == len(POLICIES)
+    for row in rows:
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert cells[2] == "-", row
+    assert "0.00" not in result.stdout
+    assert "costs are not shown" in result.stderr and "seed's rule" not in result.stderr
+    # priced (the seed's rule from tflops), the same cluster shows its costs
+    (tmp_path / "priced").mkdir()
+    priced = simulate(
+        cli,
+        config_with(tmp_path / "priced", reference_dir),
+        "--trajectory",
+        "grow:256:4096",
+        "--epochs",
+        "3",
+        "--dataset-size",
+        "100000",
+    )
+    assert priced.exit_code == 0, priced.output
+    assert "costs are not shown" not in priced.stderr
+
+
 # Bad input -------------------------------------------------------------------------------------
 
 

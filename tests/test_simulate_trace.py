@@ -13,15 +13,16 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from jabascli.errors import InputError
-from jabascli.simulate import forecast, simulate_trace
+from jabascli.simulate import forecast, policies, simulate_trace
 from jabascli.simulate.cluster import parse_cluster, parse_prices, prices_for
-from jabascli.simulate.configs import Timing, TraceCostModel
-from jabascli.simulate.planner import Candidate, choose_allocation
+from jabascli.simulate.configs import Timing
+from jabascli.simulate.planner import TraceCostModel, TraceSpace, choose_allocation, uncertain_margin
 from jabascli.simulate.policies import Simulation, run_policies
 from jabascli.simulate.progress import Statistics
 from jabascli.simulate.similarity import expected_similarity, fixed_point, next_gbs
@@ -268,6 +269,47 @@ def test_fixed_batch_reproduces_traced_iterations(sia: Path, job: str) -> None:
         assert early.iterations == pytest.approx(float(rows[first]["iteration"]), rel=0.01), policy.policy
 
 
+def test_target_metric_plans_to_the_epoch_the_traced_runs_reach_it(sia: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``--target-metric`` jabas predicts the time to the target, not to the trace's end.
+
+    The planning horizon is the (lower) median of the epochs by which each traced run
+    first reaches the target (read here from the CSV files). Rewriting every row past
+    it (more work, a larger noise scale) leaves what the planner is handed at the
+    first epoch unchanged with a target, and changes it without one.
+    """
+    target = 0.9
+    firsts = []
+    for path in sorted((sia / "cifar10").glob("validation-*.csv")):
+        metrics = [float(r["metric"]) for r in _rows(path)]
+        firsts.append(next(k for k, m in enumerate(metrics) if max(metrics[: k + 1]) >= target))
+    horizon = sorted(firsts)[(len(firsts) - 1) // 2] + 1
+    cluster = {"aws": 2, "rtx": 1, "azure": 1}
+    trace = load_trace(sia / "cifar10", list(cluster))
+    handed: list[dict[Any, float]] = []
+
+    def spy(space: TraceSpace, time_s: dict[Any, float], *args: Any, **kwargs: Any) -> Any:
+        handed.append(dict(time_s))
+        return choose_allocation(space, time_s, *args, **kwargs)
+
+    monkeypatch.setattr(policies, "choose_allocation", spy)
+
+    def first_prediction(target_metric: float | None, rewrite: bool) -> dict[Any, float]:
+        sim = Simulation(trace, cluster, prices_for(list(cluster), None), target_metric=target_metric)
+        assert target_metric is None or sim.horizon == horizon
+        if rewrite:
+            work = np.diff(sim.stats.boundaries, prepend=0.0)
+            work[horizon:] *= 10.0
+            sim.stats.boundaries = np.cumsum(work)
+            sim.stats._var[:, horizon:] *= 8.0
+        handed.clear()
+        run_policies(sim, ["jabas"])
+        return handed[0]
+
+    assert first_prediction(target, False) == first_prediction(target, True)
+    assert first_prediction(None, False) != first_prediction(None, True)
+    assert min(first_prediction(target, False).values()) < 0.6 * min(first_prediction(None, False).values())
+
+
 def test_target_metric_ends_the_job_early(sia: Path) -> None:
     full = simulate_trace(sia / "cifar10", "dgx-ext:1", policies=["fixed-512"]).policies[0]
     early = simulate_trace(sia / "cifar10", "dgx-ext:1", policies=["fixed-512"], target_metric=0.9).policies[0]
@@ -321,23 +363,22 @@ def test_a_mixed_job_is_never_faster_than_its_types_traced_steps(sia: Path) -> N
         assert iter_s >= alone_frontier.iter_s[np.isclose(alone_frontier.gbs, gbs)].min() - 1e-12
 
 
-def test_planner_takes_the_fastest_charges_moves_and_keeps_a_margin() -> None:
+def test_trace_planner_charges_moves_and_keeps_a_margin() -> None:
+    """The simulator's allocation step is autoscale's planner on predicted times to finish."""
     a, b, c = (("aws", 4),), (("rtx", 8),), (("aws", 4), ("rtx", 8))
-    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(b, 96.0, 3.0, 0.03), Candidate(c, 93.0, 4.0, 0.05)]
-    assert choose_allocation(cands, None, move_s=0.0).allocation == c  # objective time: the fastest
-    assert choose_allocation(cands, None, move_s=0.0, slack=0.05).allocation == b  # cheapest within 5%
-    assert choose_allocation(cands, None, move_s=0.0, slack=0.10).allocation == a
-    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(c, 90.0, 4.0, 0.05)]
-    assert choose_allocation(cands, a, move_s=0.0).allocation == c
-    assert choose_allocation(cands, a, move_s=20.0).allocation == a  # the move does not pay off
-    # the current allocation stays unless the winner is faster (or, as fast, cheaper) by the margin
-    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(c, 97.0, 4.0, 0.05)]
-    assert choose_allocation(cands, a, move_s=0.0).allocation == a
-    assert choose_allocation(cands, a, move_s=0.0, margin=0.01).allocation == c
-    cands = [Candidate(a, 100.0, 1.03, 0.01), Candidate(b, 100.0, 0.9, 0.01)]
-    assert choose_allocation(cands, a, move_s=0.0).allocation == b
-    cands = [Candidate(a, 100.0, 1.03, 0.01), Candidate(b, 100.0, 1.0, 0.01)]
-    assert choose_allocation(cands, a, move_s=0.0).allocation == a
+    space = TraceSpace([a, b, c], ["aws", "rtx"], {"aws": 36.0, "rtx": 13.5})  # 0.04 $/s per allocation
+    assert space.choice(c) == (4, 8) and space.allocation((4, 0)) == a and space.single_type() == [(4, 0), (0, 8)]
+    assert space.price_per_hour((4, 8)) == pytest.approx(252.0)
+    times = {a: 100.0, c: 90.0}
+    assert TraceCostModel(space, times).iteration_time((0, 8), 0) == math.inf  # no prediction: cannot run
+    assert choose_allocation(space, times, None, move_s=0.0) == c
+    assert choose_allocation(space, times, a, move_s=0.0) == c
+    assert choose_allocation(space, times, a, move_s=20.0) == a  # the move does not pay off
+    times = {a: 100.0, c: 97.0}  # 3 %: within the margin, the job stays
+    assert choose_allocation(space, times, a, move_s=0.0) == a
+    assert choose_allocation(space, times, a, move_s=0.0, margin=0.01) == c
+    with pytest.raises(ValueError, match="unknown objective"):
+        choose_allocation(space, times, None, move_s=0.0, objective="fast")
 
 
 def test_rate_curve_is_the_best_goodput_at_a_noise_scale_and_forecasts_follow_a_trend(sia: Path) -> None:
@@ -359,20 +400,53 @@ def test_rate_curve_is_the_best_goodput_at_a_noise_scale_and_forecasts_follow_a_
     assert np.all(np.diff(growing) > 0) and growing[0] > 220.0
 
 
-def test_planner_no_dearer_adds_types_only_where_they_cost_nothing_more() -> None:
+def test_a_move_must_clear_the_margin_at_the_ends_of_the_noise_scales_uncertainty() -> None:
+    a, c = (("aws", 4),), (("aws", 4), ("rtx", 8))
+    space = TraceSpace([a, c], ["aws", "rtx"], {"aws": 9.0, "rtx": 13.5})
+    times = {a: 100.0, c: 90.0}  # 10 % faster at the forecast: clears the 5 % margin
+    assert choose_allocation(space, times, a, move_s=0.0) == c
+    holds = [{a: 120.0, c: 109.0}, {a: 80.0, c: 73.0}]  # 9.2 % and 8.75 % faster at the ends
+    assert choose_allocation(space, times, a, move_s=0.0, uncertain=holds) == c
+    fails = [{a: 120.0, c: 109.0}, {a: 80.0, c: 77.0}]  # 3.75 % at one end: within the margin there
+    assert choose_allocation(space, times, a, move_s=0.0, uncertain=fails) == a
+    assert choose_allocation(space, times, None, move_s=0.0, uncertain=fails) == c  # a first choice is no move
+    # the uncertainty widens only the margin: the forecast's ratio 0.9 must beat (1 - m') = 0.95 * 0.9 / 0.9625
+    assert uncertain_margin(c, a, times, fails, 0.0, 0.05, space, "time") == pytest.approx(1 - 0.95 * 0.9 / 0.9625)
+
+
+def test_forecast_error_is_the_rms_log_error_one_epoch_ahead() -> None:
+    error = forecast.ForecastError()
+    assert error.sigma == 0.0
+    error.forecast(1, 100.0, trend=False)
+    error.measured(1, 200.0)  # the first epochs' jump: log 2
+    assert error.sigma == pytest.approx(math.log(2.0))
+    error.measured(1, 400.0)  # no forecast pending for it: not scored twice
+    error.forecast(2, 100.0, trend=True)
+    error.measured(3, 150.0)  # another row: not this forecast's
+    error.measured(2, 110.0)
+    error.forecast(3, 100.0, trend=True)
+    error.measured(3, 100.0 / 1.1)
+    assert error.sigma == pytest.approx(math.log(1.1))  # once the trend is scored, its errors alone
+
+
+def test_trace_planner_no_dearer_adds_types_only_where_they_cost_nothing_more() -> None:
+    """``no-dearer``: the planner's ``time`` within the cost of the fastest single type, ties to the cheaper."""
     a, b, c = (("aws", 4),), (("rtx", 8),), (("aws", 4), ("rtx", 8))
-    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(b, 90.0, 3.0, 0.03), Candidate(c, 80.0, 4.0, 0.05)]
-    assert choose_allocation(cands, None, move_s=0.0, objective="no-dearer").allocation == b  # c dearer than b
-    cands[2] = Candidate(c, 80.0, 2.9, 0.05)
-    assert choose_allocation(cands, None, move_s=0.0, objective="no-dearer").allocation == c
+    prices = {"aws": 9.0, "rtx": 13.5}  # per hour: a 36 $, b 108 $, c 144 $
+    space = TraceSpace([a, b, c], ["aws", "rtx"], prices)
+    times = {a: 100.0, b: 90.0, c: 80.0}  # cost: a 1.0, b 2.7, c 3.2
+    assert choose_allocation(space, times, None, move_s=0.0, objective="no-dearer") == b  # c dearer than b
+    assert choose_allocation(space, times, None, move_s=0.0, objective="time") == c
+    times[c] = 70.0  # 2.8 $: still dearer than b
+    assert choose_allocation(space, times, None, move_s=0.0, objective="no-dearer") == b
+    times[c] = 60.0  # 2.4 $
+    assert choose_allocation(space, times, None, move_s=0.0, objective="no-dearer") == c
     # within the margin (5%) of the fastest, the cheaper wins: the predictions cannot tell them apart
-    cands = [Candidate(a, 100.0, 1.0, 0.01), Candidate(b, 96.0, 3.0, 0.03)]
-    assert choose_allocation(cands, None, move_s=0.0, objective="no-dearer").allocation == a
-    assert choose_allocation(cands, None, move_s=0.0, objective="time").allocation == b
-    assert choose_allocation(cands, None, move_s=0.0, objective="cost").allocation == a
-    assert choose_allocation(cands, b, move_s=0.0, objective="cost").allocation == a  # 67% cheaper: moves
-    with pytest.raises(ValueError, match="unknown objective"):
-        choose_allocation(cands, None, move_s=0.0, objective="fast")
+    times = {a: 100.0, b: 96.0}
+    assert choose_allocation(space, times, None, move_s=0.0, objective="no-dearer") == a
+    assert choose_allocation(space, times, None, move_s=0.0, objective="time") == b
+    assert choose_allocation(space, times, None, move_s=0.0, objective="cost") == a
+    assert choose_allocation(space, times, b, move_s=0.0, objective="cost") == a  # 64% cheaper: moves
 
 
 def test_policies_json_shape_and_sanity(sia: Path) -> None:
@@ -443,20 +517,6 @@ def test_a_cluster_the_trace_cannot_run_on(synthetic: Path) -> None:
     with pytest.raises(InputError, match="cluster: too small for the trace"):
         simulate_trace(synthetic, "aws:1")
     assert simulate_trace(synthetic, "aws:2").get("jabas") is not None
-
-
-def test_trace_cost_model_for_the_autoscale_planner(sia: Path) -> None:
-    trace = load_trace(sia / "imagenet", ["aws", "dgx-ext"])
-    timing = Timing({t: StepTimes(trace.timings[t]) for t in ("aws", "dgx-ext")})
-    model = TraceCostModel(timing, {"aws": 6, "dgx-ext": 2}, 200, 12800)
-    frontier = timing.frontier((("aws", 8), ("dgx-ext", 16)), 200, 12800)
-    assert frontier is not None
-    i = len(frontier.gbs) // 2
-    exact = frontier.iter_s[frontier.gbs == frontier.gbs[i]].min()
-    assert model.iteration_time((2, 2), int(frontier.gbs[i])) == pytest.approx(exact)
-    assert model.iteration_time((0, 0), 400) == math.inf
-    # an unreachable GBS costs the per-sample time of its nearest reachable neighbour
-    assert model.iteration_time((0, 1), 12801) == pytest.approx(model.iteration_time((0, 1), 12800) * 12801 / 12800)
 
 
 @pytest.mark.parametrize("job", ["cifar10", "imagenet"])

@@ -182,3 +182,18 @@ def test_each_objective_prints_the_pareto_check(cli: CliRunner, trace: Path, obj
     assert data["dominated_by"] == beaten
     line = next(line for line in result.stdout.splitlines() if line.startswith(f"objective {objective}:"))
     assert ("no baseline is both sooner and cheaper" in line) == (not beaten)
+
+
+def test_table_shows_no_cost_when_every_price_is_zero(cli: CliRunner, trace: Path) -> None:
+    result = simulate(
+        cli, "--trace", str(trace), "--cluster", "aws:1", "--prices", "aws=0", "--policies", "fixed,jabas"
+    )
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.stdout.splitlines() if line.strip("│ ").startswith(("fixed-", "jabas"))]
+    assert rows
+    for row in rows:
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert cells[2] == "-" and cells[-1] == "-", row  # cost, cost / cheapest
+    assert "costs are not shown" in result.stderr
+    priced = simulate(cli, "--trace", str(trace), "--cluster", "aws:1", "--prices", "aws=2", "--policies", "jabas")
+    assert priced.exit_code == 0 and "costs are not shown" not in priced.stderr

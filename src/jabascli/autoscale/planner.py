@@ -17,7 +17,10 @@ checkpoints and restarts it. The objectives (``[scaling] objective``):
 * ``cost``: the least ``cost(A)`` with ``time(A) <= deadline_per_epoch_s`` if a deadline is set;
 
 both constraints apply whenever they are set. Ties go to fewer GPUs, then to
-the smaller choice tuple. The margin rule: the job moves from its current
+the smaller choice tuple. With a ``tie`` band, values within ``(1 + tie)`` of
+the best are a tie the predictions cannot resolve, and the other measure
+decides among them (the least cost for ``time``, the least time for ``cost``).
+The margin rule: the job moves from its current
 allocation ``C`` to the best ``B`` only if ``value(B) < (1 - margin) * value(C)``
 (``B`` charged ``D``, ``C`` not), or if ``C`` breaks a constraint or cannot
 train at a forecast GBS; so noise in a flat trajectory does not make it flap.
@@ -38,9 +41,9 @@ and solved exactly in that order until the bound exceeds the best value found
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from jabascli.autoscale.allocation import AllocationSpace, Choice
 from jabascli.autoscale.costmodel import IterationCostModel
@@ -52,6 +55,19 @@ ObjectiveKind = Literal["time", "cost"]
 EXHAUSTIVE_LIMIT = 4096
 
 
+class Space(Protocol):
+    """The allocations the planner chooses among: an :class:`AllocationSpace`, or a trace simulator's.
+
+    Beyond ``exhaustive_limit`` choices the local search needs an :class:`AllocationSpace`.
+    """
+
+    def count(self) -> int: ...
+    def __iter__(self) -> Iterator[Choice]: ...
+    def check(self, choice: Choice) -> Choice: ...
+    def gpus(self, choice: Choice) -> int: ...
+    def price_per_hour(self, choice: Choice) -> float: ...
+
+
 @dataclass(frozen=True)
 class Objective:
     """What the planner minimises, its constraints, and when it moves (see the module doc)."""
@@ -61,6 +77,8 @@ class Objective:
     deadline_per_epoch_s: float | None = None
     margin: float = 0.05
     move_downtime_s: float = 60.0
+    tie: float = 0.0
+    """Values within ``(1 + tie)`` of the best are a tie: the other measure decides (module doc)."""
 
     @classmethod
     def from_config(cls, scaling: Any) -> Objective:
@@ -87,6 +105,10 @@ class Estimate:
 
     def value(self, objective: Objective) -> float:
         return self.time_s if objective.kind == "time" else self.cost
+
+    def other(self, objective: Objective) -> float:
+        """The measure the objective does not minimise: what decides a tie."""
+        return self.cost if objective.kind == "time" else self.time_s
 
     def meets(self, objective: Objective) -> bool:
         """Finite, within the budget and the deadline."""
@@ -143,7 +165,7 @@ class Planner:
 
     def __init__(
         self,
-        space: AllocationSpace,
+        space: Space,
         cost_model: IterationCostModel,
         objective: Objective | None = None,
         *,
@@ -199,7 +221,7 @@ class Planner:
                     bounds.append(b)
             bounds.sort(key=lambda b: b.key(objective))
             for b in bounds:
-                if incumbent is not None and b.key(objective) > incumbent.key(objective):
+                if incumbent is not None and b.value(objective) > (1 + objective.tie) * incumbent.value(objective):
                     break
                 e = solved[b.choice] = self.estimate(b.choice, segments, current)
                 if e.meets(objective) and (incumbent is None or e.key(objective) < incumbent.key(objective)):
@@ -218,10 +240,20 @@ class Planner:
             best = self._local_search(segments, best_of, best)
         if best is None:
             raise InputError.at(None, "scaling", self._why_none(segments, current))
+        best = self._tie_break(best, solved.values())
         candidates = sorted(solved.values(), key=lambda e: e.key(objective))
         choice, reason = self._margin_rule(best, current_estimate)
         chosen = solved[choice]
         return Decision(choice, current, reason, chosen, current_estimate, candidates, len(considered))
+
+    def _tie_break(self, best: Estimate, solved: Iterable[Estimate]) -> Estimate:
+        """Among the estimates within ``(1 + tie)`` of the best value, the one of least other measure."""
+        objective = self.objective
+        if objective.tie <= 0:
+            return best
+        top = (1 + objective.tie) * best.value(objective)
+        tied = [e for e in solved if e.meets(objective) and e.value(objective) <= top]
+        return min(tied, key=lambda e: (e.other(objective), e.key(objective)), default=best)
 
     def _margin_rule(self, best: Estimate, current: Estimate | None) -> tuple[Choice, str]:
         objective = self.objective
@@ -257,6 +289,8 @@ class Planner:
 
     def _local_search(self, segments: Sequence[Segment], best_of: Any, best: Estimate | None) -> Estimate | None:
         space = self.space
+        if not isinstance(space, AllocationSpace):
+            raise TypeError(f"the local search needs an AllocationSpace, not {type(space).__name__}")
         types = space.types
         zero = (0,) * len(types)
 

@@ -73,8 +73,8 @@ def simulate(
     target_metric: Annotated[
         float | None,
         typer.Option(
-            help="With --trace: end the job when the traced validation metric reaches this, e.g. 0.75 "
-            "(default: at the trace's end).",
+            help="With --trace: end the job when the traced validation metric reaches this, and plan "
+            "to it, e.g. 0.75 (default: at the trace's end).",
             show_default=False,
         ),
     ] = None,
@@ -181,13 +181,14 @@ def _simulate_trace(
     for column in columns:
         table.add_column(column, justify="left" if column == "policy" else "right")
     ratios = result.relative()
+    unpriced = not any(result.prices.values())  # every price 0 (--prices): no cost to show
     for p in result.policies:
         time_ratio, cost_ratio = ratios.get(p.policy, (None, None))
         gbs = sorted({round(e["gbs"]) for e in p.timeline})
         table.add_row(
             p.policy,
             f"{p.time_s / 3600:.2f}",
-            f"{p.cost:.2f}",
+            "-" if unpriced else f"{p.cost:.2f}",
             f"{p.gpu_hours:.1f}",
             str(p.moves),
             f"{gbs[0]}" if len(gbs) == 1 else f"{gbs[0]}-{gbs[-1]}",
@@ -195,6 +196,8 @@ def _simulate_trace(
             "-" if cost_ratio is None else f"{cost_ratio:.2f}",
         )
     console.print(table)
+    if unpriced:
+        err_console.print("note: every price is 0: costs are not shown (-)", highlight=False)
     if result.get("jabas") is not None:
         beaten = result.dominating()
         console.print(
@@ -229,6 +232,8 @@ def _simulate_trajectory(
     )
     for column in ("policy", "time (h)", "cost", "GPU-hours", "moves", "GPUs used"):
         table.add_column(column, justify="left" if column == "policy" else "right")
+    # No price_per_hour and no tflops anywhere: every cost would read 0.00, which is no price, not free.
+    unpriced = sim.space.price_per_hour(sim.space.everything()) == 0
     for r in results:
         gpus = sorted({e.gpus for e in r.epochs})
         if r.time_s is None:
@@ -238,13 +243,15 @@ def _simulate_trajectory(
         table.add_row(
             r.policy,
             f"{r.time_s / 3600:.2f}",
-            f"{r.cost:.2f}",
+            "-" if unpriced else f"{r.cost:.2f}",
             f"{r.gpu_hours:.1f}",
             str(r.moves),
             ",".join(map(str, gpus)),
         )
     console.print(table)
-    if sim.space.seed_prices:
+    if unpriced:
+        err_console.print("note: no server has a price_per_hour or tflops: costs are not shown (-)", highlight=False)
+    elif sim.space.seed_prices:
         err_console.print(
             "note: no server has a price_per_hour; costs use the seed's rule, 3.06 $ per GPU-hour x TFLOPS / 14.13",
             highlight=False,

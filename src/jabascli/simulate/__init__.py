@@ -115,7 +115,7 @@ def simulate_trace(
 
     ``cluster_spec``: ``"aws:6,dgx-ext:2,rtx:3"`` or ``{"aws": 6, ...}`` (nodes per
     GPU type); ``prices``: $/GPU-hour overrides; ``target_metric``: end the job when
-    the traced validation metric reaches it (default: at the trace's end);
+    the traced validation metric reaches it, and plan to it (default: at the trace's end);
     ``objective``: jabas's planner objective, ``time``, ``cost`` or ``no-dearer`` (``planner.py``).
     Raises :class:`~jabascli.errors.InputError` on a bad folder, cluster, policy or target.
     """

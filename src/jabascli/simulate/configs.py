@@ -221,34 +221,3 @@ class Timing:
             lbs=np.concatenate([r[2] for r in rows]),
             steps=np.concatenate([r[3] for r in rows]).astype(int),
         )
-
-
-class TraceCostModel:
-    """Issue #14's ``IterationCostModel`` on a trace: ``iteration_time(choice, gbs)``.
-
-    ``choice`` is the number of whole nodes taken of each type of ``cluster`` (in
-    its order), as #14's planner counts allocation units of one server. The time
-    is the IIDP frontier's fastest configuration at ``gbs``; a GBS the allocation
-    cannot reach exactly is charged at the per-sample time of the reachable GBS
-    nearest by ratio (``t(g) = t(g') * g / g'``, #14's convention), and ``inf`` when
-    nothing is reachable. This lets #14's planner replace ``planner.py`` here.
-    """
-
-    def __init__(self, timing: Timing, cluster: dict[str, int], min_gbs: float, max_gbs: float) -> None:
-        self.timing = timing
-        self.types = list(cluster)
-        self.min_gbs = min_gbs
-        self.max_gbs = max_gbs
-
-    def allocation(self, choice: tuple[int, ...]) -> Allocation:
-        return tuple((t, n * self.timing.per_node[t]) for t, n in zip(self.types, choice, strict=True) if n)
-
-    def iteration_time(self, choice: tuple[int, ...], gbs: int) -> float:
-        allocation = self.allocation(choice)
-        frontier = self.timing.frontier(allocation, self.min_gbs, self.max_gbs) if allocation else None
-        if frontier is None:
-            return math.inf
-        ratio = np.abs(np.log(frontier.gbs / gbs))
-        nearest = frontier.gbs[np.argmin(ratio)]
-        at = frontier.gbs == nearest
-        return float(frontier.iter_s[at].min() * gbs / nearest)

@@ -50,6 +50,42 @@ def noise_scales(measured: Sequence[float], horizon: int) -> np.ndarray:
     return damped_holt(np.asarray(measured, dtype=float), horizon)
 
 
+class ForecastError:
+    """How far the noise-scale forecast has been off, one epoch ahead, in this run so far.
+
+    Each epoch's forecast of the next epoch's noise scale ``F`` is compared with
+    the measurement ``B`` when it arrives; the uncertainty is the root mean square
+    of ``log(B / F)``:
+
+        sigma = sqrt(mean_k log(B_k / F_k)^2)
+
+    over the damped trend's forecasts once one has been scored, and until then
+    over the forecasts made while the statistics were unsettled (the last
+    measurement held: the first epochs' jumps, the only evidence yet); 0 before
+    any. The planner's margin holds a move to this band (``planner.choose_allocation``):
+    the noise scale of the coming epochs may be ``exp(+-sigma)`` times its forecast.
+    """
+
+    def __init__(self) -> None:
+        self._errors: dict[bool, list[float]] = {True: [], False: []}  # by trend (settled) or not
+        self._pending: tuple[int, float, bool] | None = None
+
+    def forecast(self, row: int, value: float, trend: bool) -> None:
+        """The forecast made now of the noise scale of trace row ``row`` (``trend``: by the damped trend)."""
+        self._pending = (row, value, trend)
+
+    def measured(self, row: int, value: float) -> None:
+        """A measurement of row ``row``: scored against its forecast, if one was made."""
+        if self._pending is not None and self._pending[0] == row:
+            self._errors[self._pending[2]].append(float(np.log(value / self._pending[1])))
+            self._pending = None
+
+    @property
+    def sigma(self) -> float:
+        errors = self._errors[True] or self._errors[False]
+        return float(np.sqrt(np.mean(np.square(errors)))) if errors else 0.0
+
+
 # Measurements before the noise scale is trusted: the damped trend needs three.
 SETTLE_MEASUREMENTS = 3
 SCENARIOS = 9

@@ -10,7 +10,7 @@
   predicted gain over the rest of the job pays for the restart.
 - ``jabas``: IIDP over every type (same LBS everywhere, faster types run more
   micro-steps), the goodput-optimal GBS of each candidate allocation, and an
-  allocation chosen per epoch by ``planner.choose_allocation`` on the time to
+  allocation chosen per epoch by jabas's planner (``planner.py``) on the time to
   finish predicted with the noise scale forecast (``forecast.py``); until three
   epochs' noise scales are measured, on the least expected regret over a band of
   noise scales instead (``forecast.regret``: the first epochs' understate it).
@@ -41,7 +41,7 @@ from jabascli.errors import InputError
 from jabascli.simulate import forecast, similarity
 from jabascli.simulate.configs import Allocation, Config, Frontier, Timing, describe
 from jabascli.simulate.loop import Decide, PolicyResult, run_policy
-from jabascli.simulate.planner import DEFAULT_SLACK, OBJECTIVES, Candidate, choose_allocation
+from jabascli.simulate.planner import OBJECTIVES, TraceSpace, choose_allocation
 from jabascli.simulate.progress import Statistics
 from jabascli.simulate.steptime import StepTimes
 from jabascli.simulate.trace import Trace
@@ -59,7 +59,6 @@ class Simulation:
         cluster: dict[str, int],
         prices: dict[str, float],
         target_metric: float | None = None,
-        slack: float = DEFAULT_SLACK,
         objective: str = "time",
     ) -> None:
         self.trace = trace
@@ -70,14 +69,16 @@ class Simulation:
         self.timing = Timing(steps, tuple(float(b) for b in trace.batch_sizes))
         self.per_node = self.timing.per_node
         self.target_metric = target_metric
-        self.slack = slack
         if objective not in OBJECTIVES:
             raise InputError.at(
                 None, "objective", f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVES)}"
             )
         self.objective = objective
+        # The epochs the job is planned for: to the target (Statistics.target_epoch) or the trace's end.
+        self.horizon = self.stats.epochs
         if target_metric is not None:
             self.stats.check_target(target_metric)
+            self.horizon = self.stats.target_epoch(target_metric) + 1
 
     # -- helpers ---------------------------------------------------------------
 
@@ -114,12 +115,17 @@ class Simulation:
         i = frontier.best_goodput(eff)
         return i, float(eff[i] * frontier.gbs[i] / self.stats.m0 / frontier.iter_s[i])
 
-    def remaining_progress(self, epoch: int) -> float:
-        """Progress left from the start of ``epoch`` to the trace's end: the horizon a move must pay off in."""
-        return float(self.stats.boundaries[-1] - (self.stats.boundaries[epoch - 1] if epoch > 0 else 0.0))
+    def planned_end(self, epoch: int) -> int:
+        """The epoch the job is planned to end with (exclusive): the horizon, or ``epoch + 1`` past it.
 
-    def _price_s(self, allocation: Allocation) -> float:
-        return sum(self.prices[t] * g for t, g in allocation) / 3600.0
+        Past the horizon the target is late; the job is planned one epoch at a time.
+        """
+        return max(self.horizon, epoch + 1)
+
+    def remaining_progress(self, epoch: int) -> float:
+        """Progress left from the start of ``epoch`` to the planned end: the horizon a move must pay off in."""
+        start = self.stats.boundaries[epoch - 1] if epoch > 0 else 0.0
+        return float(self.stats.boundaries[self.planned_end(epoch) - 1] - start)
 
     # -- policies --------------------------------------------------------------
 
@@ -202,9 +208,12 @@ class Simulation:
         job: with ``goodput``, at its goodput-optimal configuration of each remaining
         epoch for the noise scale forecast from those measured so far
         (``forecast.py``); with ``similarity``, at the GBS the rule asks for now.
-        ``planner.choose_allocation`` picks one. While the statistics are unsettled
+        The planner (``planner.choose_allocation``) picks one. While the statistics are unsettled
         (``forecast.settled``) the goodput policy plans on its regret over a band of
         noise scales instead (:meth:`_least_regret`, ``forecast.robust_point``).
+        Once settled, a move must also clear the margin with the forecast scaled
+        by the forecast's measured error (``forecast.ForecastError``,
+        ``planner.uncertain_margin``).
         """
         frontiers = self._node_frontiers()
         if not frontiers:
@@ -212,79 +221,85 @@ class Simulation:
         rate_at = (
             {a: forecast.RateCurve(f, self.stats.m0) for a, f in frontiers.items()} if batching == "goodput" else {}
         )
+        space = TraceSpace(list(frontiers), list(self.cluster), self.prices)
         measured: dict[int, float] = {}  # by the epoch (trace row) the statistics are of
+        error = forecast.ForecastError()
         epoch_work = np.diff(self.stats.boundaries, prepend=0.0)
 
         def decide(epoch: int, current: Allocation | None, gbs: float | None) -> tuple[Allocation, Config]:
             work = self.remaining_progress(epoch)
             points: dict[Allocation, int] = {}
-            candidates = []
+            time_s: dict[Allocation, float] = {}
             target = 0.0
             now = gbs or self.stats.m0
             row = self._seen_row(epoch, False)
             noise = self.stats.noise_scale(now, row)
             measured[row] = noise  # epochs 0 and 1 both see the first epoch's: one measurement
-            future = forecast.noise_scales(list(measured.values()), self.stats.epochs - epoch)
+            error.measured(row, noise)
+            end = self.planned_end(epoch)
+            future = forecast.noise_scales(list(measured.values()), end - epoch)
+            uncertain: list[dict[Allocation, float]] = []
             if batching == "similarity":
                 iterations = self.stats.epoch_progress(epoch) * self.stats.m0 / now
                 target = similarity.next_gbs(now, noise, iterations, low=self.stats.m0, high=self.stats.max_gbs)
             robust = batching == "goodput" and not forecast.settled(list(measured.values()))
+            error.forecast(epoch, float(future[0]), trend=not robust)
             band = forecast.scenarios(noise, self.stats.max_gbs)
             for allocation, frontier in frontiers.items():
                 if batching == "similarity":
                     i, rate = self._near(frontier, epoch, gbs, target)
-                    time_s = work / rate
+                    time_s[allocation] = work / rate
                 elif robust:
                     i = forecast.robust_point(frontier, self.stats.m0, band)
-                    time_s = 0.0  # set below, from the times in every scenario
                 else:
                     i, _ = self._rate(frontier, epoch, gbs, oracle=False)
-                    time_s = float(np.sum(epoch_work[epoch:] / rate_at[allocation](future)))
+                    time_s[allocation] = float(np.sum(epoch_work[epoch:end] / rate_at[allocation](future)))
+                    if error.sigma > 0:  # the same at the ends of the forecast's uncertainty
+                        if not uncertain:
+                            uncertain = [{}, {}]
+                        for times, sign in zip(uncertain, (-1.0, 1.0), strict=True):
+                            scaled = future * np.exp(sign * error.sigma)
+                            times[allocation] = float(np.sum(epoch_work[epoch:end] / rate_at[allocation](scaled)))
                 points[allocation] = i
-                price_s = self._price_s(allocation)
-                candidates.append(Candidate(allocation, time_s, time_s * price_s, price_s))
             move_s = self.trace.restart_s
             if robust:
-                candidates = self._least_regret(candidates, current, epoch_work[epoch:], future, band, rate_at)
+                time_s = self._least_regret(list(frontiers), current, epoch_work[epoch:end], future, band, rate_at)
                 move_s = 0.0  # charged in every scenario already
-            chosen = choose_allocation(candidates, current, move_s, self.slack, objective=self.objective)
-            return chosen.allocation, frontiers[chosen.allocation].config(points[chosen.allocation])
+            chosen = choose_allocation(space, time_s, current, move_s, objective=self.objective, uncertain=uncertain)
+            return chosen, frontiers[chosen].config(points[chosen])
 
         return self.run("jabas" if batching == "goodput" else f"jabas-{batching}", decide)
 
     def _least_regret(
         self,
-        candidates: list[Candidate],
+        allocations: list[Allocation],
         current: Allocation | None,
         work: np.ndarray,
         future: np.ndarray,
         band: np.ndarray,
         rate_at: dict[Allocation, forecast.RateCurve],
-    ) -> list[Candidate]:
-        """Each candidate's time to finish while the statistics are unsettled: its regret over ``band``.
+    ) -> dict[Allocation, float]:
+        """Each allocation's time to finish while the statistics are unsettled: its regret over ``band``.
 
         ``T_a(s)``: the forecast scaled to scenario ``s`` (``future * s / band[0]``),
-        plus the restart for a move; a candidate's planning time is
+        plus the restart for a move; an allocation's planning time is
         ``exp(mean_s log(T_a(s) / min_b T_b(s)))`` (``forecast.regret``) times the
-        least time at the measurement, so ``choose_allocation`` keeps its margin
-        rule on a time-like value.
+        least time at the measurement, so the planner keeps its margin rule on a
+        time-like value.
         """
         times = np.array(
             [
                 [
-                    float(np.sum(work / rate_at[c.allocation](future * s / band[0])))
-                    + (self.trace.restart_s if current is not None and c.allocation != current else 0.0)
+                    float(np.sum(work / rate_at[a](future * s / band[0])))
+                    + (self.trace.restart_s if current is not None and a != current else 0.0)
                     for s in band
                 ]
-                for c in candidates
+                for a in allocations
             ]
         )
         regret = np.exp(forecast.regret(times, higher_is_better=False))
         scale = float(times[:, 0].min())
-        return [
-            Candidate(c.allocation, r * scale, r * scale * c.price_per_s, c.price_per_s)
-            for c, r in zip(candidates, regret, strict=True)
-        ]
+        return {a: float(r * scale) for a, r in zip(allocations, regret, strict=True)}
 
     def oracle(self) -> PolicyResult | None:
         frontiers = self._node_frontiers()
@@ -299,18 +314,19 @@ class Simulation:
                 i, rate = self._rate(frontiers[allocation], k, None, oracle=True)
                 points[k, j] = i
                 times[k, j] = self.stats.epoch_progress(k) / rate
-        # total[j]: least time to the end of epoch k, ending on allocation j
+        # total[j]: least time to the end of epoch k, ending on allocation j; to the horizon
+        # (the target's epoch), then on the last allocation should the target come later
         total = times[0].copy()
         came_from = np.zeros((epochs, len(allocations)), dtype=int)
-        came_from[0] = np.arange(len(allocations))
-        for k in range(1, epochs):
+        came_from[:] = np.arange(len(allocations))
+        for k in range(1, self.horizon):
             best = int(np.argmin(total))
             move = total[best] + self.trace.restart_s
             stay = total <= move
             came_from[k] = np.where(stay, np.arange(len(allocations)), best)
             total = np.where(stay, total, move) + times[k]
         path = [int(np.argmin(total))]
-        for k in range(epochs - 1, 0, -1):
+        for k in range(epochs - 1, 0, -1):  # came_from[k] is the identity past the horizon
             path.append(int(came_from[k, path[-1]]))
         path.reverse()
 

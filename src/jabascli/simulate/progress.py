@@ -126,6 +126,20 @@ class Statistics:
     def reached(self, metric: float, target: float) -> bool:
         return metric >= target if self.metric_rises else metric <= target
 
+    def target_epoch(self, target: float) -> int:
+        """The epoch by whose end the traced runs reach ``target``: the median over the runs that do.
+
+        What a user who sets a target knows from earlier runs of the job (Pollux and
+        Sia take a job's length to its target from its reference runs); the runs at
+        different GBS reach it in different epochs (cifar10's 0.94: epochs 65 to 83),
+        so the (lower) median, not the one the job will run at.
+        """
+        reached = self._best >= target if self.metric_rises else self._best <= target
+        first = [int(np.argmax(row)) for row in reached if row.any()]
+        if not first:
+            self.check_target(target)
+        return int(np.sort(first)[(len(first) - 1) // 2])  # the lower median
+
     def check_target(self, target: float) -> None:
         """Raise :class:`InputError` if no traced run ever reaches ``target``."""
         best = float(self._best[:, -1].max() if self.metric_rises else self._best[:, -1].min())
