@@ -8,7 +8,7 @@ as one replica of ``tp = 2`` on a server of two devices, the replica running bot
 Pipeline: tiny GPT as one replica of ``pp = 2`` with stages of 3 and 1 blocks, 1F1B and GPipe.
 ``tp = 2`` x ``pp = 2`` on 4 ranks; 2 replicas of ``tp = 2`` on two servers, one an emulated slow
 device with another ``ga`` (plain, or sharded over the DP dim); per-block ``layers`` mixing sharded
-and plain blocks with checkpointing. float32 cases hold within 1e-4.
+and plain blocks with checkpointing. The float32 case holds within 1e-4.
 """
 
 from __future__ import annotations
@@ -167,21 +167,14 @@ def assert_equals_reference(loaded: Any, trained: dict[str, torch.Tensor], toler
     assert max(max_abs_diff(trained, start).values()) > 1e-3
 
 
-@pytest.mark.parametrize(
-    ("optimizer", "float32", "tolerance"),
-    [
-        pytest.param("adam", False, 1e-9, id="adam-float64"),
-        pytest.param("sgd", True, 1e-4, id="sgd-float32", marks=pytest.mark.slow),
-    ],
-)
-def test_tensor_parallel_pipeline_replica_equals_the_single_process_reference(
-    tmp_path: Path, optimizer: str, float32: bool, tolerance: float
-) -> None:
-    """``tp = 2`` x ``pp = 2`` on 4 ranks, one replica: two stages (3 and 1 blocks), each a TP group of 2."""
+def test_tensor_parallel_pipeline_replica_equals_the_single_process_reference(tmp_path: Path) -> None:
+    """``tp = 2`` x ``pp = 2`` on 4 ranks, one replica: two stages (3 and 1 blocks), each a TP group of 2.
+    (float32 and SGD + momentum: the layerwise ``tp = 2`` case and the plain ``tp``/``pp`` cases; kept out
+    here for test time.)"""
     parallel = {"tp": 2, "pp": 2, "stages": [[0, 2], [3, 3]], "schedule": "1f1b"}
-    loaded = load(write_config(tmp_path, "gpt", optimizer, [1], parallel, devices=4, float32=float32))
+    loaded = load(write_config(tmp_path, "gpt", "adam", [1], parallel, devices=4))
     trained = train_sharded(loaded.path, 4, tmp_path / "model.pt", stages=4)
-    assert_equals_reference(loaded, trained, tolerance)
+    assert_equals_reference(loaded, trained, 1e-9)
 
 
 def test_tensor_parallel_replicas_on_unequal_servers_equal_the_single_process_reference(tmp_path: Path) -> None:

@@ -145,23 +145,10 @@ class LayoutWorkers:
         self._stage_ranks = [replica.ranks[s * layout.tp + replica.mesh.get_local_rank("tp")] for s in range(layout.pp)]
 
     def emulate(self, emulation: Emulation, workload: Workload) -> None:
-        """An emulated slower device: with pipeline stages, every block of the stage sleeps ``slowdown - 1``
-        times its forward's and backward's CPU time (elsewhere the worker step does, per micro-batch)."""
-        if self.pipeline is None or not emulation.active:
-            return
-        for block in workload.blocks(self.model) or []:
-            starts: dict[str, float] = {}
-
-            def begin(key: str, starts: dict[str, float] = starts) -> Callable[..., None]:
-                return lambda *_: starts.__setitem__(key, emulation.clock())
-
-            def end(key: str, starts: dict[str, float] = starts) -> Callable[..., None]:
-                return lambda *_: emulation.pause_since(starts.pop(key))
-
-            block.register_forward_pre_hook(begin("forward"))
-            block.register_forward_hook(end("forward"))
-            block.register_full_backward_pre_hook(begin("backward"))
-            block.register_full_backward_hook(end("backward"))
+        """An emulated slower device: with pipeline stages, the stage's blocks sleep (:func:`emulate_blocks`);
+        elsewhere the worker step does, per micro-batch."""
+        if self.pipeline is not None and emulation.active:
+            emulate_blocks(workload.blocks(self.model) or [], emulation)
 
     # -- per plan --------------------------------------------------------------------------------
 
@@ -298,6 +285,24 @@ class LayoutWorkers:
             local = g.to_local() if isinstance(g, DTensor) else g
             local.mul_(factor.to(local.dtype))
         return norm
+
+
+def emulate_blocks(blocks: Sequence[nn.Module], emulation: Emulation) -> None:
+    """Every block sleeps ``slowdown - 1`` times the CPU time of its forward and of its backward, after each
+    (module hooks: the pipeline's schedule runs the micro-batches, not the worker step)."""
+    for block in blocks:
+        starts: dict[str, float] = {}
+
+        def begin(key: str, starts: dict[str, float] = starts) -> Callable[..., None]:
+            return lambda *_: starts.__setitem__(key, emulation.clock())
+
+        def end(key: str, starts: dict[str, float] = starts) -> Callable[..., None]:
+            return lambda *_: emulation.pause_since(starts.pop(key))
+
+        block.register_forward_pre_hook(begin("forward"))
+        block.register_forward_hook(end("forward"))
+        block.register_full_backward_pre_hook(begin("backward"))
+        block.register_full_backward_hook(end("backward"))
 
 
 def _replicas(world: int, ranks: Sequence[int]) -> list[range]:
