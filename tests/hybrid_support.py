@@ -15,6 +15,7 @@ or a store's folder: its newest intact one) and trains on from there. A hybrid l
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -143,3 +144,9 @@ if __name__ == "__main__":
     parser.add_argument("--resume")
     checkpoints = parser.parse_args(sys.argv[6:])
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], checkpoints)
+    # Done, its files written and the group destroyed: skip the interpreter's teardown, where gloo's
+    # threads, destroyed out of order under load, can abort the process ("terminate called without
+    # an active exception") after the work is complete.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
