@@ -1,14 +1,32 @@
-"""Vision Transformer image classification: ViT-B/16 and a tiny ViT.
+"""Vision Transformer image classification: ViT-B/16, ViT-L/16, ViT-H/14, a 6.5 B ViT and a tiny one.
 
 The model is the ViT of Dosovitskiy et al. as torchvision builds it
 (``vit_b_16``): a strided convolution cuts the image into patches, a class
 token and learned position embeddings are added, pre-norm Transformer encoder
 blocks (multi-head self-attention, GELU MLP) follow, and a linear head reads
-the class token. ViT-B/16 (224x224 images, 16x16 patches, 12 blocks of width
-768 with 12 heads and MLP 3072, 1000 classes) has 86,567,656 parameters, as
-torchvision's. The tiny variant (32x32 images, 4x4 patches, 4 blocks of width
-64 with 4 heads and MLP 128, 10 classes: 142,026 parameters) is the one CPU
+the class token. The attention's q, k and v are three linear layers where
+torchvision packs them into one (the same parameters, so the same counts).
+
+========  =====  =====  ======  =====  =====  =====  =============
+variant   image  patch  blocks  width  heads  MLP    parameters
+========  =====  =====  ======  =====  =====  =====  =============
+vit_b16     224     16      12    768     12   3072     86,567,656
+large       224     16      24   1024     16   4096    304,326,632
+huge        224     14      32   1280     16   5120    632,045,800
+colossal    224     16      32   4096     64  16384  6,452,220,904
+tiny         32      4       4     64      4    128        142,026
+========  =====  =====  ======  =====  =====  =====  =============
+
+With 1000 classes (tiny: 10). ``vit_b16``, ``large`` and ``huge`` are ViT-B/16,
+ViT-L/16 and ViT-H/14, the counts torchvision's ``vit_b_16``, ``vit_l_16`` and
+``vit_h_14``; ``colossal`` is the Colossal-AI ViT example's hidden size 4096 x
+depth 32 (heads of width 64, MLP 4x the width, 16x16 patches: our choice where
+the example's size names only width and depth). The tiny variant is the one CPU
 tests and profilers use.
+
+Hybrid layouts (docs/hybrid.md): the blocks are :func:`blocks`; each block's
+tensor-parallel plan is :func:`tp_plan` (heads and MLP units split across the
+TP group, Megatron-style); a pipeline stage is :func:`pipeline_stage`.
 
 The seed's ViT example trained a ViT on ImageNet with the T2T-ViT code base;
 this workload is the plain ViT, written in PyTorch with no timm or torchvision.
@@ -27,7 +45,8 @@ global batch size 512 to 32,768, similarity target 0.3, local batch size 32
 the faster V100s). ``examples/vit.toml`` holds them. The seed's recipe (AdamW,
 learning rate 5e-4, weight decay 0.05) is the default here.
 
-Options (``[job] options``), with their defaults for ``vit_b16`` / ``tiny``:
+Options (``[job] options``), with their defaults for ``vit_b16`` (and ``large``, ``huge``, ``colossal``) /
+``tiny``:
 
 - ``num_classes`` (1000 / 10): with data, the number of class folders.
 - ``image_size`` (224 / 32): the image side, a multiple of the patch size.
@@ -87,10 +106,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "verify_images": False,
     },
 }
+# The seeds' larger sizes train as ViT-B/16 does (ImageNet's 224 x 224 images, the same recipe).
+VARIANTS |= {name: dict(VARIANTS["vit_b16"]) for name in ("large", "huge", "colossal")}
 # patch, layers, width, heads, MLP width
-ARCHITECTURES = {"vit_b16": (16, 12, 768, 12, 3072), "tiny": (4, 4, 64, 4, 128)}
-DEFAULT_CLASSES = {"vit_b16": 1000, "tiny": 10}
-SYNTHETIC_VAL_SIZE = {"vit_b16": 50_000, "tiny": 512}
+ARCHITECTURES = {
+    "vit_b16": (16, 12, 768, 12, 3072),
+    "large": (16, 24, 1024, 16, 4096),
+    "huge": (14, 32, 1280, 16, 5120),
+    "colossal": (16, 32, 4096, 64, 16384),
+    "tiny": (4, 4, 64, 4, 128),
+}
+DEFAULT_CLASSES = {"vit_b16": 1000, "large": 1000, "huge": 1000, "colossal": 1000, "tiny": 10}
+SYNTHETIC_VAL_SIZE = {"vit_b16": 50_000, "large": 50_000, "huge": 50_000, "colossal": 50_000, "tiny": 512}
 
 
 def settings(options: dict[str, Any]) -> Any:
