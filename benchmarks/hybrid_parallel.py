@@ -4,7 +4,7 @@
 each layout of ``[parallel]`` the runtime builds (:mod:`jabascli.engine.parallel`)
 and the world size allows: plain replicas with DDP, ``sharding = "full"``,
 ``checkpointing = "full"`` (plain replicas), both, ``tp = 2`` and ``pp = 2``
-(the GPT's; ``world / (tp x pp)`` replicas whose gradients meet over the DP
+(``world / (tp x pp)`` replicas whose gradients meet over the DP
 dimension), and on 4 ranks ``tp = 2`` or ``pp = 2`` sharded over their 2
 replicas. After ``--iterations`` iterations of ``--micro-batches``
 micro-batches of ``--lbs`` samples per device, each rank reports the bytes it
@@ -61,8 +61,8 @@ from jabascli.workload import Workload, load_workload
 SLOWDOWN = 3.0
 
 
-def layouts(blocks: int, world: int, model: str) -> dict[str, Layout | None]:
-    """Every layout this world size and model can run, by name (None: DDP)."""
+def layouts(blocks: int, world: int) -> dict[str, Layout | None]:
+    """Every layout this world size can run, by name (None: DDP)."""
     every = tuple(range(blocks))
     whole = ((0, blocks - 1),)
     candidates: dict[str, Layout | None] = {
@@ -71,10 +71,10 @@ def layouts(blocks: int, world: int, model: str) -> dict[str, Layout | None]:
         "checkpointing": Layout(1, 1, whole, "1f1b", "none", every),
         "full + ckpt": Layout(1, 1, whole, "1f1b", "full", every),
     }
-    if model == "gpt" and world % 2 == 0:  # ViT declares no TP plan or pipeline stages
+    if world % 2 == 0:
         candidates["tp 2"] = Layout(2, 1, whole, "1f1b", "none", ())
         candidates["pp 2"] = Layout(1, 2, tuple(stage_ranges(blocks, 2, None)), "1f1b", "none", ())
-    if model == "gpt" and world % 4 == 0:  # several replicas to shard over
+    if world % 4 == 0:  # several replicas to shard over
         candidates["tp 2 + full"] = Layout(2, 1, whole, "1f1b", "full", ())
         candidates["pp 2 + full"] = Layout(1, 2, tuple(stage_ranges(blocks, 2, None)), "1f1b", "full", ())
     return candidates
@@ -111,7 +111,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     torch.manual_seed(0)
     blocks = len(workload.blocks(workload.build_model()) or [])
     results = {}
-    for name, layout in layouts(blocks, world, args.model).items():
+    for name, layout in layouts(blocks, world).items():
         results[name] = run_layout(workload, layout, world, args)
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
@@ -261,7 +261,9 @@ def print_memory(ranks: list[dict[str, Any]], args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt", choices=["gpt", "vit"])
-    parser.add_argument("--variant", default="tiny", help="gpt: tiny, small (163 M); vit: tiny, vit_b16 (87 M)")
+    parser.add_argument(
+        "--variant", default="tiny", help="gpt: tiny, small (163 M); vit: tiny, vit_b16 (87 M), large, huge"
+    )
     parser.add_argument("--context", type=int, default=None, help="gpt: tokens per sample; vit: image side")
     parser.add_argument("--world", type=int, default=2, help="gloo processes (2 to 4)")
     parser.add_argument("--iterations", type=int, default=6)

@@ -32,11 +32,11 @@ def blocks(model):
 
 
 def tp_plan(block):
-    return gpt.tp_plan(block)  # the GPT's; only the GPT cases ask for tp > 1
+    return (vit if isinstance(block, vit.EncoderBlock) else gpt).tp_plan(block)
 
 
 def pipeline_stage(model, first, last):
-    return gpt.pipeline_stage(model, first, last)  # the GPT's; only the GPT cases ask for pp > 1
+    return (vit if isinstance(model, vit.VisionTransformer) else gpt).pipeline_stage(model, first, last)
 
 
 def train_dataset(options):

@@ -4,8 +4,9 @@ Sharding (FSDP2): tiny GPT and tiny ViT in float64, 12 iterations over two epoch
 Adam and SGD + momentum, ranks with unequal micro-batch counts (a fast replica running more
 micro-batches than a slow one) and equal ones, with and without activation checkpointing: every
 parameter within 1e-9 of :func:`jabascli.engine.reference.reference_run`. Tensor parallel: tiny GPT
-as one replica of ``tp = 2`` on a server of two devices, the replica running both devices' micro-batches.
-Pipeline: tiny GPT as one replica of ``pp = 2`` with stages of 3 and 1 blocks, 1F1B and GPipe.
+and tiny ViT as one replica of ``tp = 2`` on a server of two devices, the replica running both devices'
+micro-batches. Pipeline: tiny GPT and tiny ViT as one replica of ``pp = 2`` with stages of 3 and 1 blocks,
+1F1B and GPipe.
 ``tp = 2`` x ``pp = 2`` on 4 ranks; 2 replicas of ``tp = 2`` on two servers, one an emulated slow
 device with another ``ga`` (plain, or sharded over the DP dim); per-block ``layers`` mixing sharded
 and plain blocks with checkpointing. The float32 case holds within 1e-4.
@@ -129,9 +130,16 @@ def test_sharded_ranks_equal_the_single_process_reference(
     assert max(max_abs_diff(trained, start).values()) > 1e-3
 
 
-@pytest.mark.parametrize("optimizer", ["adam", pytest.param("sgd", marks=pytest.mark.slow)])
-def test_tensor_parallel_replica_equals_the_single_process_reference(tmp_path: Path, optimizer: str) -> None:
-    loaded = load(write_config(tmp_path, "gpt", optimizer, [1], {"tp": 2}, devices=2))
+@pytest.mark.parametrize(
+    ("base", "optimizer"),
+    [
+        pytest.param("gpt", "adam", id="gpt-adam"),
+        pytest.param("gpt", "sgd", id="gpt-sgd", marks=pytest.mark.slow),
+        pytest.param("vit", "adam", id="vit-adam"),
+    ],
+)
+def test_tensor_parallel_replica_equals_the_single_process_reference(tmp_path: Path, base: str, optimizer: str) -> None:
+    loaded = load(write_config(tmp_path, base, optimizer, [1], {"tp": 2}, devices=2))
     trained = train_sharded(loaded.path, 2, tmp_path / "model.pt")
     reference, _ = reference_run(loaded, load_plan(loaded), steps=12)
     diffs = max_abs_diff(trained, reference.state_dict())
@@ -139,18 +147,19 @@ def test_tensor_parallel_replica_equals_the_single_process_reference(tmp_path: P
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "schedule"),
+    ("base", "optimizer", "schedule"),
     [
-        pytest.param("adam", "1f1b", id="adam-1f1b"),
-        pytest.param("sgd", "gpipe", id="sgd-gpipe", marks=pytest.mark.slow),
+        pytest.param("gpt", "adam", "1f1b", id="gpt-adam-1f1b"),
+        pytest.param("gpt", "sgd", "gpipe", id="gpt-sgd-gpipe", marks=pytest.mark.slow),
+        pytest.param("vit", "sgd", "1f1b", id="vit-sgd-1f1b", marks=pytest.mark.slow),
     ],
 )
 def test_pipeline_of_unequal_stages_equals_the_single_process_reference(
-    tmp_path: Path, optimizer: str, schedule: str
+    tmp_path: Path, base: str, optimizer: str, schedule: str
 ) -> None:
     """Two stages of 3 and 1 blocks (for a fast and a slow device), the replica's micro-batches pipelined."""
     parallel = {"pp": 2, "stages": [[0, 2], [3, 3]], "schedule": schedule}
-    loaded = load(write_config(tmp_path, "gpt", optimizer, [1], parallel, devices=2))
+    loaded = load(write_config(tmp_path, base, optimizer, [1], parallel, devices=2))
     trained = train_sharded(loaded.path, 2, tmp_path / "model.pt", stages=2)
     reference, _ = reference_run(loaded, load_plan(loaded), steps=12)
     diffs = max_abs_diff(trained, reference.state_dict())

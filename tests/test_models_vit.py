@@ -30,6 +30,20 @@ def test_parameter_counts() -> None:
     assert parameters(variant="tiny", image_size=64) == 142_026 + (256 - 64) * 64
 
 
+def vit_parameters(patch: int, blocks: int, width: int, mlp: int, image: int = 224, classes: int = 1000) -> int:
+    """A ViT's count by hand: patch embedding, class token, positions, blocks (2 norms, q/k/v/out, MLP), norm, head."""
+    block = 2 * 2 * width + 4 * (width * width + width) + (width * mlp + mlp) + (mlp * width + width)
+    tokens = (image // patch) ** 2 + 1
+    return (3 * patch * patch + 1) * width + width + tokens * width + blocks * block + 2 * width + (width + 1) * classes
+
+
+def test_large_variants_build_without_allocating() -> None:
+    assert vit_parameters(16, 12, 768, 3072) == 86_567_656  # the formula holds where torchvision's count is known
+    assert parameters(variant="large") == vit_parameters(16, 24, 1024, 4096) == 304_326_632  # torchvision vit_l_16
+    assert parameters(variant="huge") == vit_parameters(14, 32, 1280, 5120) == 632_045_800  # torchvision vit_h_14
+    assert parameters(variant="colossal") == vit_parameters(16, 32, 4096, 16384) == 6_452_220_904
+
+
 def test_tiny_vit_learns_image_folder(tmp_path: Path) -> None:
     root = make_image_folder(tmp_path / "data", per_class=8)
     w = load_workload("vit", {"variant": "tiny"}, data=root)
