@@ -17,7 +17,9 @@ emulated or not), in this order:
    the middle and the most VSWs allowed, with the thread count ``jabas run``
    gives that server's trainers here, within a time budget per point
    (:class:`~.comp.PointBudget`: at most ``POINT_SECONDS`` of iterations,
-   ``overlap`` once per device, no more VSW counts once they stop paying);
+   ``overlap`` once per device, no more VSW counts once they stop paying).
+   Where no LBS fits a server's memory, its computation is not measured: ok
+   with ``hybrid`` (the planner splits the model), a failure otherwise;
 3. the intra-node all-reduce (:mod:`.comm`, as many processes as the largest
    server has devices, at least 2);
 4. with several servers, the inter-node all-reduce over loopback, one process
