@@ -123,7 +123,7 @@ def test_no_plan_fits_names_the_smallest_footprint() -> None:
     model = CostModel(random_profiles(rng, 4, {"fast": 0.2 * GB, "slow": 0.2 * GB}))
     with pytest.raises(
         InputError,
-        match=r"no plan fits .*smallest footprint found needs \d+\.\d\d GB on a (fast|slow) .*which has 0\.20 GB",
+        match=r"no plan fits .*smallest footprint found needs \d+\.\d+ [MG]B on a (fast|slow) .*which has 200\.0 MB",
     ) as err:
         search(model, [ServerGroup("fast", 1), ServerGroup("slow", 1)], 4)
     assert len(err.value.lines()) == 1

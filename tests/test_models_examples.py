@@ -18,7 +18,7 @@ EXAMPLES = REPO / "examples"
 FULL_SIZE = {"resnet50": "resnet50", "vit": "vit", "gnmt": "gnmt", "faster_rcnn": "faster_r_cnn"}
 TINY = ["resnet_tiny", "vit_tiny", "gnmt_tiny", "faster_rcnn_tiny"]
 # Like the quick start: real (or generated) data, a small model.
-REAL_DATA = ["mnist1d", "digits_adaptive", "two_servers"]
+REAL_DATA = ["mnist1d", "digits_adaptive", "two_servers", "hybrid_gpt"]
 
 
 @pytest.mark.parametrize("name", [*FULL_SIZE, *TINY, *REAL_DATA])

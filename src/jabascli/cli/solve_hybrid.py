@@ -17,14 +17,6 @@ if TYPE_CHECKING:
     from jabascli.hybrid.search import Choice
 
 
-def size(value: float) -> str:
-    """``15.54 GB``, ``612.3 KB``: bytes in the unit that reads best."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if value >= scale:
-            return f"{value / scale:.2f} {unit}" if unit == "GB" else f"{value / scale:.1f} {unit}"
-    return f"{value:.0f} B"
-
-
 def solve_hybrid(
     loaded: LoadedConfig,
     gbs: int | None,
@@ -96,6 +88,8 @@ def plan_document(job: HybridJob, choice: Choice) -> dict[str, Any]:
 
 
 def print_hybrid(job: HybridJob, choice: Choice, out: Path | None) -> None:
+    from jabascli.hybrid.search import size
+
     plan, pred = choice.plan, choice.prediction
     stages = Table(title=f"Hybrid plan for GBS {plan.gbs}: stages")
     for column in ("stage", "blocks", "device type", "TP", "sharding", "checkpointed", "peak/device", "budget"):
@@ -143,6 +137,8 @@ def print_hybrid(job: HybridJob, choice: Choice, out: Path | None) -> None:
 
 
 def print_hybrid_range(choices: list[Choice], lo: int, hi: int) -> None:
+    from jabascli.hybrid.search import size
+
     table = Table(title=f"Hybrid plan per GBS in {lo}..{hi} ({len(choices)} with a plan)")
     for column in ("GBS", "LBS", "layout", "s/iteration", "samples/s", "peak/device"):
         table.add_column(column, justify="left" if column == "layout" else "right")

@@ -37,6 +37,14 @@ from jabascli.hybrid.costmodel import CostModel, Prediction
 from jabascli.hybrid.plan import Placement, Plan, Replica, Sharding
 
 
+def size(value: float) -> str:
+    """``15.54 GB``, ``612.3 KB``: bytes in the unit that reads best."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}" if unit == "GB" else f"{value / scale:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
 @dataclass(frozen=True)
 class ServerGroup:
     """``count`` servers of one device type (devices per server from the type's profile)."""
@@ -118,8 +126,8 @@ def search(
             None,
             "memory",
             f"no plan fits the devices' memory at GBS {gbs}: the smallest footprint found needs "
-            f"{smallest.need / 1e9:.2f} GB on a {smallest.device} device (every block checkpointed), "
-            f"which has {smallest.budget / 1e9:.2f} GB",
+            f"{size(smallest.need)} on a {smallest.device} device (every block checkpointed), "
+            f"which has {size(smallest.budget)}",
         )
     return min(choices, key=lambda c: c.prediction.iteration_s)
 

@@ -17,7 +17,9 @@ emulated or not), in this order:
    the middle and the most VSWs allowed, with the thread count ``jabas run``
    gives that server's trainers here, within a time budget per point
    (:class:`~.comp.PointBudget`: at most ``POINT_SECONDS`` of iterations,
-   ``overlap`` once per device, no more VSW counts once they stop paying);
+   ``overlap`` once per device, no more VSW counts once they stop paying).
+   Where no LBS fits a server's memory, its computation is not measured: ok
+   with ``hybrid`` (the planner splits the model), a failure otherwise;
 3. the intra-node all-reduce (:mod:`.comm`, as many processes as the largest
    server has devices, at least 2);
 4. with several servers, the inter-node all-reduce over loopback, one process
@@ -254,6 +256,8 @@ def profile_all(
         return f"{count}, {sum(bucket_mib):.3g} MB" + (" (on disk)" if result.skipped else "")
 
     stage("bucket", expected["bucket"], bucket)
+    fitting: dict[str, bool] = {}
+    """Per server: does a whole replica fit its memory at some LBS (else there is nothing to time)?"""
     for s in mine:
 
         def mem(sub: Reporter, s: ServerConfig = s) -> str:
@@ -269,6 +273,7 @@ def profile_all(
                 lbs_values=lbs_values,
             )
             fits = [f"LBS {r.lbs}: {r.max_num_models}" for r in result.results if r.max_num_models > 0]
+            fitting[s.name] = bool(fits)
             return "most VSWs " + ", ".join(fits) if fits else "nothing fits"
 
         def comp(sub: Reporter, s: ServerConfig = s) -> str:
@@ -278,7 +283,12 @@ def profile_all(
             each = f", {threads} thread{'s' if threads != 1 else ''} each" if threads is not None else ""
             return f"{len(result.results)} points ({measured} measured now){each}"
 
-        if stage(f"mem {s.name}", weights[s.name][0], mem):
+        if stage(f"mem {s.name}", weights[s.name][0], mem) and not fitting.get(s.name, True):
+            # A model no device holds whole has no data-parallel timings; the hybrid planner splits it.
+            done += weights[s.name][1]
+            why = "no LBS fits its memory" + ("; the hybrid profiles plan it" if hybrid else "")
+            run.stages.append(StageResult(f"comp {s.name}", hybrid, f"not measured: {why}"))
+        elif run.stages[-1].ok:
             stage(f"comp {s.name}", weights[s.name][1], comp)
         else:
             done += weights[s.name][1]

@@ -52,17 +52,18 @@ def solve_for_run(
     if gbs is None and batching.metric == "fixed":
         # An adaptive job starts from initial_gbs by its own replanning; --gbs still asks for a solved start.
         gbs, source = batching.initial_gbs, "[batching] initial_gbs"
-    if gbs is None or (source != "--gbs" and not loaded.profile_dirs().computation.is_dir()):
-        if servers not in (None, AUTO, ALL):
-            raise InputError.at(None, "--servers", "chooses servers for a solved plan: give --gbs and profiles")
-        return None
     parallel = loaded.config.parallel
-    if parallel is not None and parallel.plan == "auto":
+    if gbs is not None and parallel is not None and parallel.plan == "auto":
+        # The hybrid planner reads its own profiles: a model no device holds whole has no computation profiles.
         from jabascli.hybrid.job import plan_for_run
 
         if servers not in (None, AUTO):
             raise InputError.at(None, "--servers", '[parallel] plan = "auto": the hybrid search picks the servers')
         return RunPlan(plan_for_run(loaded, gbs), source)
+    if gbs is None or (source != "--gbs" and not loaded.profile_dirs().computation.is_dir()):
+        if servers not in (None, AUTO, ALL):
+            raise InputError.at(None, "--servers", "chooses servers for a solved plan: give --gbs and profiles")
+        return None
     if not loaded.profile_dirs().computation.is_dir():
         if source == "--gbs":
             raise InputError.at(
