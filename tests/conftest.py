@@ -43,3 +43,11 @@ def run_jabas(*args: str, cwd: Path | None = None, timeout: float = 300) -> subp
     return subprocess.run(
         [sys.executable, "-m", "jabascli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+WITH_SIGINT = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from jabascli.cli.app import main; main()"
+)
+"""``python -c WITH_SIGINT ARGS...``: the CLI with Ctrl-C delivered as KeyboardInterrupt, even where the test
+runner ignores SIGINT (a shell starts background jobs so, and children inherit it)."""

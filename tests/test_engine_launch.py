@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from jabascli.engine.checkpoint import read_checkpoint
-from tests.conftest import run_jabas
+from tests.conftest import WITH_SIGINT, run_jabas
 from tests.engine_support import write_job
 
 
@@ -80,7 +80,7 @@ def test_ctrl_c_stops_every_trainer_and_leaves_no_partial_files(tmp_path: Path) 
     config = write_job(tmp_path, [(1, 0), (1, 0)], options={"samples": 400}, epochs=100, servers=servers)
     env = {**os.environ, "COLUMNS": "200"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--checkpoint-every", "2"],
+        [sys.executable, "-c", WITH_SIGINT, "run", "-c", str(config), "--checkpoint-every", "2"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

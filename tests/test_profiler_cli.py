@@ -29,6 +29,7 @@ from jabascli.profiles import (
     ring_allreduce_ideal_ms,
     write_memory_profile,
 )
+from tests.conftest import WITH_SIGINT
 
 BUDGET = 2_000_000  # bytes: digits fits a few VSWs at LBS 16 and none by LBS 64
 EMULATED = f"""
@@ -73,12 +74,6 @@ def optimizer(params, options):
 def synthetic_batch(batch_size, options):
     return torch.rand(batch_size, 3, 16, 16), torch.randint(0, 4, (batch_size,))
 '''
-
-# Runs the CLI with Ctrl-C delivered as KeyboardInterrupt, even where the test runner ignores SIGINT.
-WITH_SIGINT = (
-    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "from jabascli.cli.app import main; main()"
-)
 
 
 def make_job(tmp_path: Path, servers: str = EMULATED, workload: str = "digits") -> Path:

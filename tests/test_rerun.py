@@ -18,7 +18,7 @@ from pathlib import Path
 from jabascli.engine.checkpoint import read_checkpoint
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
-from tests.conftest import run_jabas
+from tests.conftest import WITH_SIGINT, run_jabas
 from tests.engine_support import checkpoint_of, load, max_abs_diff, write_job
 from tests.test_engine_launch import live_trainers
 
@@ -112,7 +112,7 @@ def test_a_rerun_after_ctrl_c_or_kill_9_resumes_the_checkpoint_the_run_left(tmp_
     manifest = tmp_path / "checkpoints" / "job" / "checkpoints.json"
     for how in (signal.SIGINT, signal.SIGKILL):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--checkpoint-every", "2"],
+            [sys.executable, "-c", WITH_SIGINT, "run", "-c", str(config), "--checkpoint-every", "2"],
             env={**os.environ, "COLUMNS": "200"},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
