@@ -202,6 +202,8 @@ def with_keys(path: Path, section: str, keys: dict[str, Any]) -> Path:
         ({"sharding": "full"}, "job", {"precision": "fp16"}, "job.precision: fp16 with a [parallel] layout"),
         ({"pp": 2}, "job", {"precision": "bf16"}, "job.precision: bf16 with parallel.pp > 1"),
         ({"tp": 2}, "batching", {"metric": "similarity"}, "batching.metric: similarity with a [parallel] layout"),
+        ({"tp": 3}, "job", {}, "parallel.tp: 3 does not divide block 0's attention.q (32 output features)"),
+        ({"tp": 8}, "job", {}, "parallel.tp: 8 does not divide block 0's 4 attention heads (self_attention)"),
     ],
 )
 def test_what_a_layout_does_not_train_exactly_is_refused_in_one_line_naming_the_field(
@@ -212,14 +214,15 @@ def test_what_a_layout_does_not_train_exactly_is_refused_in_one_line_naming_the_
     from jabascli.errors import InputError
     from jabascli.workload import workload_of
 
-    path = write_config(tmp_path, "gpt", "adam", [0], parallel, devices=2)
+    base = "vit" if parallel.get("tp") == 8 else "gpt"  # ViT tiny: width 64, MLP 128, 4 heads
+    path = write_config(tmp_path, base, "adam", [0], parallel, devices=parallel.get("tp", 2))
     loaded = load(with_keys(path, section, keys))
     workload = workload_of(loaded)
     model = workload.build_model()
     layout = trainer_layout(loaded, workload, model)
     assert layout is not None
     with pytest.raises(InputError) as info:
-        check_trainer_layout_inputs(loaded, layout, model)
+        check_trainer_layout_inputs(loaded, layout, model, workload)
     assert len(info.value.lines()) == 1 and words in info.value.lines()[0]
 
 

@@ -258,7 +258,7 @@ class Trainer:
         # [parallel] (docs/hybrid.md): a layout is built once the process group exists (connect).
         self.layout = trainer_layout(loaded, self.workload, model, plan.parallel)
         if self.layout is not None:
-            check_trainer_layout_inputs(loaded, self.layout, model)
+            check_trainer_layout_inputs(loaded, self.layout, model, self.workload)
         self.layout_workers: LayoutWorkers | None = None
         self.model = model
         check_precision(cfg.job.precision, device.type, loaded.path)

@@ -51,6 +51,7 @@ from jabascli.engine.parallel.layout import Layout, resolve_layout
 from jabascli.engine.parallel.pipeline import PipelineMicroBatches
 from jabascli.engine.parallel.replica import Replica, build_replica
 from jabascli.engine.parallel.sharding import ShardedMicroBatches
+from jabascli.engine.parallel.tensor import tp_problem
 from jabascli.engine.plan import TrainingPlan
 from jabascli.engine.sampler import MicroBatch
 from jabascli.engine.vsw import Emulation, WorkerStep
@@ -95,9 +96,14 @@ def describe_layout(layout: Layout | None) -> str | None:
     return ", ".join(parts)
 
 
-def check_trainer_layout_inputs(loaded: LoadedConfig, layout: Layout, model: nn.Module) -> None:
-    """Refuse, in one line naming the field, what a layout does not train exactly (module docstring)."""
+def check_trainer_layout_inputs(loaded: LoadedConfig, layout: Layout, model: nn.Module, workload: Workload) -> None:
+    """Refuse, in one line naming the field, what a layout does not train exactly (module docstring), and a
+    ``tp`` that cannot split the model's blocks."""
     cfg, file = loaded.config, loaded.path
+    if layout.tp > 1:
+        problem = tp_problem(workload.blocks(model) or [], workload, layout.tp)
+        if problem is not None:
+            raise InputError.at(file, "parallel.tp", problem)
     if cfg.job.precision == "fp16":
         raise InputError.at(
             file, "job.precision", "fp16 with a [parallel] layout: its inf/NaN skip reads only this rank's shards"

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from jabascli.workload import Workload
 
@@ -33,3 +33,34 @@ def parallelize_blocks(blocks: Sequence[nn.Module], workload: Workload, tp_mesh:
         if plan is None:
             raise ValueError(f"workload {workload.name!r} declares no tp_plan")
         parallelize_module(block, tp_mesh, plan, src_data_rank=0)
+
+
+def tp_problem(blocks: Sequence[nn.Module], workload: Workload, tp: int) -> str | None:
+    """Why ``tp`` cannot split these blocks by the workload's plan, or None.
+
+    A column-split linear layer needs ``tp`` to divide its output features, a row-split one its input
+    features, and an attention module that declares ``head_width`` (the built-in GPT and ViT) needs ``tp``
+    to divide its heads: each rank runs whole heads.
+    """
+    for index, block in enumerate(blocks):
+        for name, style in (workload.tp_plan(block) or {}).items():
+            layer = block.get_submodule(name)
+            if not isinstance(layer, nn.Linear):
+                continue
+            features, kind = (
+                (layer.out_features, "output")
+                if isinstance(style, ColwiseParallel)
+                else (layer.in_features, "input")
+                if isinstance(style, RowwiseParallel)
+                else (tp, "")
+            )
+            if features % tp:
+                return f"{tp} does not divide block {index}'s {name} ({features} {kind} features)"
+        for name, module in block.named_modules():
+            head_width, q = getattr(module, "head_width", None), getattr(module, "q", None)
+            if isinstance(head_width, int) and isinstance(q, nn.Linear) and (q.out_features // head_width) % tp:
+                heads = q.out_features // head_width
+                return (
+                    f"{tp} does not divide block {index}'s {heads} attention heads ({name}): each rank runs whole heads"
+                )
+    return None
