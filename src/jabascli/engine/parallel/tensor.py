@@ -45,15 +45,10 @@ def tp_problem(blocks: Sequence[nn.Module], workload: Workload, tp: int) -> str 
     for index, block in enumerate(blocks):
         for name, style in (workload.tp_plan(block) or {}).items():
             layer = block.get_submodule(name)
-            if not isinstance(layer, nn.Linear):
+            if not isinstance(layer, nn.Linear) or not isinstance(style, ColwiseParallel | RowwiseParallel):
                 continue
-            features, kind = (
-                (layer.out_features, "output")
-                if isinstance(style, ColwiseParallel)
-                else (layer.in_features, "input")
-                if isinstance(style, RowwiseParallel)
-                else (tp, "")
-            )
+            column = isinstance(style, ColwiseParallel)
+            features, kind = (layer.out_features, "output") if column else (layer.in_features, "input")
             if features % tp:
                 return f"{tp} does not divide block {index}'s {name} ({features} {kind} features)"
         for name, module in block.named_modules():
