@@ -39,10 +39,15 @@ def test_profile_parses_back_and_plans(tmp_path: Path) -> None:
     assert blocks.optimizer_bytes_per_param_byte == pytest.approx(2.0, abs=0.01)  # AdamW: two moments
     fast, slow = profiles.devices["cpu"], profiles.devices["cpu-slow"]
     assert (fast.memory_bytes, slow.memory_bytes) == (BUDGET, BUDGET)
-    assert sorted(fast.times) == [1, 2] and sorted(fast.times[1]) == [1, 2]  # TP 2 derived: gpt has a TP plan
+    assert sorted(fast.times) == [1, 2] and sorted(fast.times[1]) == [1, 2]  # gpt has a TP plan: TP 2 too
+    assert "TP 2 measured" in fast.source and "TP 2 measured" in slow.source
     for b in (1, 2):
         for (f, g, u), (fs, gs, us) in zip(fast.times[b][1], slow.times[b][1], strict=True):
             assert (fs, gs, us) == pytest.approx((3 * f, 3 * g, u))  # the emulated device: compute x slowdown
+        # TP 2, measured on two processes: the emulated device sleeps twice each block's CPU time on top
+        assert len(fast.times[b][2]) == len(slow.times[b][2]) == 4
+        for (f, g, u), (fs, gs, us) in zip(fast.times[b][2], slow.times[b][2], strict=True):
+            assert 0 < f < fs and 0 < g < gs and us == pytest.approx(u)
     kinds = {(c.collective, c.size_bytes) for c in profiles.network.collectives}
     assert {k for k, _ in kinds} == {"all_reduce", "all_gather", "reduce_scatter", "send"}
     assert all(c.seconds > 0 for c in profiles.network.collectives)

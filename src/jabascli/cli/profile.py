@@ -578,7 +578,7 @@ def hybrid(
     """The hybrid planner's profiles of the job's workload on the servers of this machine.
 
     Per block and device type: forward and backward seconds by micro-batch
-    size (TP 2 derived where the workload has a TP plan), parameter,
+    size (TP 2 measured on two processes where the workload has a TP plan), parameter,
     activation and output bytes, optimizer state; and all-reduce, all-gather,
     reduce-scatter and send on gloo. Writes <out>/hybrid/ (docs/formats.md),
     which `jabas solve --hybrid` reads.

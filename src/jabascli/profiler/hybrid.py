@@ -16,9 +16,15 @@ Writes ``<profiles>/hybrid/<workload>/blocks.json``, ``device-<type>.json`` per 
   (degree 2) under the largest measured. Servers on one machine reach each other over loopback: ``inter`` is the
   same fit.
 
-TP degree 2, where the workload declares a TP plan, is **derived, not measured**: per block ``f_i / 2 + 2 AR(b O_i)``
-and ``g_i / 2 + 2 AR(b O_i)`` (Megatron's two all-reduces of the block's activations forward and two backward, at
-the measured all-reduce), the embeddings and head whole; the block's own parameters and activations halved.
+TP degree 2, where the workload declares a TP plan that splits its blocks in two, is **measured**: two processes of a
+gloo (NCCL on two GPUs) group on this machine run the same timed iterations with every block split across them, so
+each block's forward and backward include its all-reduces and whatever the two ranks cost each other (on a CPU they
+share its cores and memory). Per block, the slower rank's median. An emulated device's TP time is ``T + (s - 1) c``:
+the measured time plus ``s - 1`` times the block's CPU time on the rank's thread, which is what the engine's emulation
+sleeps. With one GPU here, TP 2 is derived instead (the profile says so): per block ``f_i / 2 + 2 AR(b O_i)`` and
+``g_i / 2 + 2 AR(b O_i)`` (Megatron's two all-reduces of the block's activations forward and two backward, at the
+measured all-reduce). Memory under TP 2 is derived either way: the block's own parameters and its activations halved,
+the embeddings and head whole.
 """
 
 from __future__ import annotations
@@ -98,15 +104,22 @@ def profile_hybrid(
     network, allreduce = _collectives(types, reporter)
     first = next(iter(measured.values()))
     tp2 = callable(getattr(workload.module, "tp_plan", None))
+    split: dict[tuple[str, int | None], dict[str, Any] | None] = {}
+    if tp2:
+        for key in measured:
+            split[key] = _tp_blocks(spec, key, mbs, reporter) if _can_measure_tp2(key[0]) else None
+        tp2 = all(result is None or result.get("status") == "ok" for result in split.values())
     blocks = _model_blocks(workload.name, first, tp2)
     devices = {}
     for t in types:
         target = targets[t]
         server = next(s for s in mine if s.device_type == t)
-        times = _device_times(measured[target.device, target.threads], target.slowdown, tp2, allreduce, first)
+        key = (target.device, target.threads)
+        tp_times = split.get(key) if tp2 else None
+        times = _device_times(measured[key], target.slowdown, tp2, tp_times, allreduce, first)
         devices[t] = DeviceTimes(
             device=t,
-            source=_source(target.describe(), tp2),
+            source=_source(target.describe(), tp2, measured_tp=tp_times is not None),
             memory_bytes=float(target.memory_bytes),
             devices_per_server=server.devices,
             times=times,
@@ -116,9 +129,54 @@ def profile_hybrid(
     return HybridRun(workload.name, written, types)
 
 
-def _source(device: str, tp2: bool) -> str:
-    derived = "; TP 2 derived from TP 1 and the measured all-reduce" if tp2 else ""
-    return f"jabas profile hybrid on {device}{derived}"
+def _source(device: str, tp2: bool, *, measured_tp: bool) -> str:
+    if not tp2:
+        return f"jabas profile hybrid on {device}"
+    how = "TP 2 measured on two processes" if measured_tp else "TP 2 derived from TP 1 and the measured all-reduce"
+    return f"jabas profile hybrid on {device}; {how}"
+
+
+def _can_measure_tp2(device: str) -> bool:
+    """Two CPU processes always; two GPUs only where there are two."""
+    if device != "cuda":
+        return True
+    import torch
+
+    return torch.cuda.device_count() >= 2
+
+
+def _tp_blocks(spec: dict[str, Any], key: tuple[str, int | None], mbs: tuple[int, ...], reporter: Reporter) -> dict:
+    """The blocks timed split over a TP group of 2 (two processes); per block the slower rank's times.
+
+    ``status`` is ``skip`` where the workload's TP plan cannot split its blocks in two (then no plan uses TP 2).
+    """
+    device, threads = key
+    base = {"kind": "blocks", **spec, "device": device, "threads": threads, "mbs": list(mbs), "tp": 2}
+    base |= {"world_size": 2, "master_addr": "127.0.0.1", "min_reps": 5}
+
+    def progress(fields: dict[str, Any]) -> None:
+        reporter.progress(fields.get("done", 0), len(mbs), f"blocks, TP 2: micro-batch size {fields.get('mbs')}")
+
+    for attempt in range(3):
+        port = free_port()
+        try:
+            specs = [{**base, "rank": r, "master_port": port} for r in (0, 1)]
+            results = run_children(WORKER, specs, progress, 600)
+            break
+        except ChildCrashed as crash:
+            if "address already in use" not in crash.describe().lower() or attempt == 2:
+                raise RuntimeFailure([f"hybrid TP 2 block profile failed: {crash.describe()}"]) from None
+    if any(r.get("status") == "skip" for r in results):
+        return {"status": "skip"}
+    slower: dict[str, Any] = {}
+    for b, mine in results[0]["times"].items():
+        other = results[1]["times"][b]
+        slower[b] = {k: _max(v, other[k]) for k, v in mine.items()}
+    return {"status": "ok", "times": slower}
+
+
+def _max(a: Any, b: Any) -> Any:
+    return [max(x, y) for x, y in zip(a, b, strict=True)] if isinstance(a, list) else max(a, b)
 
 
 def _blocks(spec: dict[str, Any], key: tuple[str, int | None], mbs: tuple[int, ...], reporter: Reporter) -> dict:
@@ -187,7 +245,12 @@ def _model_blocks(model: str, measured: dict[str, Any], tp2: bool) -> ModelBlock
 
 
 def _device_times(
-    measured: dict[str, Any], slowdown: float, tp2: bool, allreduce: BandwidthFit, sizes: dict[str, Any]
+    measured: dict[str, Any],
+    slowdown: float,
+    tp2: bool,
+    tp_measured: dict[str, Any] | None,
+    allreduce: BandwidthFit,
+    sizes: dict[str, Any],
 ) -> dict[int, dict[int, list[tuple[float, float, float]]]]:
     params = measured["params_bytes"]
     out = sizes["boundary_bytes"]
@@ -208,7 +271,9 @@ def _device_times(
                 for f, g, ef, eg, u in zip(fwd, bwd, extra_f, extra_b, update, strict=True)
             ]
         }
-        if tp2:
+        if tp_measured is not None:
+            rows[2] = _measured_tp(tp_measured["times"][b_text], slowdown, params)
+        elif tp2:
             ar = [2 * allreduce.seconds(b * o) for o in out]
             rows[2] = [
                 (slowdown * (f / 2 + ef) + a, slowdown * (g / 2 + eg) + a, u / 2)
@@ -216,3 +281,18 @@ def _device_times(
             ]
         times[b] = rows
     return times
+
+
+def _measured_tp(t: dict[str, Any], slowdown: float, params: list[float]) -> list[tuple[float, float, float]]:
+    """Per block (forward, backward, update) under TP 2 from its measurement: ``T + (s - 1) c`` per block (module
+    docstring), the embeddings and head (whole on every rank) times ``s``, the measured update shared by bytes."""
+    n = len(t["fwd"])
+    extra = slowdown - 1.0
+    fwd = [f + extra * c for f, c in zip(t["fwd"], t["fwd_cpu"], strict=True)]
+    bwd = [g + extra * c for g, c in zip(t["bwd"], t["bwd_cpu"], strict=True)]
+    fwd[0] += slowdown * t["embed"][0]
+    bwd[0] += slowdown * t["embed"][1]
+    fwd[n - 1] += slowdown * t["head"][0]
+    bwd[n - 1] += slowdown * t["head"][1]
+    update = [t["update"] * p / sum(params) for p in params]
+    return list(zip(fwd, bwd, update, strict=True))

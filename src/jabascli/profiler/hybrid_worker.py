@@ -11,6 +11,11 @@ Two kinds of spec (``kind``):
   saves while the block runs, parameters excepted, each storage once) and the block's output bytes per sample
   (what a checkpointed block keeps);
   the optimizer state bytes per parameter byte after one step.
+  With ``tp`` > 1 (``rank``, ``world_size`` = ``tp``, ``master_addr``, ``master_port``): one rank of a gloo TP
+  group on loopback, every block split by the workload's TP plan (:func:`~jabascli.engine.parallel.tensor.
+  parallelize_blocks`), the same iteration timed the same way (a fixed number of repetitions, so the ranks' collectives
+  pair up), communication inside the blocks included; also each block's CPU time on this thread (what the engine's
+  emulation of a slower device sleeps by). No sizes.
 * ``collectives``: one rank of a gloo group on loopback: all-reduce, all-gather, reduce-scatter and a
   point-to-point send of every size, each the median of timed repetitions started together (the slowest rank's).
 """
@@ -41,12 +46,22 @@ def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(int(spec["threads"]))
     torch.manual_seed(0)
     workload = load_workload(spec["workload"], spec.get("options") or {}, spec.get("data"))
+    tp = int(spec.get("tp", 1))
     device = torch.device(spec["device"])
+    if tp > 1 and device.type == "cuda":
+        device = torch.device("cuda", int(spec["rank"]))
     model = workload.build_model().to(device)
     blocks = workload.blocks(model)
     if not blocks:
         return {"status": "error", "error": f"workload {workload.name!r} declares no blocks (docs/workloads.md)"}
     n = len(blocks)
+    if tp > 1:
+        from jabascli.engine.parallel.tensor import tp_problem
+
+        problem = tp_problem(blocks, workload, tp)
+        if problem is not None:  # every rank finds the same, before any of them joins the group
+            return {"status": "skip", "error": problem}
+        _join_tp_group(spec, device, blocks, workload)
 
     def clock() -> float:
         if device.type == "cuda":
@@ -54,14 +69,20 @@ def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
         return time.perf_counter()
 
     stamps: dict[tuple[str, int], float] = {}
+    cpu: dict[tuple[str, int], float] = {}
+
+    def stamp(key: tuple[str, int]) -> None:
+        stamps[key] = clock()
+        cpu[key] = time.thread_time()
+
     for i, block in enumerate(blocks):
-        block.register_forward_pre_hook(lambda m, a, i=i: stamps.__setitem__(("f0", i), clock()))
-        block.register_forward_hook(lambda m, a, o, i=i: stamps.__setitem__(("f1", i), clock()))
-        block.register_full_backward_pre_hook(lambda m, g, i=i: stamps.__setitem__(("b0", i), clock()))
-        block.register_full_backward_hook(lambda m, gi, go, i=i: stamps.__setitem__(("b1", i), clock()))
+        block.register_forward_pre_hook(lambda m, a, i=i: stamp(("f0", i)))
+        block.register_forward_hook(lambda m, a, o, i=i: stamp(("f1", i)))
+        block.register_full_backward_pre_hook(lambda m, g, i=i: stamp(("b0", i)))
+        block.register_full_backward_hook(lambda m, gi, go, i=i: stamp(("b1", i)))
     optimizer = workload.optimizer(model.parameters())
 
-    def iteration(x: Any, y: Any) -> tuple[list[float], list[float], float, float, float, float, float]:
+    def iteration(x: Any, y: Any) -> tuple[Any, ...]:
         t0 = clock()
         loss = workload.loss(model(x), y)
         t1 = clock()
@@ -74,26 +95,57 @@ def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
         bwd = [stamps["b1", i] - stamps["b0", i] for i in range(n)]
         before = (stamps["f0", 0] - t0, t2 - stamps["b1", 0])
         after = (t1 - stamps["f1", n - 1], stamps["b0", n - 1] - t1)
-        return fwd, bwd, *before, *after, t3 - t2
+        fwd_cpu = [cpu["f1", i] - cpu["f0", i] for i in range(n)]
+        bwd_cpu = [cpu["b1", i] - cpu["b0", i] for i in range(n)]
+        return fwd, bwd, *before, *after, t3 - t2, fwd_cpu, bwd_cpu
 
     times: dict[str, Any] = {}
     sizes = [int(b) for b in spec["mbs"]]
     for k, b in enumerate(sizes):
-        x, y = to_device(workload.synthetic_batch(b), device)
+        x, y = to_device(workload.synthetic_batch(b), device)  # seeded alike: every TP rank gets the same batch
         runs = []
         for _ in range(int(spec.get("warmup", 2))):
             iteration(x, y)
         began = time.perf_counter()
         while len(runs) < int(spec.get("min_reps", 5)) or (
-            time.perf_counter() - began < float(spec.get("seconds", 0.5)) and len(runs) < 50
+            tp == 1 and time.perf_counter() - began < float(spec.get("seconds", 0.5)) and len(runs) < 50
         ):
             runs.append(iteration(x, y))
         fwd = [median(r[0][i] for r in runs) for i in range(n)]
         bwd = [median(r[1][i] for r in runs) for i in range(n)]
         rest = [median(r[j] for r in runs) for j in range(2, 7)]
         times[str(b)] = {"fwd": fwd, "bwd": bwd, "embed": rest[0:2], "head": rest[2:4], "update": rest[4]}
+        times[str(b)]["fwd_cpu"] = [median(r[7][i] for r in runs) for i in range(n)]
+        times[str(b)]["bwd_cpu"] = [median(r[8][i] for r in runs) for i in range(n)]
         emit_progress(done=k + 1, total=len(sizes), mbs=b, seconds=sum(fwd) + sum(bwd))
+    if tp > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        return {"status": "ok", "times": times}
     return {"status": "ok", "times": times, **_sizes(torch, workload, model, blocks, optimizer, sizes[-1], device)}
+
+
+def _join_tp_group(spec: dict[str, Any], device: Any, blocks: list[Any], workload: Any) -> None:
+    """Join the gloo group of the TP measurement and split every block across it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from jabascli.engine.distributed import bind_gloo_towards, rendezvous_store
+    from jabascli.engine.parallel.tensor import parallelize_blocks
+
+    rank, world = int(spec["rank"]), int(spec["world_size"])
+    timeout = timedelta(seconds=float(spec.get("timeout", 120)))
+    bind_gloo_towards(spec["master_addr"])
+    store = rendezvous_store(spec["master_addr"], int(spec["master_port"]), rank == 0, timeout)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+    parallelize_blocks(blocks, workload, mesh)
 
 
 def _sizes(torch: Any, workload: Any, model: Any, blocks: list[Any], optimizer: Any, b: int, device: Any) -> dict:
@@ -223,7 +275,7 @@ def main(argv: list[str]) -> int:
         lines = str(exc).strip().splitlines()
         result = {"status": "error", "error": f"{type(exc).__name__}: {lines[0] if lines else ''}"}
     Path(argv[1]).write_text(json.dumps(result), encoding="utf-8")
-    return 0 if result["status"] == "ok" else 1
+    return 0 if result["status"] in ("ok", "skip") else 1
 
 
 if __name__ == "__main__":
