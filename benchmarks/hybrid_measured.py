@@ -94,11 +94,13 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=900_000, help="bytes per device (default 900000)")
     parser.add_argument("--gbs", type=int, default=16)
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--root", type=Path, default=None, help="keep profiles and runs here (default: a temp folder)")
     args = parser.parse_args()
 
     print(f"before: {uptime()}")
     with tempfile.TemporaryDirectory(prefix="hybrid_measured_") as tmp:
-        folder = Path(tmp)
+        folder = args.root or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
         config = folder / "planner.toml"
         config.write_text(config_text(folder, "planner", args.devices, args.budget, args.gbs, args.epochs))
         jabas("profile", "all", "-c", str(config))
