@@ -133,3 +133,34 @@ def test_the_memory_profiler_counts_a_real_cuda_out_of_memory(tmp_path: Path) ->
     assert lbs["max_num_models"] == 0
     [trial] = lbs["trials"]
     assert not trial["fits"] and "out of memory" in trial["error"].lower()
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{"sharding": "full", "checkpointing": "full"}, {"sharding": "grads", "checkpointing": [1, 2]}],
+    ids=["sharding-full-checkpointing", "sharding-grads-some-checkpointed"],
+)
+def test_a_hybrid_layout_on_one_nccl_rank_equals_the_reference(tmp_path: Path, parallel: dict[str, Any]) -> None:
+    """FSDP2 over NCCL and activation checkpointing on CUDA: one rank (one GPU here; NCCL refuses two ranks on
+    one device), 3 micro-batches an iteration, float64 tiny GPT, 12 iterations over two epochs."""
+    import tomli_w
+    import tomllib
+
+    from jabascli.engine.checkpoint import read_checkpoint
+    from jabascli.engine.layout import checkpoint_folder
+    from tests.test_hybrid_exactness import write_config
+
+    path = write_config(tmp_path, "gpt", "adam", [2], parallel)
+    config = tomllib.loads(path.read_text())
+    config["cluster"]["servers"][0]["device_type"] = "gpu"
+    path.write_bytes(tomli_w.dumps(config).encode())
+    loaded = load(path)
+    events: list[dict[str, Any]] = []
+    result = run_local(loaded, TrainOptions(metrics=False), events.append, TRAINER_ENV)
+    assert result.done["step"] == 12
+    start = next(e for e in events if e["event"] == "start")
+    assert start["device"] == "cuda:0" and start["layout"].startswith("sharding")
+    trained = read_checkpoint(checkpoint_folder(loaded))["model"]
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=12, device="cuda")
+    theirs = {k: v.cpu() for k, v in reference.state_dict().items()}
+    assert max(max_abs_diff(trained, theirs).values()) <= 1e-9
