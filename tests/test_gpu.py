@@ -164,3 +164,22 @@ def test_a_hybrid_layout_on_one_nccl_rank_equals_the_reference(tmp_path: Path, p
     reference, _ = reference_run(loaded, load_plan(loaded), steps=12, device="cuda")
     theirs = {k: v.cpu() for k, v in reference.state_dict().items()}
     assert max(max_abs_diff(trained, theirs).values()) <= 1e-9
+
+
+def test_profile_all_on_one_gpu_measures_what_the_solver_needs_and_no_intra_all_reduce(tmp_path: Path) -> None:
+    """A server of one GPU never all-reduces within itself, and NCCL refuses two ranks on one GPU: `jabas
+    profile all` leaves the intra-node stage out instead of failing on it, and the solver plans from the rest."""
+    name = torch.cuda.get_device_name()
+    config = tmp_path / "jabas.toml"
+    config.write_text(
+        '[job]\nworkload = "resnet"\noptions = { variant = "tiny" }\nlbs = 32\n\n[profiles]\ndir = "profiles"\n\n'
+        f'[[cluster.servers]]\nname = "gpu"\ndevice_type = "{name}"\ndevices = 1\n'
+    )
+    profiled = CliRunner().invoke(
+        app, ["profile", "all", "-c", str(config), "--lbs", "32", "--gbs-max", "32", "--json"]
+    )
+    assert profiled.exit_code == 0, profiled.output
+    stages = [s["name"] for s in json.loads(profiled.stdout)["stages"]]
+    assert stages == ["bucket", "mem gpu", "comp gpu"]
+    solved = CliRunner().invoke(app, ["solve", "-c", str(config), "--gbs", "32", "--json"])
+    assert solved.exit_code == 0, solved.output

@@ -46,7 +46,7 @@ from jabascli.config.loader import LoadedConfig
 from jabascli.config.models import ServerConfig
 from jabascli.devices import is_this_host
 from jabascli.errors import InputError, JabasError, RuntimeFailure
-from jabascli.profiler.common import Reporter, pick_server
+from jabascli.profiler.common import Reporter, pick_server, resolve_target
 from jabascli.profiler.lbsplan import device_speeds, lbs_plan
 from jabascli.profiles.formats import comm_profile_path
 
@@ -57,6 +57,12 @@ INTER_PORT = 29510
 # Calibrated on the tiny ResNet on 2 cores (30 memory trials in 28 s, 15 computation points in 68 s).
 CHILD_S = 1.5
 TRIAL_S = 1.0
+# On CUDA no process forks from a zygote (CUDA does not survive a fork): every memory trial and
+# computation point starts a process of its own, ~4 s of it torch's import and CUDA's start, and a
+# point's warm-up (cuDNN's autotuning) takes longer. Calibrated on the tiny ResNet on an H100:
+# memory trials 9.7-10 s each, computation points 13-27 s.
+CUDA_CHILD_S = 15.0
+CUDA_TRIAL_S = 10.0
 FIXED_S = {"bucket": 4.0, "intra": 8.0, "inter": 8.0, "hybrid": 20.0}
 POINT_SECONDS = 2.0
 """Seconds of measured iterations per computation point, at most (five iterations at least)."""
@@ -130,16 +136,20 @@ def planned_lbs(
     return lbs_plan(gbs_floor(loaded, gbs_min, bound), bound, device_speeds(everyone or servers))
 
 
-def expected_seconds(lbs_values: list[int], bound: int | None, servers: int, comm_s: float) -> dict[str, float]:
+def expected_seconds(
+    lbs_values: list[int], bound: int | None, servers: int, comm_s: float, cuda: bool = False
+) -> dict[str, float]:
     """Expected seconds per stage kind: memory and computation per server, and the rest.
 
     Per LBS, the memory search's doubling up to ``GBS_max // LBS`` VSWs (at most 64) and one
     computation point (two more at the first LBS, for the VSW sweep), each point a child's start
-    plus at most 1.5 x ``POINT_SECONDS`` (warm-up and measurement), ``overlap`` once.
+    plus at most 1.5 x ``POINT_SECONDS`` (warm-up and measurement), ``overlap`` once. ``cuda``:
+    the servers run on a GPU, where every trial and point is a process of its own.
     """
+    child_s, trial_s = (CUDA_CHILD_S, CUDA_TRIAL_S) if cuda else (CHILD_S, TRIAL_S)
     caps = [min(64, bound // b) if bound else 64 for b in lbs_values]
-    mem = sum(max(1, c).bit_length() for c in caps) * TRIAL_S
-    comp = (len(lbs_values) + 2) * (CHILD_S + 1.5 * POINT_SECONDS) + POINT_SECONDS
+    mem = sum(max(1, c).bit_length() for c in caps) * trial_s
+    comp = (len(lbs_values) + 2) * (child_s + 1.5 * POINT_SECONDS) + POINT_SECONDS
     total = FIXED_S["bucket"] + servers * (mem + comp) + comm_s
     return {"bucket": FIXED_S["bucket"], "mem": mem, "comp": comp, "total": total}
 
@@ -207,7 +217,9 @@ def profile_all(
     start = lbs if lbs is not None else 32
     intra_procs = max(2, max(s.devices for s in mine))
     inter_here = many and server is None
-    need_intra = server is None or mine[0].devices > 1
+    on_cuda = any(resolve_target(loaded, s.name, threads=1).kind == "cuda" for s in mine)
+    # A server of one GPU never all-reduces within itself, and NCCL refuses two ranks on one GPU.
+    need_intra = (server is None or mine[0].devices > 1) and not (on_cuda and all(s.devices == 1 for s in mine))
     sweep = lbs_values or [start * k for k in range(1, 17) if bound is None or start * k <= max(start, bound)]
     # A server whose computation profiles are on disk for every planned LBS costs next to nothing.
     comp_dir = loaded.profile_dirs().computation
@@ -220,7 +232,7 @@ def profile_all(
     comm_s = comm_weight["intra"] * need_intra + comm_weight["inter"] * inter_here
     hybrid = (hybrid or loaded.config.parallel is not None) and server is None
     comm_s += FIXED_S["hybrid"] * hybrid
-    expected = expected_seconds(sweep, bound, len(mine) - len(measured), comm_s)
+    expected = expected_seconds(sweep, bound, len(mine) - len(measured), comm_s, cuda=on_cuda)
     weights = {x.name: (0.0, 0.0) if x.name in measured else (expected["mem"], expected["comp"]) for x in mine}
     run = SuiteRun(gbs_max=bound, lbs_values=lbs_values, expected_s=expected["total"])
     total, done = expected["total"], 0.0
