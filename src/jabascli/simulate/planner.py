@@ -110,6 +110,7 @@ def choose_allocation(
     objective: str = "time",
     margin: float = DEFAULT_MARGIN,
     uncertain: Sequence[Mapping[Allocation, float]] = (),
+    tie_break: Mapping[Allocation, float] | None = None,
 ) -> Allocation:
     """The allocation for the coming epoch: the planner's choice on the predicted times ``time_s``.
 
@@ -117,9 +118,13 @@ def choose_allocation(
     ``uncertain``: the same predictions at the ends of the noise scale's uncertainty
     (``forecast.ForecastError``); a move must clear the margin at each of them
     (:func:`uncertain_margin`).
+    ``tie_break``: for a first allocation under ``time``, each candidate's time at
+    the top of the noise-scale band (:func:`first_placement`).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}")
+    if tie_break is not None and current is None and objective == "time":
+        time_s = first_placement(time_s, tie_break, margin)
     tie, widened = margin, margin
     while True:
         chosen = _plan(space, time_s, current, move_s, objective, widened, tie)
@@ -127,6 +132,24 @@ def choose_allocation(
         if wider <= widened:
             return chosen
         widened = wider
+
+
+def first_placement(
+    time_s: Mapping[Allocation, float], top_s: Mapping[Allocation, float], margin: float
+) -> dict[Allocation, float]:
+    """Rule 7: the near-ties of a first allocation, to be ranked by their time at the band's top.
+
+    ``time_s`` are the planning times of the unsettled statistics (their expected
+    regret over the band of noise scales); the candidates within ``(1 + margin)``
+    of the least are a tie the predictions cannot resolve, as a move's margin
+    says. Of them the planner takes the fastest at the band's top (``top_s``):
+    the noise scale grows as training proceeds, so that is where the job spends
+    its later epochs, and the candidate the settled forecast will favour, so
+    the one that needs no later move (docs/simulation.md, rule 7). The others
+    are left out (no prediction: the planner cannot choose them).
+    """
+    least = min(time_s.values())
+    return {a: top_s[a] for a, t in time_s.items() if t <= (1 + margin) * least}
 
 
 def uncertain_margin(
