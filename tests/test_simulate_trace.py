@@ -22,7 +22,13 @@ from jabascli.errors import InputError
 from jabascli.simulate import forecast, policies, simulate_trace
 from jabascli.simulate.cluster import parse_cluster, parse_prices, prices_for
 from jabascli.simulate.configs import Timing
-from jabascli.simulate.planner import TraceCostModel, TraceSpace, choose_allocation, uncertain_margin
+from jabascli.simulate.planner import (
+    TraceCostModel,
+    TraceSpace,
+    choose_allocation,
+    first_placement,
+    uncertain_margin,
+)
 from jabascli.simulate.policies import Simulation, run_policies
 from jabascli.simulate.progress import Statistics
 from jabascli.simulate.similarity import expected_similarity, fixed_point, next_gbs
@@ -412,6 +418,34 @@ def test_a_move_must_clear_the_margin_at_the_ends_of_the_noise_scales_uncertaint
     assert choose_allocation(space, times, None, move_s=0.0, uncertain=fails) == c  # a first choice is no move
     # the uncertainty widens only the margin: the forecast's ratio 0.9 must beat (1 - m') = 0.95 * 0.9 / 0.9625
     assert uncertain_margin(c, a, times, fails, 0.0, 0.05, space, "time") == pytest.approx(1 - 0.95 * 0.9 / 0.9625)
+
+
+def test_a_first_placements_near_ties_go_to_the_fastest_at_the_bands_top() -> None:
+    """Rule 7: regrets within the margin of the least are a tie; the time at the band's top breaks it."""
+    a, b, c = (("rtx", 8),), (("rtx", 16),), (("azure", 8), ("rtx", 16))
+    space = TraceSpace([a, b, c], ["azure", "rtx"], {"azure": 2.754, "rtx": 2.913})
+    regret = {a: 106.0, b: 100.5, c: 100.0}  # b 0.5 % behind c; a 6 %: outside the 5 % margin
+    top = {a: 10.0, b: 20.8, c: 21.5}  # a is the fastest at the top, but no tie
+    assert choose_allocation(space, regret, None, move_s=0.0) == c  # without the rule: least regret
+    assert choose_allocation(space, regret, None, move_s=0.0, tie_break=top) == b
+    assert first_placement(regret, top, 0.05) == {b: 20.8, c: 21.5}
+    assert choose_allocation(space, regret, None, move_s=0.0, margin=0.001, tie_break=top) == c  # no tie then
+    # a first placement only (a move has its margin), and only under `time` (cost and no-dearer: rules 3, 4)
+    assert choose_allocation(space, {a: 100.0, b: 100.5, c: 90.0}, c, move_s=0.0, tie_break=top) == c
+    for objective in ("cost", "no-dearer"):
+        assert choose_allocation(space, regret, None, 0.0, objective, tie_break=top) == choose_allocation(
+            space, regret, None, 0.0, objective
+        )
+
+
+def test_rule_7_case_cifar10_on_aws4_azure1_rtx2_is_no_slower_than_any_baseline(sia: Path) -> None:
+    """The case that motivated rule 7: 8 V100 + 16 RTX first lost 0.7 % to fixed-4096 on the two RTX nodes."""
+    result = simulate_trace(sia / "cifar10", "aws:4,azure:1,rtx:2", policies=["fixed", "ddp-all", "pollux", "jabas"])
+    jabas = result.get("jabas")
+    assert jabas is not None
+    assert jabas.timeline[0]["allocation"] == "rtx:2n" and jabas.moves == 0
+    assert jabas.time_s <= min(p.time_s for p in result.policies if p.policy != "jabas")
+    assert result.dominating() == []
 
 
 def test_forecast_error_is_the_rms_log_error_one_epoch_ahead() -> None:
