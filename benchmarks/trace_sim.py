@@ -181,9 +181,10 @@ def main() -> None:
         if cluster in HARD:
             print(f"{table_row(job, cluster, jabas, similarity)} | {cpu:5.1f}")
     print("\n## Pareto check: baselines both sooner and cheaper than jabas, per --objective (none is the target)")
-    print(f"{'job':<9} {'cluster':<23} " + " ".join(f"{o:<22}" for o in OBJECTIVES))
+    print((f"{'job':<9} {'cluster':<23} " + " ".join(f"{o:<22}" for o in OBJECTIVES)).rstrip())
     for job, cluster, _, _, beaten, _ in rows:
-        print(f"{job:<9} {cluster:<23} " + " ".join(f"{','.join(beaten[o]) or 'none':<22}" for o in OBJECTIVES))
+        pareto = " ".join(f"{','.join(beaten[o]) or 'none':<22}" for o in OBJECTIVES)
+        print(f"{job:<9} {cluster:<23} {pareto}".rstrip())
     print("\n## Reasons, measured (every verdict but `met`, every baseline in the Pareto check)")
     for line in reasons or ["none: every case met every target, and no baseline is both sooner and cheaper"]:
         print(f"- {line}")
