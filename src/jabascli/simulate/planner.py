@@ -34,6 +34,9 @@ onto the planner's:
 
 The margin (5%, as ``[scaling] margin``) keeps the current allocation unless
 the best is better by more than it, the move's restart (the trace's) included.
+A first allocation is no move; its near-ties (within the margin) are decided
+by the predictions at the top of the band of noise scales instead
+(:func:`first_placement`, rule 7 of docs/simulation.md).
 """
 
 from __future__ import annotations

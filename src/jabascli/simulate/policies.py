@@ -210,8 +210,9 @@ class Simulation:
         (``forecast.py``); with ``similarity``, at the GBS the rule asks for now.
         The planner (``planner.choose_allocation``) picks one. While the statistics are unsettled
         (``forecast.settled``) the goodput policy plans on its regret over a band of
-        noise scales instead (:meth:`_least_regret`, ``forecast.robust_point``).
-        Once settled, a move must also clear the margin with the forecast scaled
+        noise scales instead (:meth:`_least_regret`, ``forecast.robust_point``),
+        the first allocation's near-ties decided at the band's top
+        (``planner.first_placement``). Once settled, a move must also clear the margin with the forecast scaled
         by the forecast's measured error (``forecast.ForecastError``,
         ``planner.uncertain_margin``).
         """
