@@ -22,7 +22,13 @@ from jabascli.errors import InputError
 from jabascli.simulate import forecast, policies, simulate_trace
 from jabascli.simulate.cluster import parse_cluster, parse_prices, prices_for
 from jabascli.simulate.configs import Timing
-from jabascli.simulate.planner import TraceCostModel, TraceSpace, choose_allocation, uncertain_margin
+from jabascli.simulate.planner import (
+    TraceCostModel,
+    TraceSpace,
+    choose_allocation,
+    first_placement,
+    uncertain_margin,
+)
 from jabascli.simulate.policies import Simulation, run_policies
 from jabascli.simulate.progress import Statistics
 from jabascli.simulate.similarity import expected_similarity, fixed_point, next_gbs
@@ -412,6 +418,53 @@ def test_a_move_must_clear_the_margin_at_the_ends_of_the_noise_scales_uncertaint
     assert choose_allocation(space, times, None, move_s=0.0, uncertain=fails) == c  # a first choice is no move
     # the uncertainty widens only the margin: the forecast's ratio 0.9 must beat (1 - m') = 0.95 * 0.9 / 0.9625
     assert uncertain_margin(c, a, times, fails, 0.0, 0.05, space, "time") == pytest.approx(1 - 0.95 * 0.9 / 0.9625)
+
+
+def test_a_first_placements_near_ties_go_to_the_fastest_at_the_bands_top() -> None:
+    """Rule 7: regrets within the margin of the least are a tie; the time at the band's top breaks it."""
+    a, b, c = (("rtx", 8),), (("rtx", 16),), (("azure", 8), ("rtx", 16))
+    space = TraceSpace([a, b, c], ["azure", "rtx"], {"azure": 2.754, "rtx": 2.913})
+    regret = {a: 106.0, b: 100.5, c: 100.0}  # b 0.5 % behind c; a 6 %: outside the 5 % margin
+    top = {a: 10.0, b: 20.8, c: 21.5}  # a is the fastest at the top, but no tie
+    assert choose_allocation(space, regret, None, move_s=0.0) == c  # without the rule: least regret
+    assert choose_allocation(space, regret, None, move_s=0.0, tie_break=top) == b
+    assert first_placement(space, regret, top, "time", 0.05, 0.0) == {b: 20.8, c: 21.5}
+    assert choose_allocation(space, regret, None, move_s=0.0, margin=0.001, tie_break=top) == c  # no tie then
+    # a first placement only (a move has its margin); `cost` keeps its cheapest (rule 4)
+    assert choose_allocation(space, {a: 100.0, b: 100.5, c: 90.0}, c, move_s=0.0, tie_break=top) == c
+    assert choose_allocation(space, regret, None, 0.0, "cost", tie_break=top) == choose_allocation(
+        space, regret, None, 0.0, "cost"
+    )
+
+
+def test_a_no_dearer_first_placement_ties_to_the_cheaper_only_where_the_bands_top_ties_too() -> None:
+    """Rule 7 under no-dearer: rule 3's tie to the cheaper must hold at the band's top as well."""
+    single, fast, cheap = (("rtx", 16),), (("azure", 8), ("rtx", 8)), (("aws", 4), ("rtx", 8))
+    space = TraceSpace([single, fast, cheap], ["aws", "azure", "rtx"], {"aws": 0.978, "azure": 2.754, "rtx": 2.913})
+    # per hour: single 46.6 $ (the budget), fast 45.3 $, cheap 27.2 $; cheap is 4.7 % behind fast in regret
+    regret = {single: 100.5, fast: 100.3, cheap: 105.0}
+    top = {single: 20.8, fast: 21.8, cheap: 27.4}  # but 26 % behind at the top: no tie there
+    assert choose_allocation(space, regret, None, 0.0, "no-dearer") == cheap  # rule 3 alone
+    assert choose_allocation(space, regret, None, 0.0, "no-dearer", tie_break=top) == fast
+    assert first_placement(space, regret, top, "no-dearer", 0.05, 0.0) == {single: 100.5, fast: 100.3}
+    top[cheap] = 22.5  # within 5 % of fast's 21.8 at the top: a tie at both, the cheaper wins
+    assert choose_allocation(space, regret, None, 0.0, "no-dearer", tie_break=top) == cheap
+
+
+def test_rule_7_case_cifar10_on_aws4_azure1_rtx2_is_no_slower_than_any_baseline(sia: Path) -> None:
+    """The case that motivated rule 7: 8 V100 + 16 RTX first lost 0.7 % to fixed-4096 on the two RTX nodes,
+    and no-dearer's first 4 T4 + 8 RTX (tied to the cheaper at 4.9 % regret) was beaten in time and cost."""
+    policies = ["fixed", "ddp-all", "pollux", "jabas"]
+    result = simulate_trace(sia / "cifar10", "aws:4,azure:1,rtx:2", policies=policies)
+    jabas = result.get("jabas")
+    assert jabas is not None
+    assert jabas.timeline[0]["allocation"] == "rtx:2n" and jabas.moves == 0
+    assert jabas.time_s <= min(p.time_s for p in result.policies if p.policy != "jabas")
+    assert result.dominating() == []
+    no_dearer = simulate_trace(sia / "cifar10", "aws:4,azure:1,rtx:2", policies=policies, objective="no-dearer")
+    first = no_dearer.get("jabas")
+    assert first is not None and first.timeline[0]["allocation"] == "azure:1n,rtx:1n" and first.moves == 0
+    assert no_dearer.dominating() == []
 
 
 def test_forecast_error_is_the_rms_log_error_one_epoch_ahead() -> None:

@@ -34,6 +34,9 @@ onto the planner's:
 
 The margin (5%, as ``[scaling] margin``) keeps the current allocation unless
 the best is better by more than it, the move's restart (the trace's) included.
+A first allocation is no move; its near-ties (within the margin) are decided
+by the predictions at the top of the band of noise scales instead
+(:func:`first_placement`, rule 7 of docs/simulation.md).
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ def choose_allocation(
     objective: str = "time",
     margin: float = DEFAULT_MARGIN,
     uncertain: Sequence[Mapping[Allocation, float]] = (),
+    tie_break: Mapping[Allocation, float] | None = None,
 ) -> Allocation:
     """The allocation for the coming epoch: the planner's choice on the predicted times ``time_s``.
 
@@ -117,9 +121,13 @@ def choose_allocation(
     ``uncertain``: the same predictions at the ends of the noise scale's uncertainty
     (``forecast.ForecastError``); a move must clear the margin at each of them
     (:func:`uncertain_margin`).
+    ``tie_break``: for a first allocation, each candidate's time at the top of the
+    noise-scale band, which decides its near-ties (:func:`first_placement`).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}")
+    if tie_break is not None and current is None:
+        time_s = first_placement(space, time_s, tie_break, objective, margin, move_s)
     tie, widened = margin, margin
     while True:
         chosen = _plan(space, time_s, current, move_s, objective, widened, tie)
@@ -127,6 +135,45 @@ def choose_allocation(
         if wider <= widened:
             return chosen
         widened = wider
+
+
+def first_placement(
+    space: TraceSpace,
+    time_s: Mapping[Allocation, float],
+    top_s: Mapping[Allocation, float],
+    objective: str,
+    margin: float,
+    move_s: float,
+) -> dict[Allocation, float]:
+    """Rule 7: a first allocation's near-ties are decided at the noise-scale band's top.
+
+    ``time_s`` are the planning times of the unsettled statistics (the expected
+    regret over the band of noise scales, ``policies.py:_least_regret``), ``top_s``
+    each candidate's time to finish at the band's top. The noise scale grows as
+    training proceeds, so the top is where the job spends its later epochs, and
+    the settled forecast will favour the candidate fastest there: a near-tie in
+    the mean regret, which the predictions cannot resolve, goes to the candidate
+    that needs no later move (docs/simulation.md, rule 7). Returns the planner's
+    input:
+
+    - ``time``: the candidates within ``(1 + margin)`` of the least regret, each
+      with its time at the top (the others get no prediction: the planner cannot
+      choose them);
+    - ``no-dearer``: the regrets, less the candidates more than the margin slower
+      at the top than the fastest within the budget, so rule 3's tie to the
+      cheaper admits only a tie at both; the single-type candidates stay, as the
+      budget is theirs;
+    - ``cost``: the regrets unchanged (the cheapest decides, rule 4).
+    """
+    if objective == "time":
+        least = min(time_s.values())
+        return {a: top_s[a] for a, t in time_s.items() if t <= (1 + margin) * least}
+    if objective == "no-dearer":
+        fastest = _plan(space, time_s, None, move_s, objective, margin, 0.0)
+        limit = (1 + margin) * top_s[fastest]
+        single = {space.allocation(c) for c in space.single_type()}
+        return {a: t for a, t in time_s.items() if top_s[a] <= limit or a in single}
+    return dict(time_s)
 
 
 def uncertain_margin(

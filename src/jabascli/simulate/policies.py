@@ -210,8 +210,9 @@ class Simulation:
         (``forecast.py``); with ``similarity``, at the GBS the rule asks for now.
         The planner (``planner.choose_allocation``) picks one. While the statistics are unsettled
         (``forecast.settled``) the goodput policy plans on its regret over a band of
-        noise scales instead (:meth:`_least_regret`, ``forecast.robust_point``).
-        Once settled, a move must also clear the margin with the forecast scaled
+        noise scales instead (:meth:`_least_regret`, ``forecast.robust_point``),
+        the first allocation's near-ties decided at the band's top
+        (``planner.first_placement``). Once settled, a move must also clear the margin with the forecast scaled
         by the forecast's measured error (``forecast.ForecastError``,
         ``planner.uncertain_margin``).
         """
@@ -262,10 +263,13 @@ class Simulation:
                             times[allocation] = float(np.sum(epoch_work[epoch:end] / rate_at[allocation](scaled)))
                 points[allocation] = i
             move_s = self.trace.restart_s
+            top: dict[Allocation, float] | None = None
             if robust:
-                time_s = self._least_regret(list(frontiers), current, epoch_work[epoch:end], future, band, rate_at)
+                time_s, top = self._least_regret(list(frontiers), current, epoch_work[epoch:end], future, band, rate_at)
                 move_s = 0.0  # charged in every scenario already
-            chosen = choose_allocation(space, time_s, current, move_s, objective=self.objective, uncertain=uncertain)
+            chosen = choose_allocation(
+                space, time_s, current, move_s, objective=self.objective, uncertain=uncertain, tie_break=top
+            )
             return chosen, frontiers[chosen].config(points[chosen])
 
         return self.run("jabas" if batching == "goodput" else f"jabas-{batching}", decide)
@@ -278,14 +282,15 @@ class Simulation:
         future: np.ndarray,
         band: np.ndarray,
         rate_at: dict[Allocation, forecast.RateCurve],
-    ) -> dict[Allocation, float]:
+    ) -> tuple[dict[Allocation, float], dict[Allocation, float]]:
         """Each allocation's time to finish while the statistics are unsettled: its regret over ``band``.
 
         ``T_a(s)``: the forecast scaled to scenario ``s`` (``future * s / band[0]``),
         plus the restart for a move; an allocation's planning time is
         ``exp(mean_s log(T_a(s) / min_b T_b(s)))`` (``forecast.regret``) times the
         least time at the measurement, so the planner keeps its margin rule on a
-        time-like value.
+        time-like value. Also each allocation's ``T_a`` at the band's top, which
+        breaks a first allocation's near-ties (rule 7, ``planner.first_placement``).
         """
         times = np.array(
             [
@@ -299,7 +304,8 @@ class Simulation:
         )
         regret = np.exp(forecast.regret(times, higher_is_better=False))
         scale = float(times[:, 0].min())
-        return {a: float(r * scale) for a, r in zip(allocations, regret, strict=True)}
+        planning = {a: float(r * scale) for a, r in zip(allocations, regret, strict=True)}
+        return planning, {a: float(t) for a, t in zip(allocations, times[:, -1], strict=True)}
 
     def oracle(self) -> PolicyResult | None:
         frontiers = self._node_frontiers()
