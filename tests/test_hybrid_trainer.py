@@ -50,7 +50,7 @@ def changed_plan(plan: TrainingPlan, change: dict[str, Any]) -> TrainingPlan:
 
 def _rank(rank: int, world: int, port: int, config: str, out: str, change: dict[str, Any]) -> None:
     """One trainer rank, in-process, so that it can switch to another plan after iteration ``change["at"]``
-    (mid-epoch), as an adaptive decision would (the adaptive measurement itself is refused under a layout)."""
+    (mid-epoch), as an adaptive decision would (tests/test_hybrid_adaptive.py lets the policy decide)."""
     torch.set_num_threads(1)
     loaded = load(Path(config))
     init_process_group(DistEnv(rank, world, rank, "127.0.0.1", port), torch.device("cpu"))
@@ -201,7 +201,12 @@ def with_keys(path: Path, section: str, keys: dict[str, Any]) -> Path:
     [
         ({"sharding": "full"}, "job", {"precision": "fp16"}, "job.precision: fp16 with a [parallel] layout"),
         ({"pp": 2}, "job", {"precision": "bf16"}, "job.precision: bf16 with parallel.pp > 1"),
-        ({"tp": 2}, "batching", {"metric": "similarity"}, "batching.metric: similarity with a [parallel] layout"),
+        (
+            {"tp": 2, "sharding": "full"},
+            "batching",
+            {"metric": "similarity"},
+            "batching.metric: similarity with sharding and tp > 1",
+        ),
         ({"tp": 3}, "job", {}, "parallel.tp: 3 does not divide block 0's attention.q (32 output features)"),
         ({"tp": 8}, "job", {}, "parallel.tp: 8 does not divide block 0's 4 attention heads (self_attention)"),
     ],

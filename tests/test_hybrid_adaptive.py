@@ -1,0 +1,113 @@
+"""Adaptive GBS under `[parallel]` layouts: the measurement and every iteration equal the plain computation.
+
+`jabas run`'s trainers (real gloo processes) train tiny GPT in float64 over two epochs with
+`[batching] metric` other than fixed, measuring every 2 iterations, under ``sharding = "full"`` on 2 ranks
+running unequal micro-batch counts, ``tp = 2`` and ``pp = 2``. The first-half gradient is read inside the
+layout (:mod:`jabascli.adaptive.layout_measure`); the policy changes the GBS at least once (the fallback
+replanner: no profiles). Checked: every parameter equals the single-process reference following the recorded
+GBS history within 1e-9, and each measurement's similarity and noise estimates equal what the reference
+measures plainly from the first ``floor(W / 2)`` workers' whole gradients within 1e-9; for one case also what
+the same job measures as plain IIDP (no `[parallel]`).
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+import tomllib
+
+from jabascli.adaptive.estimators import HalfGradients
+from jabascli.engine.checkpoint import read_checkpoint
+from jabascli.engine.launch import run_local
+from jabascli.engine.layout import checkpoint_folder
+from jabascli.engine.options import TrainOptions
+from jabascli.engine.plan import load_plan
+from jabascli.engine.reference import reference_run
+from tests.engine_support import TRAINER_ENV, load, max_abs_diff
+from tests.test_hybrid_trainer import job, with_keys
+
+INTERVAL = 2
+
+
+def measurements(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {e["step"]: e for e in events if e["event"] == "adjustment"}
+
+
+def assert_same_measurements(got: dict[int, dict[str, Any]], plain: dict[int, HalfGradients]) -> None:
+    """Every adjustment's similarity and noise estimates are ``plain``'s (the reference's) of its step."""
+    assert got and set(got) <= set(plain), (sorted(got), sorted(plain))
+    for step, e in got.items():
+        grad_sq, trace = plain[step].noise()
+        assert e["similarity"] == pytest.approx(plain[step].similarity(), rel=1e-9, abs=1e-12), step
+        assert e["grad_sq"] == pytest.approx(grad_sq, rel=1e-9), step
+        assert e["trace"] == pytest.approx(trace, rel=1e-9), step
+
+
+def without_parallel(path: Path) -> Path:
+    config = tomllib.loads(path.read_text())
+    del config["parallel"]
+    folder = path.parent / "plain"
+    config["storage"] = {"checkpoint_dir": str(folder / "checkpoints"), "run_dir": str(folder / "runs")}
+    plain = path.with_name("plain.toml")
+    plain.write_bytes(tomli_w.dumps(config).encode())
+    return plain
+
+
+SHRINK = {"metric": "similarity", "similarity_target": 0.01, "gbs_min": 4}
+"""Tiny GPT's halves first agree far more than 0.01: the first measurement halves the GBS (8 -> 4); later ones,
+as the halves disagree, grow it again (seen: 4 -> 6 -> 8 -> 12 -> 18)."""
+GROW = {"metric": "noise_scale", "gbs_max": 16}
+"""Its noise scale is above these GBS: the measurements grow the GBS (seen: 8 -> 12 -> 16)."""
+
+CASES = [
+    # 1 + 3 micro-batches of LBS 2 (rank 0's all in the first half), then 1 + 1 (ZeRO-3 proper)
+    pytest.param("adam", [0, 2], 1, {"sharding": "full"}, SHRINK, id="sharding-full-2-ranks-unequal-similarity"),
+    pytest.param("sgd", [1], 2, {"tp": 2}, GROW, id="tp-2-noise-scale"),
+    pytest.param(
+        "adam",
+        [1],
+        2,
+        {"pp": 2, "stages": [[0, 2], [3, 3]], "schedule": "1f1b"},
+        SHRINK,
+        id="pp-2-1f1b-similarity",
+        marks=pytest.mark.slow,
+    ),
+]
+
+
+@pytest.mark.parametrize(("optimizer", "ga", "devices", "parallel", "batching"), CASES)
+def test_adaptive_gbs_under_a_layout_measures_and_trains_as_plain_iidp(
+    tmp_path: Path, optimizer: str, ga: list[int], devices: int, parallel: dict[str, Any], batching: dict[str, Any]
+) -> None:
+    keys = {"adjust_interval": INTERVAL, "adjust_rate": 0.5, "lr_scaling": "linear", **batching}
+    loaded = load(with_keys(job(tmp_path, optimizer, ga, devices, parallel), "batching", keys))
+    events: list[dict[str, Any]] = []
+    result = run_local(loaded, TrainOptions(metrics=False), events.append, TRAINER_ENV)
+    saved = read_checkpoint(checkpoint_folder(loaded))
+    history = saved["progress"]["gbs_history"]
+    changes = [e for e in events if e["event"] == "adjustment" and e["changed"]]
+    assert changes, "the policy should change the GBS"
+    assert [(e["old_gbs"], e["new_gbs"]) for e in changes] == [(a["gbs"], b["gbs"]) for a, b in pairwise(history)]
+
+    steps = result.done["step"]
+    halves: dict[int, HalfGradients] = {}
+    reference, _ = reference_run(loaded, load_plan(loaded), steps, history, halves_every=INTERVAL, halves=halves)
+    diffs = max_abs_diff(saved["model"], reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}
+    measured = measurements(events)
+    assert len(measured) == steps // INTERVAL
+    assert_same_measurements(measured, halves)
+
+    if "sharding" in parallel:  # the same job as plain IIDP: the same decisions, the same numbers
+        plain_events: list[dict[str, Any]] = []
+        plain = load(without_parallel(loaded.path))
+        run_local(plain, TrainOptions(metrics=False), plain_events.append, TRAINER_ENV)
+        plain_measured = measurements(plain_events)
+        assert sorted(plain_measured) == sorted(measured)
+        for step, e in measured.items():
+            for key in ("similarity", "grad_sq", "trace", "new_gbs"):
+                assert e[key] == pytest.approx(plain_measured[step][key], rel=1e-9, abs=1e-12), (step, key)
