@@ -2,7 +2,8 @@
 
 `jabas run`'s trainers (real gloo processes) train tiny GPT in float64 over two epochs with
 `[batching] metric` other than fixed, measuring every 2 iterations, under ``sharding = "full"`` on 2 ranks
-running unequal micro-batch counts, ``tp = 2`` and ``pp = 2``. The first-half gradient is read inside the
+running unequal micro-batch counts, ``tp = 2``, ``pp = 2``, per-block ``layers`` (sharded and whole blocks,
+one checkpointed) and (slow) ``pp = 2`` with each stage sharded over 2 replicas. The first-half gradient is read inside the
 layout (:mod:`jabascli.adaptive.layout_measure`); the policy changes the GBS at least once (the fallback
 replanner: no profiles). Checked: every parameter equals the single-process reference following the recorded
 GBS history within 1e-9, and each measurement's similarity and noise estimates equal what the reference
@@ -64,27 +65,39 @@ GROW = {"metric": "noise_scale", "gbs_max": 16}
 """Its noise scale is above these GBS: the measurements grow the GBS (seen: 8 -> 12 -> 16)."""
 
 CASES = [
-    # 1 + 3 micro-batches of LBS 2 (rank 0's all in the first half), then 1 + 1 (ZeRO-3 proper)
-    pytest.param("adam", [0, 2], 1, {"sharding": "full"}, SHRINK, id="sharding-full-2-ranks-unequal-similarity"),
-    pytest.param("sgd", [1], 2, {"tp": 2}, GROW, id="tp-2-noise-scale"),
+    # 1 + 3 micro-batches of LBS 2 (rank 0's all in the first half), then 1 + 1 (ZeRO-3 proper), 1 + 2, ...
+    pytest.param("adam", [0, 2], 1, {"sharding": "full"}, SHRINK, 2, id="sharding-full-2-ranks-unequal-similarity"),
+    pytest.param("sgd", [1], 2, {"tp": 2}, GROW, 1, id="tp-2-noise-scale"),
+    pytest.param("adam", [1], 2, {"pp": 2, "stages": [[0, 2], [3, 3]], "schedule": "1f1b"}, SHRINK, 2, id="pp-2-1f1b"),
+    # per-block layers: blocks 0-1 whole (all-reduced over the 2 ranks), 2-3 sharded, block 1 checkpointed
     pytest.param(
         "adam",
-        [1],
-        2,
-        {"pp": 2, "stages": [[0, 2], [3, 3]], "schedule": "1f1b"},
-        SHRINK,
-        id="pp-2-1f1b-similarity",
-        marks=pytest.mark.slow,
+        [1, 0],
+        1,
+        {"sharding": "full", "checkpointing": [1], "layers": [{"blocks": [0, 1], "sharding": "none"}]},
+        GROW,
+        1,
+        id="layers-sharded-and-whole-checkpointed",
+    ),
+    # 2 replicas of 2 stages, each stage sharded over its 2 DP ranks, running 2 x 1 and 2 x 2 micro-batches
+    pytest.param(
+        "sgd", [0, 1], 2, {"pp": 2, "sharding": "full"}, SHRINK, 1, id="pp-2-sharded-4-ranks", marks=pytest.mark.slow
     ),
 ]
 
 
-@pytest.mark.parametrize(("optimizer", "ga", "devices", "parallel", "batching"), CASES)
+@pytest.mark.parametrize(("optimizer", "ga", "devices", "parallel", "batching", "epochs"), CASES)
 def test_adaptive_gbs_under_a_layout_measures_and_trains_as_plain_iidp(
-    tmp_path: Path, optimizer: str, ga: list[int], devices: int, parallel: dict[str, Any], batching: dict[str, Any]
+    tmp_path: Path,
+    optimizer: str,
+    ga: list[int],
+    devices: int,
+    parallel: dict[str, Any],
+    batching: dict[str, Any],
+    epochs: int,
 ) -> None:
     keys = {"adjust_interval": INTERVAL, "adjust_rate": 0.5, "lr_scaling": "linear", **batching}
-    loaded = load(with_keys(job(tmp_path, optimizer, ga, devices, parallel), "batching", keys))
+    loaded = load(with_keys(job(tmp_path, optimizer, ga, devices, parallel, epochs=epochs), "batching", keys))
     events: list[dict[str, Any]] = []
     result = run_local(loaded, TrainOptions(metrics=False), events.append, TRAINER_ENV)
     saved = read_checkpoint(checkpoint_folder(loaded))
@@ -102,7 +115,7 @@ def test_adaptive_gbs_under_a_layout_measures_and_trains_as_plain_iidp(
     assert len(measured) == steps // INTERVAL
     assert_same_measurements(measured, halves)
 
-    if "sharding" in parallel:  # the same job as plain IIDP: the same decisions, the same numbers
+    if parallel == {"sharding": "full"}:  # the same job as plain IIDP: the same decisions, the same numbers
         plain_events: list[dict[str, Any]] = []
         plain = load(without_parallel(loaded.path))
         run_local(plain, TrainOptions(metrics=False), plain_events.append, TRAINER_ENV)
