@@ -1,14 +1,14 @@
 """Adaptive GBS under `[parallel]` layouts: the measurement and every iteration equal the plain computation.
 
-`jabas run`'s trainers (real gloo processes) train tiny GPT in float64 over two epochs with
-`[batching] metric` other than fixed, measuring every 2 iterations, under ``sharding = "full"`` on 2 ranks
-running unequal micro-batch counts, ``tp = 2``, ``pp = 2``, per-block ``layers`` (sharded and whole blocks,
-one checkpointed) and (slow) ``pp = 2`` with each stage sharded over 2 replicas. The first-half gradient is read inside the
-layout (:mod:`jabascli.adaptive.layout_measure`); the policy changes the GBS at least once (the fallback
-replanner: no profiles). Checked: every parameter equals the single-process reference following the recorded
-GBS history within 1e-9, and each measurement's similarity and noise estimates equal what the reference
-measures plainly from the first ``floor(W / 2)`` workers' whole gradients within 1e-9; for one case also what
-the same job measures as plain IIDP (no `[parallel]`).
+`jabas run`'s trainers (real gloo processes) train tiny GPT in float64 with `[batching] metric` other than
+fixed, measuring every 2 iterations, under ``sharding = "full"`` on 2 ranks running unequal micro-batch
+counts, ``tp = 2``, ``pp = 2``, per-block ``layers`` (sharded and whole blocks, one checkpointed) and (slow)
+``pp = 2`` with each stage sharded over 2 replicas. The first-half gradient is read inside the layout
+(:mod:`jabascli.adaptive.layout_measure`); the policy changes the GBS at least once (the fallback replanner:
+no profiles). Checked: every parameter equals the single-process reference following the recorded GBS
+history within 1e-9, and each measurement's similarity and noise estimates equal what the reference
+measures plainly from the first ``floor(W / 2)`` workers' whole gradients within 1e-9; for one case also
+what the same job measures as plain IIDP (no `[parallel]`).
 """
 
 from __future__ import annotations
