@@ -13,6 +13,8 @@ what the same job measures as plain IIDP (no `[parallel]`).
 
 from __future__ import annotations
 
+import os
+import signal
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
+from jabascli.errors import RuntimeFailure
 from tests.engine_support import TRAINER_ENV, load, max_abs_diff
 from tests.test_hybrid_trainer import job, with_keys
 
@@ -124,3 +127,49 @@ def test_adaptive_gbs_under_a_layout_measures_and_trains_as_plain_iidp(
         for step, e in measured.items():
             for key in ("similarity", "grad_sq", "trace", "new_gbs"):
                 assert e[key] == pytest.approx(plain_measured[step][key], rel=1e-9, abs=1e-12), (step, key)
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_a_gbs_change_resumes_under_another_layout_at_that_gbs_and_measures_at_once(
+    tmp_path: Path,
+) -> None:
+    """`tp = 2` trainers change the GBS (8 -> 4 after iteration 2), checkpoint after iteration 5 and are
+    killed (SIGKILL); the job resumes sharded over 2 ranks at GBS 4 and LR factor 0.5. Its first iteration
+    is a measurement iteration on FSDP2 units that have not gathered yet (the hooks go on at their first
+    forward). Parameters and measurements equal the reference's following the whole history."""
+    keys = {"adjust_interval": INTERVAL, "adjust_rate": 0.5, "lr_scaling": "linear", **SHRINK}
+    loaded = load(with_keys(job(tmp_path, "adam", [1], 2, {"tp": 2}, epochs=1), "batching", keys))
+    pids: list[int] = []
+    before: list[dict[str, Any]] = []
+
+    def kill_after_step_5(event: dict[str, Any]) -> None:
+        before.append(event)
+        if event["event"] == "start":
+            pids.append(event["pid"])
+        elif event["event"] == "checkpoint" and event["step"] == 5 and len(pids) == 1:
+            os.kill(pids[0], signal.SIGKILL)
+            pids.append(event["step"])
+
+    with pytest.raises(RuntimeFailure, match="killed by signal 9"):
+        run_local(loaded, TrainOptions(metrics=False, checkpoint_every=5), kill_after_step_5, TRAINER_ENV)
+    saved = read_checkpoint(checkpoint_folder(loaded))
+    assert saved["progress"]["step"] == 5 and saved["adaptive"]["plan"]["gbs"] == 4
+    assert saved["adaptive"]["lr"]["factor"] == 0.5
+
+    path = with_keys(job(tmp_path, "adam", [0, 2], 1, {"sharding": "full"}, epochs=1), "batching", keys)
+    after: list[dict[str, Any]] = []
+    run_local(load(path), TrainOptions(metrics=False, resume=checkpoint_folder(loaded)), after.append, TRAINER_ENV)
+    start = next(e for e in after if e["event"] == "start")
+    assert (start["gbs"], start["step"], start["layout"]) == (4, 5, "sharding full")
+    final = read_checkpoint(checkpoint_folder(loaded))
+    history = final["progress"]["gbs_history"]
+    assert history[: len(saved["progress"]["gbs_history"])] == saved["progress"]["gbs_history"]
+
+    halves: dict[int, HalfGradients] = {}
+    steps = final["progress"]["step"]
+    reference, _ = reference_run(loaded, load_plan(loaded), steps, history, halves_every=INTERVAL, halves=halves)
+    diffs = max_abs_diff(final["model"], reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}
+    measured = {**measurements(before), **measurements(after)}
+    assert 6 in measurements(after) and len(measured) == steps // INTERVAL
+    assert_same_measurements(measured, halves)
