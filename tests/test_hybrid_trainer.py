@@ -211,12 +211,6 @@ def with_keys(path: Path, section: str, keys: dict[str, Any]) -> Path:
     [
         ({"sharding": "full"}, "job", {"precision": "fp16"}, "job.precision: fp16 with a [parallel] layout"),
         ({"pp": 2}, "job", {"precision": "bf16"}, "job.precision: bf16 with parallel.pp > 1"),
-        (
-            {"tp": 2, "sharding": "full"},
-            "batching",
-            {"metric": "similarity"},
-            "batching.metric: similarity with sharding and tp > 1",
-        ),
         ({"tp": 3}, "job", {}, "parallel.tp: 3 does not divide block 0's attention.q (32 output features)"),
         ({"tp": 8}, "job", {}, "parallel.tp: 8 does not divide block 0's 4 attention heads (self_attention)"),
     ],
