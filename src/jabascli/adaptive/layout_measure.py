@@ -53,6 +53,8 @@ from jabascli.engine.sampler import Iteration, MicroBatch
 
 
 class LayoutFirstHalf:
+    """This rank's part of the first-half measurement under a layout (see the module docstring)."""
+
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self.params = [p for p in replica.model.parameters() if p.requires_grad]
