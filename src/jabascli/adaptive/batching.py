@@ -4,7 +4,8 @@ Every ``adjust_interval`` iterations (a *measurement iteration*, the one that
 completes a multiple of the interval), on every rank:
 
 1. the iteration's first-half gradient is kept and all-reduced
-   (:class:`~jabascli.adaptive.measure.FirstHalf`), giving the similarity and
+   (:class:`~jabascli.adaptive.measure.FirstHalf`; under a ``[parallel]`` layout
+   :class:`~jabascli.adaptive.layout_measure.LayoutFirstHalf`), giving the similarity and
    the noise estimates (:mod:`~jabascli.adaptive.estimators`, smoothed by
    :class:`~jabascli.adaptive.noise.NoiseScale`). The engine reads them
    (:meth:`AdaptiveBatching.measure`) once the gradient is all-reduced and
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from jabascli.adaptive.estimators import HalfGradients
+from jabascli.adaptive.layout_measure import LayoutFirstHalf
 from jabascli.adaptive.lr_scaling import ScaledLr, lr_factor
 from jabascli.adaptive.measure import FirstHalf
 from jabascli.adaptive.noise import NoiseScale
@@ -41,6 +43,7 @@ from jabascli.adaptive.policy import Reading, Steadiness, propose
 from jabascli.adaptive.replan import Replanner, solver_candidates
 from jabascli.config import LoadedConfig
 from jabascli.config.models import BatchingConfig
+from jabascli.engine.parallel.replica import Replica
 from jabascli.engine.plan import TrainingPlan
 from jabascli.engine.sampler import Iteration
 
@@ -72,6 +75,7 @@ class AdaptiveBatching:
         optimizer: torch.optim.Optimizer,
         scheduler: Any | None,
         params: Sequence[nn.Parameter],
+        replica: Replica | None = None,
     ) -> None:
         self.loaded, self.settings, self.rank = loaded, loaded.config.batching, rank
         self.dataset_size = dataset_size
@@ -81,7 +85,8 @@ class AdaptiveBatching:
         self.noise = NoiseScale()
         self.steady = Steadiness(dead_band=min(0.05, self.settings.adjust_rate / 2))
         self.lr = ScaledLr(optimizer, scheduler)
-        self.first_half = FirstHalf(params)
+        # Under a [parallel] layout the replica's gradient lives in shards and slices, reduced inside backward.
+        self.first_half = FirstHalf(params) if replica is None else LayoutFirstHalf(replica)
         self._halves: HalfGradients | None = None
         self.overhead_s = 0.0
         """Time this rank spent measuring and deciding (the measurement iterations' extra time)."""
@@ -328,8 +333,10 @@ def build(
     optimizer: torch.optim.Optimizer,
     scheduler: Any | None,
     params: Sequence[nn.Parameter],
+    replica: Replica | None = None,
 ) -> AdaptiveBatching | FixedBatching:
-    """The hook for a job; :class:`FixedBatching` with ``metric = "fixed"``."""
+    """The hook for a job; :class:`FixedBatching` with ``metric = "fixed"``. ``replica``: this rank's part of a
+    ``[parallel]`` layout's replica, measured by :class:`~jabascli.adaptive.layout_measure.LayoutFirstHalf`."""
     if loaded.config.batching.metric == "fixed":
         return FixedBatching(scheduler)
-    return AdaptiveBatching(loaded, plan, rank, dataset_size, optimizer, scheduler, params)
+    return AdaptiveBatching(loaded, plan, rank, dataset_size, optimizer, scheduler, params, replica)

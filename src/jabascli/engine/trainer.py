@@ -333,8 +333,9 @@ class Trainer:
 
         # Adaptive GBS (jabascli.adaptive): it may start from another plan (initial_gbs, a resumed GBS),
         # and scales the LR that the workload's scheduler sets.
+        replica = self.layout_workers.replica if self.layout_workers is not None else None
         self.adaptive = build_adaptive(
-            loaded, plan, rank, len(self.train_set), self.optimizer, self.scheduler, list(model.parameters())
+            loaded, plan, rank, len(self.train_set), self.optimizer, self.scheduler, list(model.parameters()), replica
         )
         self.scheduler = self.adaptive.scheduler
         plan = self.plan = self.adaptive.plan_to_start(plan, payload.get("adaptive") if payload else None)

@@ -27,7 +27,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from jabascli.engine.buffers import allreduce_sum
 from jabascli.engine.parallel.checkpointing import checkpoint_blocks
 from jabascli.engine.parallel.data_parallel import all_reduce_gradients
 from jabascli.engine.parallel.layout import Layout
@@ -56,12 +58,46 @@ class Replica:
         (:mod:`~jabascli.engine.parallel.data_parallel`; a collective of the DP ranks, none with one replica)."""
         all_reduce_gradients(self.replicated, self.mesh["dp"])
 
+    def sum_parts(self, parts: dict[tuple[str, ...], torch.Tensor]) -> torch.Tensor:
+        """A sum over the whole model from this rank's local sums (a collective of every rank of the job).
+
+        ``parts[dims]``: this rank's sum over its parameters whose local tensors are shards on the mesh
+        dimensions ``dims`` (a ``DTensor``'s ``Shard`` placements: ``("dp",)`` for FSDP2, ``("tp",)`` for a TP
+        slice); summed over those dimensions' ranks. ``()``: whole tensors (plain, or a ``Replicate``
+        placement), the same on every rank that holds them, counted once. Then summed over the pipeline
+        stages, which hold different blocks. Every rank gets the same result.
+        """
+        total: torch.Tensor | None = None
+        for dims in sorted(parts):  # the same order on every rank of a stage: they hold the same kinds
+            part = parts[dims]
+            for name in dims:
+                allreduce_sum([part], self.mesh[name].get_group())
+            total = part if total is None else total + part
+        assert total is not None, "no parameters"
+        if self.mesh["pp"].size() > 1:
+            allreduce_sum([total], self.mesh["pp"].get_group())
+        return total
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's tensors, gathered from every shard and TP slice (a collective: every rank calls it)."""
         return {
             name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             for name, tensor in self.model.state_dict().items()
         }
+
+
+def local_part(tensor: torch.Tensor) -> tuple[tuple[str, ...], torch.Tensor]:
+    """The mesh dimensions ``tensor`` is sharded on (none for a plain tensor or a replicated ``DTensor``) and
+    this rank's local part of it (:meth:`Replica.sum_parts`)."""
+    if not isinstance(tensor, DTensor):
+        return (), tensor
+    names = tensor.device_mesh.mesh_dim_names or ()
+    # FSDP2 over a TP-sharded dimension places a _StridedShard on the DP dimension, whose is_shard() is False
+    # (torch 2.13): a shard all the same.
+    dims = tuple(
+        n for n, p in zip(names, tensor.placements, strict=True) if p.is_shard() or isinstance(p, _StridedShard)
+    )
+    return dims, tensor.to_local()
 
 
 def build_replica(model: nn.Module, workload: Workload, layout: Layout, device_type: str) -> Replica:

@@ -23,9 +23,10 @@ runs ``sequential`` and says why in its start event (:data:`FALLBACK`).
 
 Gradient clipping uses the global norm over every rank's local part
 (:func:`clip_grad_norm`); fp16 loss scaling (its skip decision reads local
-shards), autocast under pipeline stages, BatchNorm's running statistics under
-``tp``/``pp`` and the adaptive GBS measurement are refused in one line
-(:func:`check_trainer_layout_inputs`).
+shards), autocast under pipeline stages and BatchNorm's running statistics under
+``tp``/``pp`` are refused in one line (:func:`check_trainer_layout_inputs`). The
+adaptive GBS measurement reads the replica's gradient before its reductions
+(:mod:`jabascli.adaptive.layout_measure`).
 """
 
 from __future__ import annotations
@@ -42,14 +43,14 @@ from torch.distributed.tensor import DTensor
 
 from jabascli.config import LoadedConfig
 from jabascli.config.models import ParallelConfig
-from jabascli.engine.buffers import BufferSync, allreduce_sum, norm_layers
+from jabascli.engine.buffers import BufferSync, norm_layers
 from jabascli.engine.checkpoint import Progress, extra_payload, resolve_checkpoint, set_rng_states
 from jabascli.engine.checkpoint_store import CheckpointStore
 from jabascli.engine.parallel.checkpointing import checkpoint_blocks
 from jabascli.engine.parallel.dcp import load_sharded, save_sharded
 from jabascli.engine.parallel.layout import Layout, resolve_layout
 from jabascli.engine.parallel.pipeline import PipelineMicroBatches
-from jabascli.engine.parallel.replica import Replica, build_replica
+from jabascli.engine.parallel.replica import Replica, build_replica, local_part
 from jabascli.engine.parallel.sharding import ShardedMicroBatches
 from jabascli.engine.parallel.tensor import tp_problem
 from jabascli.engine.plan import TrainingPlan
@@ -110,13 +111,6 @@ def check_trainer_layout_inputs(loaded: LoadedConfig, layout: Layout, model: nn.
         )
     if cfg.job.precision != "fp32" and layout.pp > 1:
         raise InputError.at(file, "job.precision", f"{cfg.job.precision} with parallel.pp > 1: stages run in fp32")
-    if cfg.batching.metric != "fixed":
-        raise InputError.at(
-            file,
-            "batching.metric",
-            f"{cfg.batching.metric} with a [parallel] layout: the first-half gradient is not measured there; "
-            'use metric = "fixed"',
-        )
     split = layout.tp > 1 or layout.pp > 1
     if split and any(m.track_running_stats for m in norm_layers(model)):
         raise InputError.at(
@@ -268,23 +262,10 @@ class LayoutWorkers:
         grads = [p.grad for p in params if p.grad is not None]
         totals: dict[tuple[str, ...], torch.Tensor] = {}
         for g in grads:
-            key: tuple[str, ...] = ()
-            local = g
-            if isinstance(g, DTensor):
-                names = g.device_mesh.mesh_dim_names or ()
-                key = tuple(n for n, p in zip(names, g.placements, strict=True) if p.is_shard())
-                local = g.to_local()
+            dims, local = local_part(g)
             square = local.detach().to(torch.float64).pow(2).sum()
-            totals[key] = totals[key] + square if key in totals else square
-        mesh = self.replica.mesh
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for key in sorted(totals):
-            part = totals[key]
-            for name in key:
-                allreduce_sum([part], mesh[name].get_group())
-            total += part
-        if self.layout.pp > 1:
-            allreduce_sum([total], mesh["pp"].get_group())
+            totals[dims] = totals[dims] + square if dims in totals else square
+        total = self.replica.sum_parts(totals or {(): torch.zeros((), dtype=torch.float64, device=self.device)})
         norm = total.sqrt()
         factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:

@@ -29,8 +29,10 @@ its gradient and its optimizer state. Within an iteration:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -94,3 +96,32 @@ class ShardedMicroBatches:
             unit.set_requires_gradient_sync(sync, recurse=False)
             unit.set_reshard_after_forward(reshard_forward, recurse=False)
             unit.set_reshard_after_backward(reshard_backward, recurse=False)
+
+
+@dataclass(frozen=True)
+class ShardedParam:
+    """One parameter of an FSDP2 unit: the sharded one (what ``model.parameters()`` holds between iterations),
+    the unit, and the dimension FSDP2 shards it on (every DP rank holds ``torch.chunk(whole, N, dim)[its index]``)."""
+
+    unit: FSDPModule
+    sharded: nn.Parameter
+    dim: int
+    state: Any
+    """FSDP2's ``FSDPParam`` (no public API names it)."""
+
+    def leaf(self) -> torch.Tensor | None:
+        """The tensor autograd accumulates the gradient into during backward: FSDP2's unsharded parameter. With
+        gradient sync off and no reduce dtype its ``.grad`` is the rank's gradient summed over the micro-batches
+        so far, until the last backward reduce-scatters it. FSDP2 makes it at the unit's first all-gather and keeps
+        it for the unit's life (torch 2.13: ``FSDPParam.init_unsharded_param``); None before that."""
+        return getattr(self.state, "_unsharded_param", None)
+
+
+def sharded_params(units: Sequence[FSDPModule]) -> list[ShardedParam]:
+    """Every parameter the FSDP2 ``units`` hold (:mod:`jabascli.adaptive.layout_measure` reads their gradients
+    before the reduce-scatter)."""
+    found = []
+    for unit in units:
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            found += [ShardedParam(unit, fp.sharded_param, fp.fsdp_placement.dim, fp) for fp in group.fsdp_params]
+    return found
