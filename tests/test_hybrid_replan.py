@@ -1,0 +1,129 @@
+"""Adaptive batching re-plans a hybrid job (`[parallel] plan = "auto"`) with the hybrid planner, exactly.
+
+`jabas run`'s trainers (real gloo processes) train tiny GPT in float64 on a fast server and an emulated 3x slower
+one, one device each, starting from the hybrid planner's plan for GBS 2. `[batching] metric = "similarity"` with
+a target of 1.0 (the halves of a gradient never agree that well) grows the GBS at every measurement (every 2
+iterations), to the next GBS of the planner's range 2, 4, 8: doubled twice. The hybrid profiles are written here
+(not measured: `tests/test_hybrid_profile.py` measures them) so that the planner's choices are known: 4 blocks of
+1 GB of parameters (16 GB with gradients and Adam) and 0.5 GB of activations a sample, devices of 17 GB. At GBS 2
+and 4 no replica fits whole, and the plan is 2 pipeline stages (1 block on the slow device, 3 on the fast) running
+2, then 4 micro-batches of 1 sample: a change in place. At GBS 8, two replicas of 2 samples a micro-batch with the
+Adam state sharded (ZeRO-3) fit and are faster: another layout, through a DCP checkpoint (engine/relayout.py).
+Every parameter equals the single-process reference following the same GBS history within 1e-9; the memory is the
+planner's only (the real tiny GPT is what trains).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from jabascli.adaptive.replan import Candidate, Replanner
+from jabascli.config import load_config
+from jabascli.engine.checkpoint import read_checkpoint
+from jabascli.engine.launch import run_local
+from jabascli.engine.layout import checkpoint_folder
+from jabascli.engine.options import TrainOptions
+from jabascli.engine.plan import load_plan
+from jabascli.engine.reference import reference_run
+from jabascli.hybrid.job import plan_for_run
+from jabascli.profiles.hybrid import write_profiles
+from jabascli.solver.plan import write_plan
+from tests.engine_support import TRAINER_ENV, load, max_abs_diff
+from tests.test_hybrid_exactness import BASE_OPTIONS, WORKLOAD
+from tests.test_hybrid_solve_cli import profiles
+
+GB = 10**9
+
+
+def write_job(folder: Path) -> Path:
+    """The job, its hybrid profiles (the fast and slow devices as the config's types) and its starting plan."""
+    base = profiles()
+    names = {"cpu": "fast", "cpu-slow": "slow"}
+    devices = {n: base.devices[p].model_copy(update={"device": n, "devices_per_server": 1}) for n, p in names.items()}
+    network = base.network.model_copy(
+        update={"intra": {n: base.network.intra[p] for n, p in names.items()}}
+        | {"inter": {n: base.network.inter[p] for n, p in names.items()}}
+    )
+    write_profiles(folder / "profiles", base.model_copy(update={"devices": devices, "network": network}))
+    options = {"base": "gpt", "optimizer": "adam", "synthetic_size": 43, **BASE_OPTIONS["gpt"]}
+    config: dict[str, Any] = {
+        "job": {"name": "replan", "workload": str(WORKLOAD), "epochs": 2, "seed": 3, "options": options},
+        "batching": {
+            "metric": "similarity",
+            "similarity_target": 1.0,
+            "adjust_rate": 0.5,
+            "adjust_interval": 2,
+            "gbs_min": 2,
+            "gbs_max": 8,
+            "initial_gbs": 2,
+            "lr_scaling": "none",
+        },
+        "parallel": {"plan": "auto"},
+        "profiles": {"dir": str(folder / "profiles")},
+        "storage": {"checkpoint_dir": str(folder / "checkpoints"), "run_dir": str(folder / "runs")},
+        "cluster": {
+            "servers": [
+                {"name": "fast", "device_type": "cpu", "memory_bytes": 17 * GB},
+                {"name": "slow", "device_type": "cpu-slow", "emulate": {"slowdown": 3.0, "memory_bytes": 17 * GB}},
+            ]
+        },
+    }
+    path = folder / "job.toml"
+    path.write_bytes(tomli_w.dumps(config).encode())
+    plan = folder / "plan.json"
+    write_plan(plan, plan_for_run(load_config(path), 2))  # what `jabas run` solves for the starting GBS
+    config["job"]["plan"] = str(plan)
+    path.write_bytes(tomli_w.dumps(config).encode())
+    return path
+
+
+def test_doubling_the_gbs_twice_replans_with_the_hybrid_planner_and_stays_exact(tmp_path: Path) -> None:
+    loaded = load(write_job(tmp_path))
+    start = load_plan(loaded)
+    assert start.parallel is not None and start.parallel.pp == 2 and start.gbs == 2
+
+    events: list[dict[str, Any]] = []
+    result = run_local(loaded, TrainOptions(metrics=False), events.append, TRAINER_ENV)
+    saved = read_checkpoint(checkpoint_folder(loaded))
+    history = saved["progress"]["gbs_history"]
+    assert [(h["step"], h["gbs"], h["lbs"]) for h in history] == [(0, 2, 1), (2, 4, 1), (4, 8, 2)], history
+    changes = [e for e in events if e["event"] == "adjustment" and e["changed"]]
+    assert [(e["old_gbs"], e["new_gbs"], e["source"]) for e in changes] == [
+        (2, 4, "hybrid planner"),
+        (4, 8, "hybrid planner"),
+    ]
+    # GBS 4: the same 2 stages, 4 micro-batches (2 a rank) instead of 2, in place; GBS 8: another layout,
+    # sharded replicas running 3 (fast) and 1 (slow) micro-batches of 2, after a relayout at step 4.
+    assert [e["plan"] for e in changes] == [
+        "slow:1GPU,VSW:1,GA:1 fast:1GPU,VSW:1,GA:1",
+        "slow:1GPU,VSW:1,GA:0 fast:1GPU,VSW:1,GA:2",
+    ]
+    layouts = [e["layout"] for e in events if e["event"] == "start"]
+    assert layouts == ["pp 2 (blocks 0-0 | 1-3, 1f1b)", "sharding full"], layouts
+    assert [e["step"] for e in events if e["event"] == "relayout"] == [4]
+    assert saved["plan"]["parallel"]["sharding"] == "full"
+
+    steps = result.done["step"]
+    assert steps >= 9
+    reference, _ = reference_run(loaded, start, steps, history)
+    diffs = max_abs_diff(saved["model"], reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}
+
+
+def test_the_replanner_takes_the_planners_layout_for_the_broadcast_gbs() -> None:
+    """Rank 0 broadcasts LBS and micro-batch counts; every rank takes the layout from its own candidates."""
+    from jabascli.config.models import ParallelConfig
+    from jabascli.engine.plan import RankPlan, TrainingPlan
+
+    ranks = (RankPlan(0, "a", "cpu", 1, 0), RankPlan(1, "b", "cpu", 1, 0))
+    piped = TrainingPlan(1, ranks, parallel=ParallelConfig(pp=2, stages=[(0, 0), (1, 3)]))
+    sharded = TrainingPlan(2, ranks, parallel=ParallelConfig(sharding="full"))
+    replanner = Replanner([Candidate(piped), Candidate(sharded)], 2, 4, piped, hybrid=True)
+    assert replanner.source == "hybrid planner"
+    assert replanner.layout_at(4, piped.parallel) == sharded.parallel
+    assert replanner.layout_at(6, piped.parallel) == piped.parallel  # no plan of that GBS: kept
+    chosen = replanner.plan_for(piped, 4, 1)
+    assert chosen is not None and chosen.plan.parallel == sharded.parallel and chosen.plan.gbs == 4
