@@ -9,8 +9,10 @@ iterations), to the next GBS of the planner's range 2, 4, 8: doubled twice. The 
 and 4 no unsharded replica fits whole, and the fastest plan is 2 pipeline stages (1 block on the slow device, 3 on
 the fast) running 2, then 4 micro-batches of 1 sample: a change in place. At GBS 8, two replicas of 2 samples a
 micro-batch with the Adam state sharded (ZeRO-3) are predicted faster (0.804 s against 0.815 s): another layout,
-through a DCP checkpoint (engine/relayout.py). Every parameter equals the single-process reference following the
-same GBS history within 1e-9; the memory is the planner's only (the real tiny GPT is what trains).
+through a DCP checkpoint (engine/relayout.py). The run stops at step 5 and a rerun resumes it from the plan file's
+layout, which the planner's for GBS 8 replaces before the first iteration. Every parameter equals the
+single-process reference following the same GBS history within 1e-9; the memory is the planner's only (the real
+tiny GPT is what trains).
 """
 
 from __future__ import annotations
@@ -86,7 +88,11 @@ def test_doubling_the_gbs_twice_replans_with_the_hybrid_planner_and_stays_exact(
     assert start.parallel is not None and start.parallel.pp == 2 and start.gbs == 2
 
     events: list[dict[str, Any]] = []
-    result = run_local(loaded, TrainOptions(metrics=False), events.append, TRAINER_ENV)
+    run_local(loaded, TrainOptions(metrics=False, max_steps=5), events.append, TRAINER_ENV)
+    # A rerun resumes the checkpoint of step 5 (GBS 8) from the plan file's layout: the planner's layout for
+    # GBS 8 is another, so the trainers go on under it from the first iteration.
+    options = TrainOptions(metrics=False, resume=checkpoint_folder(loaded))
+    result = run_local(loaded, options, events.append, TRAINER_ENV)
     saved = read_checkpoint(checkpoint_folder(loaded))
     history = saved["progress"]["gbs_history"]
     assert [(h["step"], h["gbs"], h["lbs"]) for h in history] == [(0, 2, 1), (2, 4, 1), (4, 8, 2)], history
@@ -96,14 +102,15 @@ def test_doubling_the_gbs_twice_replans_with_the_hybrid_planner_and_stays_exact(
         (4, 8, "hybrid planner"),
     ]
     # GBS 4: the same 2 stages, 4 micro-batches (2 a rank) instead of 2, in place; GBS 8: another layout,
-    # sharded replicas running 3 (fast) and 1 (slow) micro-batches of 2, after a relayout at step 4.
+    # sharded replicas running 1 (slow) and 3 (fast) micro-batches of 2, after a relayout at step 4.
     assert [e["plan"] for e in changes] == [
         "slow:1GPU,VSW:1,GA:1 fast:1GPU,VSW:1,GA:1",
         "slow:1GPU,VSW:1,GA:0 fast:1GPU,VSW:1,GA:2",
     ]
-    layouts = [e["layout"] for e in events if e["event"] == "start"]
-    assert layouts == ["pp 2 (blocks 0-0 | 1-3, 1f1b)", "sharding full"], layouts
-    assert [e["step"] for e in events if e["event"] == "relayout"] == [4]
+    pipeline, sharded = "pp 2 (blocks 0-0 | 1-3, 1f1b)", "sharding full"
+    starts = [(e["step"], e["layout"]) for e in events if e["event"] == "start"]
+    assert starts == [(0, pipeline), (4, sharded), (5, pipeline), (5, sharded)], starts
+    assert [e["step"] for e in events if e["event"] == "relayout"] == [4, 5]
     assert saved["plan"]["parallel"]["sharding"] == "full"
 
     steps = result.done["step"]

@@ -139,7 +139,8 @@ class AdaptiveBatching:
         shapes = [tuple(s) for s in saved["ranks"]]
         if len(shapes) == plan.world_size:
             ranks = tuple(dataclasses.replace(r, vsw=v, ga=g) for r, (v, g) in zip(plan.ranks, shapes, strict=True))
-            return dataclasses.replace(plan, lbs=int(saved["lbs"]), ranks=ranks)
+            layout = self.replanner.layout_at(int(saved["gbs"]), plan.parallel)  # the hybrid planner's for that GBS
+            return dataclasses.replace(plan, lbs=int(saved["lbs"]), ranks=ranks, parallel=layout)
         candidate = self.replanner.plan_for(plan, int(saved["gbs"]), 0)
         return plan if candidate is None else candidate.plan
 

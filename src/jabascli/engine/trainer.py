@@ -349,9 +349,15 @@ class Trainer:
             loaded, plan, rank, len(self.train_set), self.optimizer, self.scheduler, list(model.parameters()), replica
         )
         self.scheduler = self.adaptive.scheduler
-        plan = self.plan = self.adaptive.plan_to_start(plan, payload.get("adaptive") if payload else None)
+        start = self.adaptive.plan_to_start(plan, payload.get("adaptive") if payload else None)
+        if changes_layout(plan, start):
+            # The hybrid planner runs the GBS resumed (or initial_gbs) under another layout than this one was
+            # built for: stop before the first iteration and go on under it (engine/relayout.py).
+            self.relayout = start
+        else:
+            plan = self.plan = start
         self.me = plan.rank(rank)
-        self.progress.record_plan(plan.gbs, plan.lbs, plan.describe(), self.adaptive.lr_factor())
+        self.progress.record_plan(start.gbs, start.lbs, start.describe(), self.adaptive.lr_factor())
 
         # How this rank runs its workers (VSW strategy, or its part of a layout's replica) and combines
         # gradients (weight sync: DDP's hook, or the layout's collectives inside backward).
