@@ -32,6 +32,7 @@ from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from jabascli.hybrid.job import plan_for_run
 from jabascli.profiles.hybrid import write_profiles
+from jabascli.solver.autoplan import solve_for_run
 from jabascli.solver.plan import write_plan
 from tests.engine_support import TRAINER_ENV, load, max_abs_diff
 from tests.test_hybrid_exactness import BASE_OPTIONS, WORKLOAD
@@ -134,3 +135,14 @@ def test_the_replanner_takes_the_planners_layout_for_the_broadcast_gbs() -> None
     assert replanner.layout_at(6, piped.parallel) == piped.parallel  # no plan of that GBS: kept
     chosen = replanner.plan_for(piped, 4, 1)
     assert chosen is not None and chosen.plan.parallel == sharded.parallel and chosen.plan.gbs == 4
+
+
+def test_an_adaptive_auto_job_starts_from_the_planners_plan_for_initial_gbs(tmp_path: Path) -> None:
+    """`jabas run` without a plan file solves the hybrid plan of `initial_gbs` (else `gbs_min`) for an adaptive job."""
+    loaded = load_config(write_job(tmp_path))
+    run = solve_for_run(loaded)
+    assert run is not None and run.source == "[batching] initial_gbs"
+    assert run.plan.gbs == 2 and run.plan.parallel is not None and run.plan.parallel.pp == 2
+    loaded.config.batching.initial_gbs = None
+    run = solve_for_run(loaded)
+    assert run is not None and run.source == "[batching] gbs_min" and run.plan.gbs == 2
