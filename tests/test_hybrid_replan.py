@@ -22,7 +22,7 @@ from typing import Any
 
 import tomli_w
 
-from jabascli.adaptive.replan import Candidate, Replanner
+from jabascli.adaptive.replan import Candidate, Replanner, in_layout_order, refused
 from jabascli.config import load_config
 from jabascli.engine.checkpoint import read_checkpoint
 from jabascli.engine.launch import run_local
@@ -146,3 +146,25 @@ def test_an_adaptive_auto_job_starts_from_the_planners_plan_for_initial_gbs(tmp_
     loaded.config.batching.initial_gbs = None
     run = solve_for_run(loaded)
     assert run is not None and run.source == "[batching] gbs_min" and run.plan.gbs == 2
+
+
+def test_a_hybrid_plan_is_a_candidate_only_where_every_rank_keeps_its_server_and_the_trainer_runs_it(
+    tmp_path: Path,
+) -> None:
+    from jabascli.config.models import ParallelConfig
+    from jabascli.engine.plan import RankPlan, TrainingPlan
+
+    current = TrainingPlan(1, (RankPlan(0, "a", "cpu", 1, 0), RankPlan(1, "b", "slow", 1, 0)))
+    swapped = (RankPlan(0, "b", "slow", 1, 0), RankPlan(1, "a", "cpu", 1, 2))
+    piped = TrainingPlan(2, swapped, parallel=ParallelConfig(pp=2, stages=[(0, 0), (1, 3)]))
+    assert in_layout_order(current, piped) is None  # rank 0 would run the stage placed on b
+    replicas = TrainingPlan(2, swapped, parallel=ParallelConfig(sharding="full"))
+    moved = in_layout_order(current, replicas)  # one replica a rank: the counts follow the servers
+    assert moved is not None and [(r.server, r.ga) for r in moved.ranks] == [("a", 2), ("b", 0)]
+    assert moved.parallel == replicas.parallel and moved.gbs == replicas.gbs
+    fewer = TrainingPlan(2, swapped[1:], parallel=ParallelConfig())
+    assert in_layout_order(current, fewer) is None  # b would be left without work
+
+    loaded = load_config(write_job(tmp_path))  # metric = "similarity"
+    assert refused(loaded, ParallelConfig(tp=2, sharding="full"))  # not measured (engine/parallel/runner.py)
+    assert not refused(loaded, ParallelConfig(tp=2)) and not refused(loaded, ParallelConfig(sharding="full"))

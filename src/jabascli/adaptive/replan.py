@@ -13,8 +13,9 @@ nearest the target.
   same code: ``LOW, 2 LOW, 4 LOW ... HIGH``) on the job's servers. Its LBS, micro-batch counts *and layout*
   (``[parallel]``) may differ from the current plan's; a plan that leaves one of the job's ranks idle, or that
   would put a pipeline stage's rank on another server than the one it runs on, is not reachable in place and is
-  left out (:func:`in_layout_order`). A new layout is applied by the engine's relayout
-  (:mod:`jabascli.engine.relayout`), micro-batch counts and LBS in place.
+  left out (:func:`in_layout_order`), as is a layout the trainer refuses for the job's config (:func:`refused`).
+  A new layout is applied by the engine's relayout (:mod:`jabascli.engine.relayout`), micro-batch counts and LBS
+  in place.
 * **Fallback** (no profiles): keep LBS and use ``W' = GBS' / LBS`` workers,
   spread over the ranks in proportion to the ``VSW * (GA + 1)`` of the job's
   *starting* plan (largest remainder, ties to the lower rank, at least one
@@ -256,10 +257,28 @@ def hybrid_candidates(loaded: object, plan: TrainingPlan, low: int, high: int) -
             new = plan_from_solver(plan_file(job, choice), "hybrid planner", loaded)
         except JabasError:
             continue
+        if new.parallel is None or refused(loaded, new.parallel):
+            continue
         candidate = in_layout_order(plan, new)
         if candidate is not None:
             out.append(Candidate(candidate, choice.plan.gbs / choice.prediction.iteration_s))
     return out
+
+
+def refused(loaded: object, parallel: ParallelConfig) -> bool:
+    """Whether the trainer refuses ``parallel`` for this job's config (engine/parallel/runner.py's refusals that
+    depend on the config alone): an adaptive metric with sharding and ``tp > 1`` (not measured), ``bf16`` with
+    ``pp > 1``, ``fp16`` under any layout. Such a plan would stop the job at its relayout: it is no candidate."""
+    from jabascli.config import LoadedConfig
+
+    assert isinstance(loaded, LoadedConfig)
+    job, metric = loaded.config.job, loaded.config.batching.metric
+    split = parallel.tp > 1 or parallel.pp > 1 or parallel.sharding != "none"
+    return (
+        (metric != "fixed" and parallel.sharding != "none" and parallel.tp > 1)
+        or (job.precision == "bf16" and parallel.pp > 1)
+        or (job.precision == "fp16" and split)
+    )
 
 
 def in_layout_order(current: TrainingPlan, new: TrainingPlan) -> TrainingPlan | None:
