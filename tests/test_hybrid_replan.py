@@ -22,6 +22,8 @@ from typing import Any
 
 import tomli_w
 
+from jabascli.adaptive.batching import make_replanner
+from jabascli.adaptive.checks import check_batching
 from jabascli.adaptive.replan import Candidate, Replanner, in_layout_order, refused
 from jabascli.config import load_config
 from jabascli.engine.checkpoint import read_checkpoint
@@ -168,3 +170,15 @@ def test_a_hybrid_plan_is_a_candidate_only_where_every_rank_keeps_its_server_and
     loaded = load_config(write_job(tmp_path))  # metric = "similarity"
     assert refused(loaded, ParallelConfig(tp=2, sharding="full"))  # not measured (engine/parallel/runner.py)
     assert not refused(loaded, ParallelConfig(tp=2)) and not refused(loaded, ParallelConfig(sharding="full"))
+
+
+def test_goodput_takes_the_hybrid_planners_throughput_without_solver_profiles(tmp_path: Path) -> None:
+    """`jabas run`'s check lets goodput re-plan a hybrid job: its throughput is the hybrid planner's prediction."""
+    loaded = load_config(write_job(tmp_path))
+    loaded.config.batching.metric = "goodput"
+    plan = load_plan(loaded)
+    check_batching(loaded, plan)  # no computation profiles, but hybrid ones
+    replanner = make_replanner(loaded, plan, 43)
+    assert replanner.source == "hybrid planner"
+    rates = {c.plan.gbs: round(c.throughput or 0.0, 2) for c in replanner.candidates(plan)}
+    assert rates == {2: round(2 / 0.2736, 2), 4: round(4 / 0.454, 2), 8: round(8 / 0.804, 2)}

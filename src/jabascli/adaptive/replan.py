@@ -36,6 +36,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from jabascli.config.models import ParallelConfig
 from jabascli.engine.plan import RankPlan, TrainingPlan
@@ -226,6 +227,11 @@ def in_rank_order(current: TrainingPlan, new: TrainingPlan) -> TrainingPlan | No
     return dataclasses.replace(current, lbs=new.lbs, ranks=tuple(ranks))
 
 
+_solved: dict[tuple[object, ...], tuple[Any, list[Any]]] = {}
+"""The ranges the hybrid planner solved in this process (the last few), and their job, by (config, profiles,
+servers, bounds): the trainer's start check and its replanner ask, at every trainer a process builds."""
+
+
 def hybrid_candidates(loaded: object, plan: TrainingPlan, low: int, high: int) -> list[Candidate] | None:
     """The hybrid planner's fastest plan for every GBS of ``--range low:high`` that runs on ``plan``'s ranks.
 
@@ -246,11 +252,16 @@ def hybrid_candidates(loaded: object, plan: TrainingPlan, low: int, high: int) -
     if not (root / "hybrid").is_dir():
         return None
     servers = list(dict.fromkeys(r.server for r in plan.ranks))
-    try:
-        job = load_job(loaded, root, model_name(loaded, root), servers=servers)
-        choices = solve_range(job, low, high)
-    except (JabasError, OSError, ValueError):
-        return None
+    key = (str(loaded.path), str(root), tuple(servers), low, high)
+    if key not in _solved:  # a process asks again at every trainer it builds (a relayout builds one)
+        try:
+            job = load_job(loaded, root, model_name(loaded, root), servers=servers)
+            if len(_solved) >= 4:
+                _solved.clear()
+            _solved[key] = (job, solve_range(job, low, high))
+        except (JabasError, OSError, ValueError):
+            return None
+    job, choices = _solved[key]
     out = []
     for choice in choices:
         try:
