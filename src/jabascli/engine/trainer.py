@@ -155,8 +155,9 @@ def run_trainer(
                     metrics = trainer.open_metrics()  # rank 0's, kept across moves in place
                 results += trainer.fit(metrics)
                 unfinished = trainer.progress.epoch < trainer.epochs
-                if trainer.relayout is not None and unfinished:
+                if trainer.goes_on_under_another_layout():
                     # Another layout (engine/relayout.py): the same ranks and group, resumed from the checkpoint.
+                    assert trainer.relayout is not None
                     plan, inputs, trainer = trainer.relayout, trainer.inputs(), None
                     gc.collect()  # the old layout's model and optimizer go before the new ones are built
                     options = dataclasses.replace(options, resume=checkpoint_folder(loaded))
@@ -449,7 +450,7 @@ class Trainer:
         finally:
             if own and metrics is not None:
                 metrics.close()
-        if self.emit and self.relayout is not None and self.progress.epoch < self.epochs:  # run_trainer goes on
+        if self.emit and self.goes_on_under_another_layout():
             self.emit({"event": "relayout", "step": self.progress.step, "gbs": self.relayout.gbs})
         elif self.emit:
             done = {"event": "done", "step": self.progress.step, "stopped": self.progress.epoch < self.epochs}
@@ -654,6 +655,13 @@ class Trainer:
             profile = [size / 1e6 for size in bucket_sizes(self.model, self.options.bucket_cap_mb)]
         choice = recommend_weight_sync(profile, self.plan.world_size, self.optimizer)
         return choice.method, f"recommended: {choice.reason}"
+
+    def goes_on_under_another_layout(self) -> bool:
+        """After :meth:`fit`: whether this process trains on under :attr:`relayout` (not when the job is done or
+        stopped from outside or at ``max_steps``: a stop's handoff wins, and the checkpoint holds the new plan for
+        whoever resumes)."""
+        at_max = self.options.max_steps is not None and self.progress.step >= self.options.max_steps
+        return self.relayout is not None and self.progress.epoch < self.epochs and not (self.control.stop or at_max)
 
     def _stop(self) -> bool:
         at_max = self.options.max_steps is not None and self.progress.step >= self.options.max_steps
