@@ -160,6 +160,8 @@ def run_trainer(
                     assert trainer.relayout is not None
                     plan, inputs, trainer = trainer.relayout, trainer.inputs(), None
                     gc.collect()  # the old layout's model and optimizer go before the new ones are built
+                    if env.world_size > 1:
+                        dist.barrier()  # rank 0 alone writes a plain trainer's checkpoint: read it once written
                     options = dataclasses.replace(options, resume=checkpoint_folder(loaded))
                     switching = False  # in the group it is in
                     continue
@@ -660,12 +662,14 @@ class Trainer:
         """After :meth:`fit`: whether this process trains on under :attr:`relayout` (not when the job is done or
         stopped from outside or at ``max_steps``: a stop's handoff wins, and the checkpoint holds the new plan for
         whoever resumes)."""
-        at_max = self.options.max_steps is not None and self.progress.step >= self.options.max_steps
-        return self.relayout is not None and self.progress.epoch < self.epochs and not (self.control.stop or at_max)
+        stopped = self.control.stop or self._at_max_steps()
+        return self.relayout is not None and self.progress.epoch < self.epochs and not stopped
+
+    def _at_max_steps(self) -> bool:
+        return self.options.max_steps is not None and self.progress.step >= self.options.max_steps
 
     def _stop(self) -> bool:
-        at_max = self.options.max_steps is not None and self.progress.step >= self.options.max_steps
-        return at_max or self.control.stop or self.relayout is not None
+        return self._at_max_steps() or self.control.stop or self.relayout is not None
 
     def _checkpoint_due(self) -> bool:
         every = self.options.checkpoint_every
