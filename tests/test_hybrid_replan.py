@@ -9,8 +9,8 @@ iterations), to the next GBS of the planner's range 2, 4, 8: doubled twice. The 
 and 4 no unsharded replica fits whole, and the fastest plan is 2 pipeline stages (1 block on the slow device, 3 on
 the fast) running 2, then 4 micro-batches of 1 sample: a change in place. At GBS 8, two replicas of 2 samples a
 micro-batch with the Adam state sharded (ZeRO-3) are predicted faster (0.804 s against 0.815 s): another layout,
-through a DCP checkpoint (engine/relayout.py). The run stops at step 5 and a rerun resumes it from the plan file's
-layout, which the planner's for GBS 8 replaces before the first iteration. Every parameter equals the
+through a DCP checkpoint (engine/relayout.py). The run stops at step 5 and `jabas run` resumes it from the plan
+file's layout, which the planner's for GBS 8 replaces before the first iteration. Every parameter equals the
 single-process reference following the same GBS history within 1e-9; the memory is the planner's only (the real
 tiny GPT is what trains).
 """
@@ -36,6 +36,7 @@ from jabascli.hybrid.job import plan_for_run
 from jabascli.profiles.hybrid import write_profiles
 from jabascli.solver.autoplan import solve_for_run
 from jabascli.solver.plan import write_plan
+from tests.conftest import run_jabas
 from tests.engine_support import TRAINER_ENV, load, max_abs_diff
 from tests.test_hybrid_exactness import BASE_OPTIONS, WORKLOAD
 from tests.test_hybrid_solve_cli import profiles
@@ -92,10 +93,10 @@ def test_doubling_the_gbs_twice_replans_with_the_hybrid_planner_and_stays_exact(
 
     events: list[dict[str, Any]] = []
     run_local(loaded, TrainOptions(metrics=False, max_steps=5), events.append, TRAINER_ENV)
-    # A rerun resumes the checkpoint of step 5 (GBS 8) from the plan file's layout: the planner's layout for
-    # GBS 8 is another, so the trainers go on under it from the first iteration.
-    options = TrainOptions(metrics=False, resume=checkpoint_folder(loaded))
-    result = run_local(loaded, options, events.append, TRAINER_ENV)
+    # `jabas run` again resumes the checkpoint of step 5 (GBS 8) from the plan file's layout: the planner's layout
+    # for GBS 8 is another, so the trainers go on under it from the first iteration.
+    rerun = run_jabas("run", "-c", str(loaded.path))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     saved = read_checkpoint(checkpoint_folder(loaded))
     history = saved["progress"]["gbs_history"]
     assert [(h["step"], h["gbs"], h["lbs"]) for h in history] == [(0, 2, 1), (2, 4, 1), (4, 8, 2)], history
@@ -112,11 +113,15 @@ def test_doubling_the_gbs_twice_replans_with_the_hybrid_planner_and_stays_exact(
     ]
     pipeline, sharded = "pp 2 (blocks 0-0 | 1-3, 1f1b)", "sharding full"
     starts = [(e["step"], e["layout"]) for e in events if e["event"] == "start"]
-    assert starts == [(0, pipeline), (4, sharded), (5, pipeline), (5, sharded)], starts
-    assert [e["step"] for e in events if e["event"] == "relayout"] == [4, 5]
+    assert starts == [(0, pipeline), (4, sharded)], starts
+    assert [e["step"] for e in events if e["event"] == "relayout"] == [4]
+    lines = rerun.stdout.splitlines()
+    layouts = [line.rsplit("layout ", 1)[1] for line in lines if line.startswith("replan: 2 trainers")]
+    assert layouts == [pipeline, sharded], rerun.stdout
+    assert "step 5: GBS 8 runs under another layout: checkpointed, going on" in lines, rerun.stdout
     assert saved["plan"]["parallel"]["sharding"] == "full"
 
-    steps = result.done["step"]
+    steps = saved["progress"]["step"]
     assert steps >= 9
     reference, _ = reference_run(loaded, start, steps, history)
     diffs = max_abs_diff(saved["model"], reference.state_dict())
