@@ -171,6 +171,8 @@ def test_a_hybrid_plan_is_a_candidate_only_where_every_rank_keeps_its_server_and
     assert moved.parallel == replicas.parallel and moved.gbs == replicas.gbs
     fewer = TrainingPlan(2, swapped[1:], parallel=ParallelConfig())
     assert in_layout_order(current, fewer) is None  # b would be left without work
+    tp = TrainingPlan(2, swapped, parallel=ParallelConfig(tp=2))
+    assert in_layout_order(current, tp) is None  # ranks 0 and 1, one TP group, are on two servers
 
     loaded = load_config(write_job(tmp_path))  # metric = "similarity"
     assert refused(loaded, ParallelConfig(tp=2, sharding="full"))  # not measured (engine/parallel/runner.py)

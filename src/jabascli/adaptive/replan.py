@@ -296,11 +296,15 @@ def in_layout_order(current: TrainingPlan, new: TrainingPlan) -> TrainingPlan | 
     """``new`` (a hybrid plan) on ``current``'s ranks, each rank staying on its server; None if it cannot.
 
     Without pipeline stages every replica is one rank or one TP group of one server, so ranks take the new
-    micro-batch counts server by server (:func:`in_rank_order`). With stages, the runtime gives rank ``k`` the
+    micro-batch counts server by server, in order (:func:`in_rank_order`); a TP group is ``tp`` consecutive ranks,
+    which must share a server. With stages, the runtime gives rank ``k`` the
     ``k``-th place of the plan (replica by replica, stage by stage): the plan must name the same server there.
     """
     if new.parallel is None:
         return None
+    t, ranks = new.parallel.tp, current.ranks
+    if any(len({r.server for r in ranks[i : i + t]}) > 1 for i in range(0, len(ranks), t)):
+        return None  # a TP group (t consecutive ranks) would span two servers
     if new.parallel.pp == 1:
         found = in_rank_order(current, new)
         return None if found is None else dataclasses.replace(found, parallel=new.parallel)
