@@ -2,14 +2,14 @@
 
 `jabas run`'s trainers (real gloo processes) train tiny GPT in float64 with `[batching] metric` other than
 fixed, measuring every 2 iterations, under ``sharding = "full"`` on 2 ranks running unequal micro-batch
-counts, ``tp = 2``, ``pp = 2``, per-block ``layers`` (sharded and whole blocks, one checkpointed) and (slow)
-``pp = 2`` with each stage sharded over 2 replicas. The first-half gradient is read inside the layout
-(:mod:`jabascli.adaptive.layout_measure`); the policy changes the GBS at least once (goodput: replanned by
-the solver from profiles the test writes; the other metrics by the fallback replanner). Checked: every
-parameter equals the single-process reference following the recorded GBS history within 1e-9, and each
-measurement's similarity and noise estimates equal what the reference measures plainly from the first
-``floor(W / 2)`` workers' whole gradients within 1e-9; for one case also what the same job measures as
-plain IIDP (no `[parallel]`).
+counts, ``tp = 2``, ``pp = 2``, per-block ``layers`` (sharded and whole blocks, one checkpointed), and (slow)
+``tp = 2`` sharded over 2 replicas and ``pp = 2`` with each stage sharded over 2 replicas. The first-half
+gradient is read inside the layout (:mod:`jabascli.adaptive.layout_measure`); the policy changes the GBS at
+least once (goodput: replanned by the solver from profiles the test writes; the other metrics by the
+fallback replanner). Checked: every parameter equals the single-process reference following the recorded
+GBS history within 1e-9, and each measurement's similarity and noise estimates equal what the reference
+measures plainly from the first ``floor(W / 2)`` workers' whole gradients within 1e-9; for one case also
+what the same job measures as plain IIDP (no `[parallel]`).
 """
 
 from __future__ import annotations
@@ -110,6 +110,17 @@ CASES = [
         GROW,
         1,
         id="layers-sharded-and-whole-checkpointed",
+    ),
+    # 2 replicas of tp = 2 (2 servers x 2 devices, 3 + 3 and 1 + 1 micro-batches), sharded over them: FSDP2 x TP
+    pytest.param(
+        "adam",
+        [2, 0],
+        2,
+        {"tp": 2, "sharding": "full"},
+        SHRINK,
+        1,
+        id="tp-2-x-sharding-4-ranks",
+        marks=pytest.mark.slow,
     ),
     # 2 replicas of 2 stages, each stage sharded over its 2 DP ranks, running 2 x 1 and 2 x 2 micro-batches
     pytest.param(

@@ -30,8 +30,8 @@ clip does): the same numbers plain IIDP computes from whole gradients.
 Cost on a measurement iteration: a copy of this rank's unsharded gradient (for
 FSDP2 units: the whole parameter's, as FSDP2 itself holds between micro-batches
 under unequal counts), one all-reduce of it over the DP ranks, and a few scalar
-all-reduces. ``sharding`` with ``tp > 1`` is refused (its 2-D FSDP2 x TP shards are
-not handled here; :func:`~jabascli.engine.parallel.runner.check_trainer_layout_inputs`).
+all-reduces. Under FSDP2 x TP a copy is the TP-local slice of the unsharded
+parameter, chunked over the DP ranks as FSDP2 chunks it.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ from jabascli.engine.sampler import Iteration, MicroBatch
 
 
 class LayoutFirstHalf:
+    """This rank's part of the first-half measurement under a layout (see the module docstring)."""
+
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self.params = [p for p in replica.model.parameters() if p.requires_grad]
@@ -156,9 +158,9 @@ class LayoutFirstHalf:
         if copy is not None:
             return copy
         sharded = self._sharded.get(param)
-        if sharded is not None:
-            leaf = sharded.leaf()
-            shape = leaf.shape if leaf is not None else sharded.state._orig_size
+        tensor = param if sharded is None else sharded.leaf()
+        if tensor is None:  # a unit not gathered yet: the whole (or TP-local) size FSDP2 noted
+            shape = sharded.state._orig_size  # type: ignore[union-attr]
         else:
-            shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
+            shape = tensor.to_local().shape if isinstance(tensor, DTensor) else tensor.shape
         return torch.zeros(shape, dtype=param.dtype, device=param.device)

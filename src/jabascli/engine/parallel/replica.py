@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from jabascli.engine.buffers import allreduce_sum
 from jabascli.engine.parallel.checkpointing import checkpoint_blocks
@@ -91,7 +92,11 @@ def local_part(tensor: torch.Tensor) -> tuple[tuple[str, ...], torch.Tensor]:
     if not isinstance(tensor, DTensor):
         return (), tensor
     names = tensor.device_mesh.mesh_dim_names or ()
-    dims = tuple(n for n, p in zip(names, tensor.placements, strict=True) if p.is_shard())
+    # FSDP2 over a TP-sharded dimension places a _StridedShard on the DP dimension, whose is_shard() is False
+    # (torch 2.13): a shard all the same.
+    dims = tuple(
+        n for n, p in zip(names, tensor.placements, strict=True) if p.is_shard() or isinstance(p, _StridedShard)
+    )
     return dims, tensor.to_local()
 
 

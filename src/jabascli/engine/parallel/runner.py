@@ -23,10 +23,9 @@ runs ``sequential`` and says why in its start event (:data:`FALLBACK`).
 
 Gradient clipping uses the global norm over every rank's local part
 (:func:`clip_grad_norm`); fp16 loss scaling (its skip decision reads local
-shards), autocast under pipeline stages, BatchNorm's running statistics under
-``tp``/``pp`` and the adaptive GBS measurement under ``sharding`` with ``tp > 1``
-are refused in one line (:func:`check_trainer_layout_inputs`). Elsewhere the
-adaptive measurement reads the replica's gradient before its reductions
+shards), autocast under pipeline stages and BatchNorm's running statistics under
+``tp``/``pp`` are refused in one line (:func:`check_trainer_layout_inputs`). The
+adaptive GBS measurement reads the replica's gradient before its reductions
 (:mod:`jabascli.adaptive.layout_measure`).
 """
 
@@ -112,13 +111,6 @@ def check_trainer_layout_inputs(loaded: LoadedConfig, layout: Layout, model: nn.
         )
     if cfg.job.precision != "fp32" and layout.pp > 1:
         raise InputError.at(file, "job.precision", f"{cfg.job.precision} with parallel.pp > 1: stages run in fp32")
-    if cfg.batching.metric != "fixed" and layout.sharding != "none" and layout.tp > 1:
-        raise InputError.at(
-            file,
-            "batching.metric",
-            f"{cfg.batching.metric} with sharding and tp > 1: the first-half gradient of 2-D (FSDP2 x TP) shards "
-            'is not measured; use metric = "fixed", or sharding or tp alone',
-        )
     split = layout.tp > 1 or layout.pp > 1
     if split and any(m.track_running_stats for m in norm_layers(model)):
         raise InputError.at(
