@@ -174,9 +174,10 @@ def test_a_hybrid_plan_is_a_candidate_only_where_every_rank_keeps_its_server_and
     tp = TrainingPlan(2, swapped, parallel=ParallelConfig(tp=2))
     assert in_layout_order(current, tp) is None  # ranks 0 and 1, one TP group, are on two servers
 
-    loaded = load_config(write_job(tmp_path))  # metric = "similarity"
-    assert refused(loaded, ParallelConfig(tp=2, sharding="full"))  # not measured (engine/parallel/runner.py)
-    assert not refused(loaded, ParallelConfig(tp=2)) and not refused(loaded, ParallelConfig(sharding="full"))
+    loaded = load_config(write_job(tmp_path))
+    assert not refused(loaded, ParallelConfig(pp=2)) and not refused(loaded, ParallelConfig(tp=2, sharding="full"))
+    loaded.config.job.precision = "bf16"  # engine/parallel/runner.py: stages run in fp32
+    assert refused(loaded, ParallelConfig(pp=2)) and not refused(loaded, ParallelConfig(tp=2, sharding="full"))
 
 
 def test_goodput_takes_the_hybrid_planners_throughput_without_solver_profiles(tmp_path: Path) -> None:

@@ -278,18 +278,14 @@ def hybrid_candidates(loaded: object, plan: TrainingPlan, low: int, high: int) -
 
 def refused(loaded: object, parallel: ParallelConfig) -> bool:
     """Whether the trainer refuses ``parallel`` for this job's config (engine/parallel/runner.py's refusals that
-    depend on the config alone): an adaptive metric with sharding and ``tp > 1`` (not measured), ``bf16`` with
-    ``pp > 1``, ``fp16`` under any layout. Such a plan would stop the job at its relayout: it is no candidate."""
+    depend on the config alone): ``bf16`` with ``pp > 1``, ``fp16`` under any layout. Such a plan would stop the
+    job at its relayout: it is no candidate."""
     from jabascli.config import LoadedConfig
 
     assert isinstance(loaded, LoadedConfig)
-    job, metric = loaded.config.job, loaded.config.batching.metric
+    precision = loaded.config.job.precision
     split = parallel.tp > 1 or parallel.pp > 1 or parallel.sharding != "none"
-    return (
-        (metric != "fixed" and parallel.sharding != "none" and parallel.tp > 1)
-        or (job.precision == "bf16" and parallel.pp > 1)
-        or (job.precision == "fp16" and split)
-    )
+    return (precision == "bf16" and parallel.pp > 1) or (precision == "fp16" and split)
 
 
 def in_layout_order(current: TrainingPlan, new: TrainingPlan) -> TrainingPlan | None:
