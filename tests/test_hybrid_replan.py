@@ -17,10 +17,12 @@ tiny GPT is what trains).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import tomli_w
+import tomllib
 
 from jabascli.adaptive.batching import make_replanner
 from jabascli.adaptive.checks import check_batching
@@ -190,3 +192,63 @@ def test_goodput_takes_the_hybrid_planners_throughput_without_solver_profiles(tm
     assert replanner.source == "hybrid planner"
     rates = {c.plan.gbs: round(c.throughput or 0.0, 2) for c in replanner.candidates(plan)}
     assert rates == {2: round(2 / 0.2736, 2), 4: round(4 / 0.454, 2), 8: round(8 / 0.804, 2)}
+
+
+def _plain_and_back(rank: int, world: int, port: int, config: str, out: str) -> None:
+    """One rank of `run_trainer` whose adaptive decisions are fixed: sharded from step 3, plain again from step 6."""
+    import dataclasses
+
+    import torch
+
+    from jabascli.adaptive.batching import AdaptiveBatching
+    from jabascli.config.models import ParallelConfig
+    from jabascli.engine.trainer import run_trainer
+
+    torch.set_num_threads(1)
+    changes = {3: (3, ParallelConfig(sharding="full")), 6: (2, None)}  # step: (LBS, layout)
+
+    def decide(self: Any, step: int, plan: Any, where: object, report: object) -> Any:
+        if step not in changes:
+            return None
+        lbs, parallel = changes[step]
+        return dataclasses.replace(plan, lbs=lbs, parallel=parallel)
+
+    AdaptiveBatching.after_step = decide  # type: ignore[method-assign,assignment]
+    environ = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+    environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    events: list[dict[str, Any]] = []
+    run_trainer(load(Path(config)), TrainOptions(metrics=False), events.append, environ)
+    if rank == 0:
+        (Path(out) / "events.json").write_text(json.dumps(events))
+
+
+def test_a_relayout_between_plain_iidp_and_a_sharded_layout_both_ways_equals_the_reference(tmp_path: Path) -> None:
+    """`run_trainer`'s relayout from plain IIDP (rank 0 alone writes the checkpoint) to `sharding = "full"` (DCP)
+    and back, mid-epoch, with LBS changes (2 -> 3 -> 2), on 2 gloo ranks running 3 and 1 micro-batches."""
+    import os
+
+    import torch.multiprocessing as mp
+
+    from jabascli.net import free_port
+    from tests.test_hybrid_exactness import write_config
+
+    path = write_config(tmp_path, "gpt", "adam", [2, 0], {"sharding": "full"})
+    config = tomllib.loads(path.read_text())
+    del config["parallel"]  # plain IIDP to start with
+    config["batching"] = {"metric": "similarity", "adjust_interval": 1, "lr_scaling": "none"}
+    path.write_bytes(tomli_w.dumps(config).encode())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_plain_and_back, args=(2, free_port(), str(path), str(tmp_path)), nprocs=2)
+
+    events = json.loads((tmp_path / "events.json").read_text())
+    starts = [(e["step"], e["layout"]) for e in events if e["event"] == "start"]
+    assert starts == [(0, None), (3, "sharding full"), (6, None)], starts
+    loaded = load(path)
+    saved = read_checkpoint(checkpoint_folder(loaded))
+    history = saved["progress"]["gbs_history"]
+    assert [(h["step"], h["lbs"]) for h in history] == [(0, 2), (3, 3), (6, 2)], history
+    steps = saved["progress"]["step"]
+    assert steps >= 10
+    reference, _ = reference_run(loaded, load_plan(loaded), steps, history)
+    diffs = max_abs_diff(saved["model"], reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}
