@@ -12,7 +12,8 @@ micro-batch with the Adam state sharded (ZeRO-3) are predicted faster (0.804 s a
 through a DCP checkpoint (engine/relayout.py). The run stops at step 5 and `jabas run` resumes it from the plan
 file's layout, which the planner's for GBS 8 replaces before the first iteration. Every parameter equals the
 single-process reference following the same GBS history within 1e-9; the memory is the planner's only (the real
-tiny GPT is what trains).
+tiny GPT is what trains). Also: a relayout from plain IIDP to a sharded layout and back (decisions fixed by the
+test), the planner's candidates and the rules that keep a plan out.
 """
 
 from __future__ import annotations
