@@ -18,7 +18,10 @@ completes a multiple of the interval), on every rank:
    (:mod:`~jabascli.adaptive.lr_scaling`);
 3. rank 0 broadcasts ``[changed, LBS, LR factor, (VSW, GA) per rank]`` (one
    small float64 tensor: integers are exact), so every rank applies the same
-   plan and factor; the engine then switches plans between two iterations.
+   plan and factor (a hybrid planner's plan's layout is the one its GBS has in
+   every rank's identical candidates: :meth:`Replanner.layout_at`); the engine
+   then switches plans between two iterations (another layout: through a
+   checkpoint, :mod:`jabascli.engine.relayout`).
 
 ``metric = "fixed"`` builds none of this (:func:`build`).
 """
@@ -40,7 +43,7 @@ from jabascli.adaptive.lr_scaling import ScaledLr, lr_factor
 from jabascli.adaptive.measure import FirstHalf
 from jabascli.adaptive.noise import NoiseScale
 from jabascli.adaptive.policy import Reading, Steadiness, propose
-from jabascli.adaptive.replan import Replanner, solver_candidates
+from jabascli.adaptive.replan import Replanner, hybrid_candidates, solver_candidates
 from jabascli.config import LoadedConfig
 from jabascli.config.models import BatchingConfig
 from jabascli.engine.parallel.replica import Replica
@@ -60,6 +63,9 @@ def bounds(settings: BatchingConfig, dataset_size: int) -> tuple[int, int]:
 
 def make_replanner(loaded: LoadedConfig, plan: TrainingPlan, dataset_size: int) -> Replanner:
     low, high = bounds(loaded.config.batching, dataset_size)
+    hybrid = hybrid_candidates(loaded, plan, low, high)
+    if hybrid:  # [parallel] plan = "auto": the hybrid planner's plans, each with its layout
+        return Replanner(hybrid, low, high, plan, hybrid=True)
     return Replanner(solver_candidates(loaded, plan, low, high) or None, low, high, plan)
 
 
@@ -133,7 +139,8 @@ class AdaptiveBatching:
         shapes = [tuple(s) for s in saved["ranks"]]
         if len(shapes) == plan.world_size:
             ranks = tuple(dataclasses.replace(r, vsw=v, ga=g) for r, (v, g) in zip(plan.ranks, shapes, strict=True))
-            return dataclasses.replace(plan, lbs=int(saved["lbs"]), ranks=ranks)
+            layout = self.replanner.layout_at(int(saved["gbs"]), plan.parallel)  # the hybrid planner's for that GBS
+            return dataclasses.replace(plan, lbs=int(saved["lbs"]), ranks=ranks, parallel=layout)
         candidate = self.replanner.plan_for(plan, int(saved["gbs"]), 0)
         return plan if candidate is None else candidate.plan
 
@@ -195,7 +202,9 @@ class AdaptiveBatching:
         if values[0]:
             shapes = [(int(values[3 + 2 * r]), int(values[4 + 2 * r])) for r in range(plan.world_size)]
             ranks = tuple(dataclasses.replace(rp, vsw=v, ga=g) for rp, (v, g) in zip(plan.ranks, shapes, strict=True))
-            result = dataclasses.replace(plan, lbs=int(values[1]), ranks=ranks)
+            lbs, gbs = int(values[1]), int(values[1]) * sum(v * (g + 1) for v, g in shapes)
+            layout = self.replanner.layout_at(gbs, plan.parallel)  # the hybrid planner's may be another layout
+            result = dataclasses.replace(plan, lbs=lbs, ranks=ranks, parallel=layout)
         self.overhead_s += time.perf_counter() - start
         if report is not None and event:
             report({"event": "adjustment", "step": step, **where, **event, "overhead_s": self.overhead_s})

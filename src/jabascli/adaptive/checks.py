@@ -3,14 +3,15 @@
 * (``gbs_min`` above ``gbs_max`` and ``initial_gbs`` outside the bounds are
   refused when the config is loaded, with an unknown ``metric`` or ``lr_scaling``);
 * ``metric = "goodput"`` without profiles for every device type (its
-  throughput is the solver's prediction);
+  throughput is the solver's prediction), unless the hybrid planner re-plans
+  the job (``[parallel] plan = "auto"`` with hybrid profiles: its predictions);
 * bounds that no plan for the job's servers reaches: the message names the
   bound and the smallest (or largest) GBS that is reachable.
 """
 
 from __future__ import annotations
 
-from jabascli.adaptive.replan import solver_candidates
+from jabascli.adaptive.replan import hybrid_candidates, solver_candidates
 from jabascli.config import LoadedConfig
 from jabascli.engine.plan import TrainingPlan
 from jabascli.errors import InputError
@@ -25,6 +26,8 @@ def check_batching(loaded: LoadedConfig, plan: TrainingPlan) -> None:
         return
     path = loaded.path
     low, high = b.gbs_min or 1, b.gbs_max or UNBOUNDED
+    if hybrid_candidates(loaded, plan, low, min(high, UNBOUNDED)):
+        return  # the hybrid planner's plans: each within the bounds, with its predicted throughput (goodput)
     solver = solver_candidates(loaded, plan, 1, high)
     if b.metric == "goodput" and solver is None:
         raise InputError.at(

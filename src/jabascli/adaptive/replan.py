@@ -8,6 +8,14 @@ nearest the target.
 * **Solver** (profiles for every device type): the fastest plan the solver
   finds for each reachable GBS (:meth:`Solver.solve_range`), for the same
   servers in the same rank order; its LBS may differ from the current one.
+* **Hybrid planner** (a job with ``[parallel] plan = "auto"`` and hybrid profiles): the hybrid planner's fastest
+  plan for each GBS of ``jabas solve --hybrid --range LOW:HIGH`` (:func:`jabascli.hybrid.job.solve_range`, the
+  same code: ``LOW, 2 LOW, 4 LOW ... HIGH``) on the job's servers. Its LBS, micro-batch counts *and layout*
+  (``[parallel]``) may differ from the current plan's; a plan that leaves one of the job's ranks idle, or that
+  would put a pipeline stage's rank on another server than the one it runs on, is not reachable in place and is
+  left out (:func:`in_layout_order`), as is a layout the trainer refuses for the job's config (:func:`refused`).
+  A new layout is applied by the engine's relayout (:mod:`jabascli.engine.relayout`), micro-batch counts and LBS
+  in place.
 * **Fallback** (no profiles): keep LBS and use ``W' = GBS' / LBS`` workers,
   spread over the ranks in proportion to the ``VSW * (GA + 1)`` of the job's
   *starting* plan (largest remainder, ties to the lower rank, at least one
@@ -28,7 +36,9 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from jabascli.config.models import ParallelConfig
 from jabascli.engine.plan import RankPlan, TrainingPlan
 
 
@@ -111,34 +121,59 @@ def same_ranks(a: TrainingPlan, b: TrainingPlan) -> bool:
     return a.world_size == b.world_size and all(x.server == y.server for x, y in zip(a.ranks, b.ranks, strict=True))
 
 
-def keep_rank_details(current: TrainingPlan, new: TrainingPlan) -> TrainingPlan:
-    """``new``'s LBS and (VSW, GA) on ``current``'s ranks (emulation, device types, weight sync, file)."""
+def keep_rank_details(current: TrainingPlan, new: TrainingPlan, new_layout: bool = False) -> TrainingPlan:
+    """``new``'s LBS and (VSW, GA) on ``current``'s ranks (emulation, device types, weight sync, file), under
+    ``current``'s layout, or ``new``'s with ``new_layout`` (the hybrid planner's plans carry their own)."""
     ranks: list[RankPlan] = [
         dataclasses.replace(r, vsw=n.vsw, ga=n.ga) for r, n in zip(current.ranks, new.ranks, strict=True)
     ]
-    return dataclasses.replace(current, lbs=new.lbs, ranks=tuple(ranks))
+    parallel = new.parallel if new_layout else current.parallel
+    return dataclasses.replace(current, lbs=new.lbs, ranks=tuple(ranks), parallel=parallel)
 
 
 class Replanner:
-    """Candidate plans for the job's ranks: the solver's when profiles allow, else the fallback's."""
+    """Candidate plans for the job's ranks: the hybrid planner's or the solver's when profiles allow, else the
+    fallback's."""
 
-    def __init__(self, solver_plans: list[Candidate] | None, low: int, high: int, start: TrainingPlan) -> None:
+    def __init__(
+        self,
+        solver_plans: list[Candidate] | None,
+        low: int,
+        high: int,
+        start: TrainingPlan,
+        hybrid: bool = False,
+    ) -> None:
         self.solver_plans = solver_plans
         self.low, self.high = low, high
         self.start = start
         """The job's starting plan: the fallback's proportions and VSW limits."""
+        self.hybrid = hybrid
+        """``solver_plans`` are the hybrid planner's: each carries its own layout (``parallel``)."""
 
     @property
     def source(self) -> str:
-        return "solver" if self.solver_plans is not None else "fallback"
+        if self.solver_plans is None:
+            return "fallback"
+        return "hybrid planner" if self.hybrid else "solver"
 
     def candidates(self, plan: TrainingPlan) -> list[Candidate]:
         if self.solver_plans is not None:
-            return [Candidate(keep_rank_details(plan, c.plan), c.throughput) for c in self.solver_plans]
+            return [Candidate(keep_rank_details(plan, c.plan, self.hybrid), c.throughput) for c in self.solver_plans]
         return fallback_candidates(plan, self.low, self.high, self.start)
 
     def plan_for(self, plan: TrainingPlan, target: float, direction: int) -> Candidate | None:
         return choose(self.candidates(plan), plan.gbs, target, direction)
+
+    def layout_at(self, gbs: int, current: ParallelConfig | None) -> ParallelConfig | None:
+        """The layout of the plan chosen for ``gbs``: the hybrid planner's (one plan per GBS), else ``current``.
+
+        Rank 0 broadcasts LBS and micro-batch counts only; every rank finds the layout here, from the same
+        candidates (the planner is deterministic), so every rank applies the same plan."""
+        if self.hybrid and self.solver_plans is not None:
+            for c in self.solver_plans:
+                if c.plan.gbs == gbs:
+                    return c.plan.parallel
+        return current
 
 
 def solver_candidates(loaded: object, plan: TrainingPlan, low: int, high: int) -> list[Candidate] | None:
@@ -190,3 +225,85 @@ def in_rank_order(current: TrainingPlan, new: TrainingPlan) -> TrainingPlan | No
     if any(shapes.values()):
         return None
     return dataclasses.replace(current, lbs=new.lbs, ranks=tuple(ranks))
+
+
+_solved: dict[tuple[object, ...], tuple[Any, list[Any]]] = {}
+"""The ranges the hybrid planner solved in this process (the last few), and their job, by (config, profiles,
+servers, bounds): the trainer's start check and its replanner ask, at every trainer a process builds."""
+
+
+def hybrid_candidates(loaded: object, plan: TrainingPlan, low: int, high: int) -> list[Candidate] | None:
+    """The hybrid planner's fastest plan for every GBS of ``--range low:high`` that runs on ``plan``'s ranks.
+
+    None when the job's layout is not the planner's (``[parallel] plan = "auto"``) or it has no hybrid profiles
+    (the other sources apply then). The same code as ``jabas solve --hybrid --range`` and ``jabas run``'s plan
+    (:func:`jabascli.hybrid.job.solve_range`, :func:`~jabascli.hybrid.job.plan_file`), on the plan's servers.
+    """
+    from jabascli.config import LoadedConfig
+    from jabascli.engine.plan import plan_from_solver
+    from jabascli.errors import JabasError
+    from jabascli.hybrid.job import load_job, model_name, plan_file, profiles_root, solve_range
+
+    assert isinstance(loaded, LoadedConfig)
+    parallel = loaded.config.parallel
+    if parallel is None or parallel.plan != "auto":
+        return None
+    root = profiles_root(loaded)
+    if not (root / "hybrid").is_dir():
+        return None
+    servers = list(dict.fromkeys(r.server for r in plan.ranks))
+    key = (str(loaded.path), str(root), tuple(servers), low, high)
+    if key not in _solved:  # a process asks again at every trainer it builds (a relayout builds one)
+        try:
+            job = load_job(loaded, root, model_name(loaded, root), servers=servers)
+            if len(_solved) >= 4:
+                _solved.clear()
+            _solved[key] = (job, solve_range(job, low, high))
+        except (JabasError, OSError, ValueError):
+            return None
+    job, choices = _solved[key]
+    out = []
+    for choice in choices:
+        try:
+            new = plan_from_solver(plan_file(job, choice), "hybrid planner", loaded)
+        except JabasError:
+            continue
+        if new.parallel is None or refused(loaded, new.parallel):
+            continue
+        candidate = in_layout_order(plan, new)
+        if candidate is not None:
+            out.append(Candidate(candidate, choice.plan.gbs / choice.prediction.iteration_s))
+    return out
+
+
+def refused(loaded: object, parallel: ParallelConfig) -> bool:
+    """Whether the trainer refuses ``parallel`` for this job's config (engine/parallel/runner.py's refusals that
+    depend on the config alone): ``bf16`` with ``pp > 1``, ``fp16`` under any layout. Such a plan would stop the
+    job at its relayout: it is no candidate."""
+    from jabascli.config import LoadedConfig
+
+    assert isinstance(loaded, LoadedConfig)
+    precision = loaded.config.job.precision
+    split = parallel.tp > 1 or parallel.pp > 1 or parallel.sharding != "none"
+    return (precision == "bf16" and parallel.pp > 1) or (precision == "fp16" and split)
+
+
+def in_layout_order(current: TrainingPlan, new: TrainingPlan) -> TrainingPlan | None:
+    """``new`` (a hybrid plan) on ``current``'s ranks, each rank staying on its server; None if it cannot.
+
+    Without pipeline stages every replica is one rank or one TP group of one server, so ranks take the new
+    micro-batch counts server by server, in order (:func:`in_rank_order`); a TP group is ``tp`` consecutive ranks,
+    which must share a server. With stages, the runtime gives rank ``k`` the
+    ``k``-th place of the plan (replica by replica, stage by stage): the plan must name the same server there.
+    """
+    if new.parallel is None:
+        return None
+    t, ranks = new.parallel.tp, current.ranks
+    if any(len({r.server for r in ranks[i : i + t]}) > 1 for i in range(0, len(ranks), t)):
+        return None  # a TP group (t consecutive ranks) would span two servers
+    if new.parallel.pp == 1:
+        found = in_rank_order(current, new)
+        return None if found is None else dataclasses.replace(found, parallel=new.parallel)
+    if [r.server for r in new.ranks] != [r.server for r in current.ranks]:
+        return None
+    return keep_rank_details(current, new, new_layout=True)

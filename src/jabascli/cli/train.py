@@ -309,6 +309,9 @@ class _RunDisplay:
             if not self.disable and (event["changed"] or event["reason"].startswith("keep: no plan")):
                 self.progress.console.print(_adjustment_line(event), highlight=False, markup=False)
 
+        elif kind == "relayout" and not self.disable:  # the next start line names the new layout
+            line = f"step {event['step']}: GBS {event['gbs']} runs under another layout: checkpointed, going on"
+            self.progress.console.print(line, highlight=False, markup=False)
         elif kind == "restart":
             where = "its latest checkpoint" if event["resume"] != "None" else "the start"
             line = f"restart {event['restarts']} from {where}: {event['reason']}"

@@ -76,6 +76,7 @@ from jabascli.engine.parallel.runner import (
     trainer_layout,
 )
 from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_dict
+from jabascli.engine.relayout import changes_layout
 from jabascli.engine.sampler import IIDPSampler, Iteration
 from jabascli.engine.step_policy import StepPolicy, check_job_precision_inputs, check_precision, step_settings
 from jabascli.engine.timing import PhaseTimer
@@ -154,6 +155,16 @@ def run_trainer(
                     metrics = trainer.open_metrics()  # rank 0's, kept across moves in place
                 results += trainer.fit(metrics)
                 unfinished = trainer.progress.epoch < trainer.epochs
+                if trainer.goes_on_under_another_layout():
+                    # Another layout (engine/relayout.py): the same ranks and group, resumed from the checkpoint.
+                    assert trainer.relayout is not None
+                    plan, inputs, trainer = trainer.relayout, trainer.inputs(), None
+                    gc.collect()  # the old layout's model and optimizer go before the new ones are built
+                    if env.world_size > 1:
+                        dist.barrier()  # rank 0 alone writes a plain trainer's checkpoint: read it once written
+                    options = dataclasses.replace(options, resume=checkpoint_folder(loaded))
+                    switching = False  # in the group it is in
+                    continue
                 handoff = trainer.control.handoff() if trainer.control.stop and unfinished else None
                 following = handoff.env_for(env) if handoff is not None else None
                 if handoff is None or following is None:
@@ -273,6 +284,9 @@ class Trainer:
         self._payload: dict | None = None
         """The checkpoint restored (:meth:`restore`), for the state :meth:`connect` still takes from it."""
         self._restored = False
+        self.relayout: TrainingPlan | None = None
+        """A plan under another layout that adaptive batching chose: the trainer stops after the iteration and
+        its process goes on under it from the checkpoint (:mod:`jabascli.engine.relayout`)."""
         self.saved: dict | None = None
         """What rank 0 last wrote to the checkpoint: the live model's and optimizer's tensors, so the
         file's content only until the next iteration (after a stop, the state a handoff resumes)."""
@@ -338,9 +352,15 @@ class Trainer:
             loaded, plan, rank, len(self.train_set), self.optimizer, self.scheduler, list(model.parameters()), replica
         )
         self.scheduler = self.adaptive.scheduler
-        plan = self.plan = self.adaptive.plan_to_start(plan, payload.get("adaptive") if payload else None)
+        start = self.adaptive.plan_to_start(plan, payload.get("adaptive") if payload else None)
+        if changes_layout(plan, start):
+            # The hybrid planner runs the GBS resumed (or initial_gbs) under another layout than this one was
+            # built for: stop before the first iteration and go on under it (engine/relayout.py).
+            self.relayout = start
+        else:
+            plan = self.plan = start
         self.me = plan.rank(rank)
-        self.progress.record_plan(plan.gbs, plan.lbs, plan.describe(), self.adaptive.lr_factor())
+        self.progress.record_plan(start.gbs, start.lbs, start.describe(), self.adaptive.lr_factor())
 
         # How this rank runs its workers (VSW strategy, or its part of a layout's replica) and combines
         # gradients (weight sync: DDP's hook, or the layout's collectives inside backward).
@@ -432,7 +452,9 @@ class Trainer:
         finally:
             if own and metrics is not None:
                 metrics.close()
-        if self.emit:
+        if self.emit and self.goes_on_under_another_layout():
+            self.emit({"event": "relayout", "step": self.progress.step, "gbs": self.relayout.gbs})
+        elif self.emit:
             done = {"event": "done", "step": self.progress.step, "stopped": self.progress.epoch < self.epochs}
             self.emit({**done, "results": [asdict(r) for r in results]})
         return results
@@ -549,7 +571,13 @@ class Trainer:
         hook are kept. The sampler deals the rest of the epoch at the new GBS, a
         new stream that loader workers follow afresh (:meth:`_stream`), and the
         emulated memory limit watches the next iterations of the new plan.
+        A plan under another layout is left pending instead: the trainer stops
+        after this iteration and goes on under it (:mod:`jabascli.engine.relayout`).
         """
+        if changes_layout(self.plan, plan):
+            self.relayout = plan
+            self.progress.record_plan(plan.gbs, plan.lbs, plan.describe(), self.adaptive.lr_factor())
+            return
         previous, self.plan, self.me = self.plan, plan, plan.rank(self.rank)
         if self.vsw_name == "streams" and len(self.vsw.replicas) != self.me.vsw:
             self.vsw = build_vsw_strategy(self.vsw_name, make_replicas(self.model, self.me.vsw), self.ddp)
@@ -630,9 +658,18 @@ class Trainer:
         choice = recommend_weight_sync(profile, self.plan.world_size, self.optimizer)
         return choice.method, f"recommended: {choice.reason}"
 
+    def goes_on_under_another_layout(self) -> bool:
+        """After :meth:`fit`: whether this process trains on under :attr:`relayout` (not when the job is done or
+        stopped from outside or at ``max_steps``: a stop's handoff wins, and the checkpoint holds the new plan for
+        whoever resumes)."""
+        stopped = self.control.stop or self._at_max_steps()
+        return self.relayout is not None and self.progress.epoch < self.epochs and not stopped
+
+    def _at_max_steps(self) -> bool:
+        return self.options.max_steps is not None and self.progress.step >= self.options.max_steps
+
     def _stop(self) -> bool:
-        at_max = self.options.max_steps is not None and self.progress.step >= self.options.max_steps
-        return at_max or self.control.stop
+        return self._at_max_steps() or self.control.stop or self.relayout is not None
 
     def _checkpoint_due(self) -> bool:
         every = self.options.checkpoint_every
@@ -642,6 +679,7 @@ class Trainer:
         """Rank 0 writes the whole model; under a layout every rank writes its shards (DCP), together."""
         if self.layout_workers is None and self.rank != 0:
             return
+        plan = self.relayout or self.plan  # a pending layout's plan is what the job resumes with
         fields = {
             "model": self.model,
             "optimizer": self.optimizer,
@@ -649,8 +687,8 @@ class Trainer:
             "progress": self.progress,
             "workload": self.workload.name,
             "config": self.loaded.config.model_dump(mode="json"),
-            "plan": self.plan.to_dict(),
-            "adaptive": self.adaptive.state_dict(self.plan),
+            "plan": plan.to_dict(),
+            "adaptive": self.adaptive.state_dict(plan),
             "grad_scaler": self.step_policy.state_dict(),
         }
         if self.layout_workers is not None:

@@ -103,40 +103,49 @@ def model_name(loaded: LoadedConfig, root: Path, model: str | None = None) -> st
     )
 
 
-def load_job(loaded: LoadedConfig, root: Path, model: str, tp: int | None = None) -> HybridJob:
-    """The job's servers and the hybrid profiles of ``model`` under ``root``, checked against each other."""
+def load_job(
+    loaded: LoadedConfig, root: Path, model: str, tp: int | None = None, servers: list[str] | None = None
+) -> HybridJob:
+    """The job's servers and the hybrid profiles of ``model`` under ``root``, checked against each other.
+
+    ``servers``: plan on these config servers only (a running job's, when adaptive batching re-plans it), not the
+    config's available ones."""
     profiles = read_profiles(root, model)
     folder = root / "hybrid" / model
     check_blocks(profiles, folder)
     by_type: dict[str, list[ServerConfig]] = {}
-    for server in loaded.config.available():
+    chosen = loaded.config.available()
+    if servers is not None:
+        named = {s.name: s for s in loaded.config.cluster.servers}
+        chosen = [named[name] for name in servers if name in named]
+    for server in chosen:
         by_type.setdefault(server.device_type, []).append(server)
     if not by_type:
         raise InputError.at(loaded.path, "cluster.servers", "no servers to plan for")
     devices = dict(profiles.devices)
-    for device, servers in by_type.items():
+    for device, of_type in by_type.items():
         if device not in devices:
             have = ", ".join(sorted(devices)) or "none"
             raise InputError.at(
                 folder / f"device-{device}.json",
                 None,
-                f"no hybrid profile of device type {device!r} (server {servers[0].name}; have: {have})",
+                f"no hybrid profile of device type {device!r} (server {of_type[0].name}; have: {have})",
             )
-        counts = sorted({s.devices for s in servers})
+        counts = sorted({s.devices for s in of_type})
         if len(counts) > 1:
             raise InputError.at(
                 loaded.path,
                 "cluster.servers",
                 f"servers of device type {device!r} have {counts} devices: the hybrid planner takes one count per type",
             )
-        budget = servers[0].emulate.memory_bytes if servers[0].emulate else servers[0].memory_bytes
+        budget = of_type[0].emulate.memory_bytes if of_type[0].emulate else of_type[0].memory_bytes
         update: dict[str, object] = {"devices_per_server": counts[0]}
         if budget is not None:
             update["memory_bytes"] = float(budget)
         devices[device] = devices[device].model_copy(update=update)
     job_profiles = profiles.model_copy(update={"devices": devices})
     groups = [ServerGroup(d, len(s)) for d, s in by_type.items()]
-    names = {d: [s.name for s in servers] for d, servers in by_type.items()}
+    names = {d: [s.name for s in of_type] for d, of_type in by_type.items()}
     return HybridJob(job_profiles, groups, names, folder, tp)
 
 

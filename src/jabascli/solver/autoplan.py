@@ -53,7 +53,13 @@ def solve_for_run(
         # An adaptive job starts from initial_gbs by its own replanning; --gbs still asks for a solved start.
         gbs, source = batching.initial_gbs, "[batching] initial_gbs"
     parallel = loaded.config.parallel
-    if gbs is not None and parallel is not None and parallel.plan == "auto":
+    auto = parallel is not None and parallel.plan == "auto"
+    if gbs is None and auto and (batching.initial_gbs or batching.gbs_min):
+        # An adaptive job's layout is the hybrid planner's too: solved for the GBS it starts from; its
+        # replanning then takes the planner's plans for the GBS it moves to (adaptive/replan.py).
+        gbs = batching.initial_gbs or batching.gbs_min
+        source = "[batching] initial_gbs" if batching.initial_gbs else "[batching] gbs_min"
+    if gbs is not None and auto:
         # The hybrid planner reads its own profiles: a model no device holds whole has no computation profiles.
         from jabascli.hybrid.job import plan_for_run
 
