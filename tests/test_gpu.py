@@ -116,14 +116,18 @@ def test_loader_workers_on_cuda_pin_memory_and_follow_the_samples(tmp_path: Path
     assert inputs.device.type == "cuda"
 
 
-def test_the_memory_profiler_counts_a_real_cuda_out_of_memory(tmp_path: Path) -> None:
-    budget = 256 * 2**20
-    name = torch.cuda.get_device_name()
+def _resnet_on_this_gpu(tmp_path: Path, job: str = "", server: str = "") -> Path:
+    """A tiny-ResNet job on one server of this GPU, profiles in ``tmp_path/profiles``; more ``[job]``/server keys."""
     config = tmp_path / "jabas.toml"
     config.write_text(
-        '[job]\nworkload = "resnet"\noptions = { variant = "tiny" }\n\n[profiles]\ndir = "profiles"\n\n'
-        f'[[cluster.servers]]\nname = "gpu"\ndevice_type = "{name}"\ndevices = 1\nmemory_bytes = {budget}\n'
+        f'[job]\nworkload = "resnet"\noptions = {{ variant = "tiny" }}\n{job}\n[profiles]\ndir = "profiles"\n\n'
+        f'[[cluster.servers]]\nname = "gpu"\ndevice_type = "{torch.cuda.get_device_name()}"\ndevices = 1\n{server}'
     )
+    return config
+
+
+def test_the_memory_profiler_counts_a_real_cuda_out_of_memory(tmp_path: Path) -> None:
+    config = _resnet_on_this_gpu(tmp_path, server=f"memory_bytes = {256 * 2**20}\n")
     # LBS 4096 of 32x32 images: the first stage's activations alone take ~270 MB.
     result = CliRunner().invoke(
         app, ["profile", "mem", "-c", str(config), "--lbs", "4096", "--search", "static", "--json"]
@@ -169,12 +173,7 @@ def test_a_hybrid_layout_on_one_nccl_rank_equals_the_reference(tmp_path: Path, p
 def test_profile_all_on_one_gpu_measures_what_the_solver_needs_and_no_intra_all_reduce(tmp_path: Path) -> None:
     """A server of one GPU never all-reduces within itself, and NCCL refuses two ranks on one GPU: `jabas
     profile all` leaves the intra-node stage out instead of failing on it, and the solver plans from the rest."""
-    name = torch.cuda.get_device_name()
-    config = tmp_path / "jabas.toml"
-    config.write_text(
-        '[job]\nworkload = "resnet"\noptions = { variant = "tiny" }\nlbs = 32\n\n[profiles]\ndir = "profiles"\n\n'
-        f'[[cluster.servers]]\nname = "gpu"\ndevice_type = "{name}"\ndevices = 1\n'
-    )
+    config = _resnet_on_this_gpu(tmp_path, job="lbs = 32\n")
     profiled = CliRunner().invoke(
         app, ["profile", "all", "-c", str(config), "--lbs", "32", "--gbs-max", "32", "--json"]
     )
