@@ -2,10 +2,11 @@
 
 Tiny GPT in float64 (tests/hybrid_workload.py) with ``sharding = "full"``: server A has two devices
 (the job shards over both, one micro-batch each), server B one device running two micro-batches (the
-same GBS). The job starts on A and is moved to B (`POST /v1/job/move`, as `jabas job move` does):
-rank 0's server goes, so every rank of the new generation restores from the DCP checkpoint, resharded
-from two ranks to one, and the job ends with every parameter within 1e-9 of the single-process
-reference (engine/reference.py) that followed the same GBS history.
+same GBS). The job starts on A, is moved to A + B in place (sharded over 3 ranks, GBS doubled), then to
+B (`POST /v1/job/move`, as `jabas job move` does): rank 0's server goes, so every rank of the new
+generation restores from the DCP checkpoint, resharded from three ranks to one, and the job ends with
+every parameter within 1e-9 of the single-process reference (engine/reference.py) that followed the
+same GBS history.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from tests.test_hybrid_exactness import LBS, write_config
 
 def moving_job(folder: Path, parallel: dict[str, Any], slowdown: float) -> Path:
     """Servers A (2 devices, 1 micro-batch each) and B (1 device, 2 micro-batches): GBS ``2 LBS`` on either,
-    6 iterations an epoch, 2 epochs; emulated ``slowdown`` times slower (sleeps), so that a move lands mid-job."""
+    6 iterations an epoch on either (3 on both), 3 epochs; emulated ``slowdown`` times slower (sleeps), so that
+    a move lands mid-job."""
     path = write_config(folder, "gpt", "adam", [0], parallel, devices=2)
     config = tomllib.loads(path.read_text())
     emulate = {"slowdown": slowdown, "memory_bytes": 10**9}
-    config["job"]["name"] = "gpt"
+    config["job"] |= {"name": "gpt", "epochs": 3}
     config["job"]["options"]["synthetic_size"] = 6 * 2 * LBS + 3
     config["cluster"] = {
         "available_servers": ["A"],
@@ -53,25 +55,30 @@ def moving_job(folder: Path, parallel: dict[str, Any], slowdown: float) -> Path:
 
 
 @pytest.mark.slow
-def test_a_sharded_job_moved_to_a_server_of_one_device_equals_the_reference(tmp_path: Path) -> None:
+def test_a_sharded_job_moved_in_place_then_to_a_server_of_one_device_equals_the_reference(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, moving_job(tmp_path, {"sharding": "full"}, slowdown=200.0))
     try:
+        # A -> A + B at the first epoch end: rank 0's server stays, the trainers of A carry on in place
+        # (engine/handoff.py) and rebuild their layout, now sharded over 3 ranks, from the checkpoint.
         cluster.wait(lambda s: s["state"] == "running" and len(s["workers"]) == 2)
-        r = cluster.post("/v1/job/move", {"servers": ["B"]})
+        r = cluster.post("/v1/job/move", {"servers": ["A", "B"]})
+        assert r.status_code == 200, r.text
+        # A + B -> B mid-epoch: rank 0's server goes, every rank restarts from the DCP checkpoint on one device.
+        cluster.wait(lambda s: s["generation"] == 2 and s["state"] == "running")
+        r = cluster.post("/v1/job/move", {"servers": ["B"], "when": "now"})
         assert r.status_code == 200, r.text
         status = cluster.finish()
     finally:
         cluster.kill()
     assert status["state"] == "succeeded", cluster.logs()
-    [move] = status["moves"]
-    assert (move["to_servers"], move["in_place"]) == (["B"], False)
-    assert move["resumed_step"] == move["stopped_step"] == 6  # the first epoch's end: nothing repeated or skipped
-    assert [e["servers"] for e in status["epoch_history"]] == [["A"], ["B"]]
+    assert [(m["to_servers"], m["in_place"]) for m in status["moves"]] == [(["A", "B"], True), (["B"], False)]
+    for move in status["moves"]:
+        assert move["resumed_step"] == move["stopped_step"], move  # nothing repeated or skipped
 
     loaded = load(cluster.config)
     final = read_checkpoint(checkpoint_folder(loaded))
     history = final["progress"]["gbs_history"]
-    assert final["progress"]["step"] == 12
-    reference, _ = reference_run(loaded, load_plan(loaded), steps=12, schedule=history)
+    assert [h["gbs"] for h in history][:2] == [2 * LBS, 4 * LBS], history
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=final["progress"]["step"], schedule=history)
     diffs = max_abs_diff(final["model"], reference.state_dict())
     assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}
