@@ -146,7 +146,8 @@ def plan_for(loaded: LoadedConfig, servers: list[str], gbs: int | None = None) -
     With ``gbs`` (the job's current GBS) and the job's profiles, the solver's fastest
     plan for these servers at that GBS, so that a move keeps the GBS; otherwise (no
     profiles, or no plan reaches that GBS there) each server's devices with its
-    configured VSW and GA at ``[job] lbs``, whose GBS follows the allocation.
+    configured VSW and GA at ``[job] lbs``, whose GBS follows the allocation. A ``[parallel] plan = "auto"``
+    job gets the hybrid planner's plan instead (:func:`_hybrid_plan_for`), or an InputError naming the servers.
     """
     if _auto(loaded):
         return _hybrid_plan_for(loaded, servers, gbs)
