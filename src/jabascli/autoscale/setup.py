@@ -24,7 +24,8 @@ class ScalingSetup:
 
 
 def scaling_from_config(loaded: LoadedConfig, *, warm_gbs: int | None = None) -> ScalingSetup:
-    """The available servers with their profiles and prices, and the profile-based cost model."""
+    """The available servers with their profiles and prices, and the profile-based cost model (the hybrid
+    planner's, :mod:`jabascli.autoscale.hybridcost`, for a ``[parallel] plan = "auto"`` job)."""
     profiles, model = performance_model_from_config(loaded)
     config = loaded.config
     specs = server_specs(config, profiles)
@@ -35,5 +36,11 @@ def scaling_from_config(loaded: LoadedConfig, *, warm_gbs: int | None = None) ->
             "scaling.objective",
             "'cost' needs prices: set price_per_hour (or tflops, for the seed's rule) on the servers",
         )
-    cost_model = SolverCostModel(model, space, config.job.weight_sync, warm_gbs=warm_gbs)
+    if config.parallel is not None and config.parallel.plan == "auto":
+        # The job trains the hybrid planner's plan wherever it goes: price each allocation with it.
+        from jabascli.autoscale.hybridcost import HybridCostModel
+
+        cost_model: SolverCostModel = HybridCostModel(loaded, model, space, config.job.weight_sync, warm_gbs=warm_gbs)
+    else:
+        cost_model = SolverCostModel(model, space, config.job.weight_sync, warm_gbs=warm_gbs)
     return ScalingSetup(space, cost_model, Objective.from_config(config.scaling))

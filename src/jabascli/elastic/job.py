@@ -146,8 +146,11 @@ def plan_for(loaded: LoadedConfig, servers: list[str], gbs: int | None = None) -
     With ``gbs`` (the job's current GBS) and the job's profiles, the solver's fastest
     plan for these servers at that GBS, so that a move keeps the GBS; otherwise (no
     profiles, or no plan reaches that GBS there) each server's devices with its
-    configured VSW and GA at ``[job] lbs``, whose GBS follows the allocation.
+    configured VSW and GA at ``[job] lbs``, whose GBS follows the allocation. A ``[parallel] plan = "auto"``
+    job gets the hybrid planner's plan instead (:func:`_hybrid_plan_for`), or an InputError naming the servers.
     """
+    if _auto(loaded):
+        return _hybrid_plan_for(loaded, servers, gbs)
     why = "no GBS to keep"
     if gbs is not None:
         try:
@@ -160,6 +163,29 @@ def plan_for(loaded: LoadedConfig, servers: list[str], gbs: int | None = None) -
     config = loaded.config.model_copy(deep=True)
     config.cluster.available_servers = list(servers)
     return plan_from_config(dataclasses.replace(loaded, config=config)), f"configured VSW/GA ({why})"
+
+
+def _hybrid_plan_for(loaded: LoadedConfig, servers: list[str], gbs: int | None) -> tuple[TrainingPlan, str]:
+    """A ``[parallel] plan = "auto"`` job's plan on ``servers``: the hybrid planner's (``jabas solve --hybrid``
+    restricted to them), so that the layout follows the servers. The GBS kept is ``gbs``, else ``[batching]
+    initial_gbs``, else the configured VSW/GA's on these servers. No plan fitting them is an InputError naming them.
+    """
+    from jabascli.hybrid.job import plan_for_run  # reads the hybrid profiles
+
+    config = loaded.config.model_copy(deep=True)
+    config.cluster.available_servers = list(servers)
+    there = dataclasses.replace(loaded, config=config)
+    target = gbs or loaded.config.batching.initial_gbs or plan_from_config(there).gbs
+    try:
+        solved = plan_for_run(there, target)
+    except InputError as exc:
+        why = exc.lines()[0] if exc.lines() else "no plan fits"
+        raise InputError.at(
+            None, "servers", f"no hybrid plan for GBS {target} fits servers {', '.join(servers)}: {why}"
+        ) from exc
+    parallel = solved.parallel
+    layout = f"tp {parallel.tp}, pp {parallel.pp}, sharding {parallel.sharding}" if parallel else "plain"
+    return plan_from_solver(solved, "hybrid planner", loaded), f"hybrid plan at GBS {target} ({layout})"
 
 
 class Scheduler:
@@ -300,7 +326,8 @@ class Scheduler:
             raise Conflict(f"the job is {self.state}")
         if self.retiring is not None and servers != self.allocation:
             raise Conflict(f"a move to {', '.join(self.allocation)} is under way: move again once it is done")
-        plan_for(self.loaded, servers)  # a server that cannot run it fails here, before anything changes
+        # A server that cannot run it fails here, before anything changes (a hybrid plan: at the job's GBS).
+        plan_for(self.loaded, servers, self.gbs if _auto(self.loaded) else None)
         self.pending, self.pending_when = list(servers), when
         self.message = f"moving to {', '.join(servers)} at the next {'epoch end' if when == 'epoch' else 'iteration'}"
         gen = self.generation
@@ -663,6 +690,11 @@ class Scheduler:
             epoch_history=[e.model_copy() for e in self.epoch_history],
             scaling=getattr(self.planner, "last", None),
         )
+
+
+def _auto(loaded: LoadedConfig) -> bool:
+    """The job's plans come from the hybrid planner (``[parallel] plan = "auto"``)."""
+    return loaded.config.parallel is not None and loaded.config.parallel.plan == "auto"
 
 
 def _int(value: Any) -> int | None:
