@@ -19,6 +19,7 @@ from jabascli.profiles.hybrid import (
     HybridProfiles,
     ModelBlocks,
     Network,
+    ShardedTimes,
     read_profiles,
     write_profiles,
 )
@@ -77,6 +78,42 @@ def test_faster_replicas_with_more_microbatches_finish_together() -> None:
     assert even.pipeline_s == pytest.approx((24.0, 72.0))
     assert iidp.pipeline_s == pytest.approx((36.0, 36.0))
     assert iidp.iteration_s < even.iteration_s
+
+
+def with_sharded_rows(profiles: HybridProfiles) -> HybridProfiles:
+    """The two-block profiles plus measured sharded rows: on "fast" each block's first forward pays a 0.5 s gather
+    (1.5 against 1.2 s), its last backward a 0.25 s reduce-scatter (2.5 against 2.25 s), the update on the shards
+    0.4 s; on "slow" everything 3x."""
+    rows = {
+        "fast": [ShardedTimes(fwd_first=1.7, fwd=1.2, bwd=2.25, bwd_last=2.5, update=0.4)] * 2,
+        "slow": [ShardedTimes(fwd_first=5.1, fwd=3.6, bwd=6.75, bwd_last=7.5, update=0.4)] * 2,
+    }
+    devices = {d: dev.model_copy(update={"sharded": {1: rows[d]}}) for d, dev in profiles.devices.items()}
+    return profiles.model_copy(update={"devices": devices})
+
+
+def test_sharded_plan_priced_from_measured_rows_by_hand() -> None:
+    plain = CostModel(two_block_profiles())
+    model = CostModel(with_sharded_rows(two_block_profiles()))
+    fast, slow = Placement("fast", 1, "a"), Placement("slow", 1, "b")
+    # unequal counts (3 + 1): gathered once in the first forward, reduce-scattered once in the last backward
+    plan = Plan(1, (0, 2), (Replica((fast,), 3), Replica((slow,), 1)), checkpoint=frozenset({1}), sharding="full")
+    pred = model.predict(plan)
+    # fast: c = 2 * (1.2 + 2.25) + 1.2 (block 1 recomputed) = 8.1 s per micro-batch, 3 of them, plus once
+    # E = 2 * 0.5 gather + 2 * 0.25 reduce-scatter = 1.5 s: 25.8 s; slow: 3 * 8.1 + 3 * 1.5 = 28.8 s
+    assert pred.pipeline_s == pytest.approx((25.8, 28.8))
+    assert pred.sync_s == 0.0  # the collectives are inside the measured rows
+    assert pred.update_s == pytest.approx(0.8)  # u' of both blocks, on the shards
+    assert pred.iteration_s == pytest.approx(28.8 + 0.8)
+    # memory is priced as before
+    assert pred.peak_bytes == plain.predict(plan).peak_bytes
+    # equal counts (2 + 2): ZeRO-3 proper, a gather each forward and each backward: E = 2 * 2 * 1.0 + 0.5 = 4.5 s
+    equal = model.predict(Plan(1, (0, 2), (Replica((fast,), 2), Replica((fast,), 2)), sharding="full"))
+    assert equal.pipeline_s == pytest.approx((2 * 6.9 + 4.5, 2 * 6.9 + 4.5))
+    # without rows at the plan's micro-batch size, or unsharded, today's pricing
+    unsharded = Plan(1, (0, 2), (Replica((fast,), 3), Replica((slow,), 1)))
+    assert model.predict(unsharded) == plain.predict(unsharded)
+    assert not model.measured_sharded(Plan(2, (0, 2), plan.replicas, sharding="full"))
 
 
 def test_profiles_round_trip(tmp_path: Path) -> None:

@@ -48,6 +48,16 @@ def test_profile_parses_back_and_plans(tmp_path: Path) -> None:
         assert len(fast.times[b][2]) == len(slow.times[b][2]) == 4
         for (f, g, u), (fs, gs, us) in zip(fast.times[b][2], slow.times[b][2], strict=True):
             assert 0 < f < fs and 0 < g < gs and us == pytest.approx(u)
+    # Sharded over 2 (FSDP2 units, two processes): every block at every micro-batch size; the emulated device
+    # sleeps on top of each measured time, the update on the shards is not slowed
+    assert "sharded (FSDP2) over 2 measured" in fast.source and fast.sharded_over == 2
+    for b in (1, 2):
+        assert len(fast.sharded[b]) == len(slow.sharded[b]) == 4
+        for row, srow in zip(fast.sharded[b], slow.sharded[b], strict=True):
+            assert min(row.fwd_first, row.fwd, row.bwd, row.bwd_last, row.update) > 0
+            assert srow.fwd > row.fwd and srow.bwd > row.bwd and srow.update == pytest.approx(row.update)
+        # the first forward gathers the parameters, the later ones do not
+        assert sum(r.fwd_first for r in fast.sharded[b]) > sum(r.fwd for r in fast.sharded[b])
     kinds = {(c.collective, c.size_bytes) for c in profiles.network.collectives}
     assert {k for k, _ in kinds} == {"all_reduce", "all_gather", "reduce_scatter", "send"}
     assert all(c.seconds > 0 for c in profiles.network.collectives)

@@ -18,6 +18,22 @@ activation bytes per sample, ``O_i`` output bytes per sample.
 * iteration: ``T = max_r T_r + max_s G_s + U``: the synchronisation starts when the slowest replica has finished its
   last backward (IIDP gives faster replicas more micro-batches so that they finish together).
 
+Sharded (``sharding = full``) where every device type of the plan has measured sharded rows at ``b`` (the profile's
+``sharded``; TP 1): per block ``f'_i`` (forward, FSDP2 hooks), ``f1_i`` (the first forward, its unit's all-gather
+included), ``g'_i`` (backward), ``gL_i`` (the last backward, its reduce-scatter included), ``u'_i`` (the update on the
+shards), each measured over 2 ranks, emulation included (docs/formats.md). Then
+
+* ``c_s = sum_i f'_i + g'_i + [i checkpointed] f'_i``, and once per iteration ``E_s = gat_s + rs_s`` with
+  ``gat_s = sum_i max(0, f1_i - f'_i)``, ``rs_s = sum_i max(0, gL_i - g'_i)`` (the runtime keeps the parameters
+  gathered from the first forward to the last backward when the replicas' micro-batch counts differ); when every
+  replica runs the same count ``M`` the runtime runs ZeRO-3 proper, a gather each forward and again each backward:
+  ``E_s = 2 M gat_s + rs_s``;
+* ``T_r = sum_s (c_s + x_s) + (M_r - 1) max_s (c_s + x_s) + sum_s E_s``; ``G_s = 0`` (the collectives are inside
+  ``E_s``); ``U = max_{r,s} sum_{i in s} u'_i``.
+
+The rows are measured over 2 ranks and used as they are for ``R`` replicas (an estimate for ``R > 2``). Profiles
+without them (imported Sailor and Galvatron ones) price ``full`` as above with the unsharded times.
+
 Peak memory of a device of stage ``s`` in replica ``r``:
 ``W = P_s(t)``, ``mem = W (2 + k_f) + k_o W / (R if sharded else 1) + n_s a_s + reserve(t)`` where ``k_o``/``k_f``
 are the profile's optimizer and framework bytes per parameter byte, ``a_s = b sum_i (A_i(t), or O_i if
@@ -156,10 +172,35 @@ class CostModel:
         reserve = self.profiles.devices[device].reserve(tp) if device in self.profiles.devices else 0.0
         return w * (2 + k_f) + k_o * w / shards + in_flight * self.activations(mbs, tp, first, last, ckpt) + reserve
 
+    def measured_sharded(self, plan: Plan) -> bool:
+        """Whether ``plan`` is sharded and every placement has measured sharded rows at its micro-batch size."""
+        if plan.sharding != "full":
+            return False
+        for rep in plan.replicas:
+            for p in rep.stages:
+                dev = self.profiles.devices.get(p.device)
+                rows = dev.sharded.get(plan.mbs) if dev is not None else None
+                if p.tp != 1 or rows is None or len(rows) < self.profiles.num_blocks:
+                    return False
+        return True
+
+    def sharded_stage(
+        self, device: str, mbs: int, first: int, last: int, ckpt: frozenset[int]
+    ) -> tuple[float, float, float, float]:
+        """Under measured sharding: ``c_s`` per micro-batch, ``gat_s``, ``rs_s`` and the update ``sum u'_i``."""
+        rows = self.profiles.devices[device].sharded[mbs][first:last]
+        compute = sum(r.fwd + r.bwd + (r.fwd if i in ckpt else 0.0) for i, r in enumerate(rows, start=first))
+        gather = sum(max(0.0, r.fwd_first - r.fwd) for r in rows)
+        scatter = sum(max(0.0, r.bwd_last - r.bwd) for r in rows)
+        return compute, gather, scatter, sum(r.update for r in rows)
+
     # --- the whole plan -----------------------------------------------------------------------------------------
     def predict(self, plan: Plan) -> Prediction:
         n_stages = plan.num_stages
         ckpt = frozenset(plan.checkpoint)
+        measured = self.measured_sharded(plan)
+        # ZeRO-3 proper (a gather each forward and each backward) when every replica runs as many micro-batches
+        regather = measured and len({rep.microbatches for rep in plan.replicas}) == 1
         pipeline: list[float] = []
         update = 0.0
         peaks: list[tuple[float, ...]] = []
@@ -175,14 +216,14 @@ class CostModel:
             )
             key = (tuple((p.device, p.tp) for p in rep.stages), links, rep.microbatches)
             if key not in cache:
-                cache[key] = self._replica(plan, rep, ckpt, shards)
+                cache[key] = self._replica(plan, rep, ckpt, shards, measured, regather)
             t_r, u_r, row, ok = cache[key]
             pipeline.append(t_r)
             update = max(update, u_r)
             peaks.append(row)
             fits &= ok
         sync = 0.0
-        for s in range(n_stages):
+        for s in range(n_stages if not measured else 0):  # measured sharding: the collectives are in T_r
             group = [rep.stages[s] for rep in plan.replicas if rep.microbatches > 0]
             size = self.params(plan.bounds[s], plan.bounds[s + 1], min(p.tp for p in group))
             sync = max(sync, self.allreduce_s(size, group))
@@ -190,19 +231,31 @@ class CostModel:
         return Prediction(total, tuple(pipeline), sync, update, tuple(peaks), fits)
 
     def _replica(
-        self, plan: Plan, rep: Replica, ckpt: frozenset[int], shards: int
+        self,
+        plan: Plan,
+        rep: Replica,
+        ckpt: frozenset[int],
+        shards: int,
+        measured: bool = False,
+        regather: bool = False,
     ) -> tuple[float, float, tuple[float, ...], bool]:
         """``T_r``, the replica's update time, its devices' peak memory per stage, and whether all fit."""
         b, n_stages = plan.mbs, plan.num_stages
         steps = []
         row = []
         update = 0.0
+        once = 0.0
         fits = True
         for s, place in enumerate(rep.stages):
             first, last = plan.bounds[s], plan.bounds[s + 1]
             sck = frozenset(i for i in ckpt if first <= i < last)
-            compute = self.stage_compute(place.device, b, place.tp, first, last, sck)
-            update = max(update, self.stage_update(place.device, b, place.tp, first, last))
+            if measured:
+                compute, gather, scatter, u_s = self.sharded_stage(place.device, b, first, last, sck)
+                once += (2 * rep.microbatches if regather else 1) * gather + scatter
+                update = max(update, u_s)
+            else:
+                compute = self.stage_compute(place.device, b, place.tp, first, last, sck)
+                update = max(update, self.stage_update(place.device, b, place.tp, first, last))
             comm = 0.0
             if s + 1 < n_stages:
                 comm += self.send_s(b * self.blocks.blocks[last - 1].boundary_bytes, place, rep.stages[s + 1])
@@ -213,5 +266,5 @@ class CostModel:
             mem = self.stage_memory(place.device, b, place.tp, first, last, sck, in_flight, shards)
             row.append(mem)
             fits &= mem <= self.profiles.devices[place.device].memory_bytes
-        t_r = sum(steps) + (rep.microbatches - 1) * max(steps) if rep.microbatches else 0.0
+        t_r = sum(steps) + (rep.microbatches - 1) * max(steps) + once if rep.microbatches else 0.0
         return t_r, update, tuple(row), fits

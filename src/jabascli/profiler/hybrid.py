@@ -25,6 +25,12 @@ sleeps. With one GPU here, TP 2 is derived instead (the profile says so): per bl
 ``g_i / 2 + 2 AR(b O_i)`` (Megatron's two all-reduces of the block's activations forward and two backward, at the
 measured all-reduce). Memory under TP 2 is derived either way: the block's own parameters and its activations halved,
 the embeddings and head whole.
+
+Sharded data parallelism (``sharding = "full"``) is measured the same way (``sharded`` in the device profile): two
+processes hold every block and then the model as FSDP2 units, as the runtime does, and each iteration runs two
+micro-batches (the first pays each unit's all-gather in its forward, the last its reduce-scatter in its backward,
+the parameters stay gathered between) and the optimizer step on the shards. Per block the slower rank's medians;
+an emulated device gets ``T + (s - 1) c`` for each, as under TP 2.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from jabascli.profiles.hybrid import (
     HybridProfiles,
     ModelBlocks,
     Network,
+    ShardedTimes,
     model_dir,
     write_profiles,
 )
@@ -109,6 +116,7 @@ def profile_hybrid(
         for key in measured:
             split[key] = _tp_blocks(spec, key, mbs, reporter) if _can_measure_tp2(key[0]) else None
         tp2 = all(result is None or result.get("status") == "ok" for result in split.values())
+    sharded = {key: _shard_blocks(spec, key, mbs, reporter) for key in measured if _can_measure_tp2(key[0])}
     blocks = _model_blocks(workload.name, first, tp2)
     devices = {}
     for t in types:
@@ -119,10 +127,12 @@ def profile_hybrid(
         times = _device_times(measured[key], target.slowdown, tp2, tp_times, allreduce, first)
         devices[t] = DeviceTimes(
             device=t,
-            source=_source(target.describe(), tp2, measured_tp=tp_times is not None),
+            source=_source(target.describe(), tp2, measured_tp=tp_times is not None)
+            + ("; sharded (FSDP2) over 2 measured on two processes" if key in sharded else ""),
             memory_bytes=float(target.memory_bytes),
             devices_per_server=server.devices,
             times=times,
+            sharded=_sharded_times(sharded[key], target.slowdown, first["params_bytes"]) if key in sharded else {},
         )
     profiles = HybridProfiles(blocks=blocks, devices=devices, network=network)
     written = write_profiles(root, profiles)
@@ -150,12 +160,24 @@ def _tp_blocks(spec: dict[str, Any], key: tuple[str, int | None], mbs: tuple[int
 
     ``status`` is ``skip`` where the workload's TP plan cannot split its blocks in two (then no plan uses TP 2).
     """
+    return _two_ranks(spec, key, mbs, reporter, "tp", "TP 2")
+
+
+def _shard_blocks(spec: dict[str, Any], key: tuple[str, int | None], mbs: tuple[int, ...], reporter: Reporter) -> dict:
+    """The blocks timed as FSDP2 units sharded over 2 data-parallel ranks (two processes); per block the slower
+    rank's times."""
+    return _two_ranks(spec, key, mbs, reporter, "shard", "sharded over 2")
+
+
+def _two_ranks(
+    spec: dict[str, Any], key: tuple[str, int | None], mbs: tuple[int, ...], reporter: Reporter, how: str, what: str
+) -> dict:
     device, threads = key
-    base = {"kind": "blocks", **spec, "device": device, "threads": threads, "mbs": list(mbs), "tp": 2}
+    base = {"kind": "blocks", **spec, "device": device, "threads": threads, "mbs": list(mbs), how: 2}
     base |= {"world_size": 2, "master_addr": "127.0.0.1", "min_reps": 5}
 
     def progress(fields: dict[str, Any]) -> None:
-        reporter.progress(fields.get("done", 0), len(mbs), f"blocks, TP 2: micro-batch size {fields.get('mbs')}")
+        reporter.progress(fields.get("done", 0), len(mbs), f"blocks, {what}: micro-batch size {fields.get('mbs')}")
 
     for attempt in range(3):
         port = free_port()
@@ -165,7 +187,7 @@ def _tp_blocks(spec: dict[str, Any], key: tuple[str, int | None], mbs: tuple[int
             break
         except ChildCrashed as crash:
             if "address already in use" not in crash.describe().lower() or attempt == 2:
-                raise RuntimeFailure([f"hybrid TP 2 block profile failed: {crash.describe()}"]) from None
+                raise RuntimeFailure([f"hybrid {what} block profile failed: {crash.describe()}"]) from None
     if any(r.get("status") == "skip" for r in results):
         return {"status": "skip"}
     slower: dict[str, Any] = {}
@@ -296,3 +318,33 @@ def _measured_tp(t: dict[str, Any], slowdown: float, params: list[float]) -> lis
     bwd[n - 1] += slowdown * t["head"][1]
     update = [t["update"] * p / sum(params) for p in params]
     return list(zip(fwd, bwd, update, strict=True))
+
+
+def _sharded_times(measured: dict[str, Any], slowdown: float, params: list[float]) -> dict[int, list[ShardedTimes]]:
+    """Per block the sharded times as an emulated device of ``slowdown`` runs them: ``T + (s - 1) c`` per measured
+    time (as for TP 2: the engine sleeps ``s - 1`` times the CPU time of the work, FSDP2's hooks included); the
+    embeddings' and head's (with the root unit's gather and reduce-scatter) added to the first and last block; the
+    update shared by parameter bytes, not slowed."""
+    extra = slowdown - 1.0
+    out: dict[int, list[ShardedTimes]] = {}
+    for b_text, t in measured["times"].items():
+        n = len(t["fwd"])
+
+        def slowed(name: str, t: dict[str, Any] = t) -> list[float]:
+            return [w + extra * c for w, c in zip(t[name], t[f"{name}_cpu"], strict=True)]
+
+        f_first, f_rest, g_rest, g_last = slowed("fwd_first"), slowed("fwd"), slowed("bwd"), slowed("bwd_last")
+        f_rest[0] += slowdown * t["embed"][0]
+        g_rest[0] += slowdown * t["embed"][1]
+        f_first[0] += slowdown * t["embed"][0] + t["embed_once"][0]
+        g_last[0] += slowdown * t["embed"][1] + t["embed_once"][1]
+        f_rest[n - 1] += slowdown * t["head"][0]
+        g_rest[n - 1] += slowdown * t["head"][1]
+        f_first[n - 1] += slowdown * t["head"][0] + t["head_once"][0]
+        g_last[n - 1] += slowdown * t["head"][1] + t["head_once"][1]
+        total = sum(params)
+        out[int(b_text)] = [
+            ShardedTimes(fwd_first=ff, fwd=f, bwd=g, bwd_last=gl, update=t["update"] * p / total)
+            for ff, f, g, gl, p in zip(f_first, f_rest, g_rest, g_last, params, strict=True)
+        ]
+    return out

@@ -16,6 +16,12 @@ Two kinds of spec (``kind``):
   parallelize_blocks`), the same iteration timed the same way (a fixed number of repetitions, so the ranks' collectives
   pair up), communication inside the blocks included; also each block's CPU time on this thread (what the engine's
   emulation of a slower device sleeps by). No sizes.
+  With ``shard`` = 2 (``rank``, ``world_size`` = 2, ...): one rank of a group over which every block and then the
+  model are FSDP2 units (:func:`~jabascli.engine.parallel.sharding.shard_model`, as the runtime's ``sharding =
+  "full"`` with unequal micro-batch counts runs them: parameters gathered in the first forward, kept until the last
+  backward reduce-scatters). Each timed iteration runs two micro-batches, the first without gradient sync (its
+  forward pays each unit's all-gather), the second with it (its backward pays the reduce-scatters), then the update
+  on the shards: per block ``fwd_first``, ``fwd``, ``bwd``, ``bwd_last`` and their CPU times, and ``update``. No sizes.
 * ``collectives``: one rank of a gloo group on loopback: all-reduce, all-gather, reduce-scatter and a
   point-to-point send of every size, each the median of timed repetitions started together (the slowest rank's).
 """
@@ -47,8 +53,9 @@ def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     workload = load_workload(spec["workload"], spec.get("options") or {}, spec.get("data"))
     tp = int(spec.get("tp", 1))
+    shard = int(spec.get("shard", 1))
     device = torch.device(spec["device"])
-    if tp > 1 and device.type == "cuda":
+    if (tp > 1 or shard > 1) and device.type == "cuda":
         device = torch.device("cuda", int(spec["rank"]))
     model = workload.build_model().to(device)
     blocks = workload.blocks(model)
@@ -62,6 +69,9 @@ def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
         if problem is not None:  # every rank finds the same, before any of them joins the group
             return {"status": "skip", "error": problem}
         _join_tp_group(spec, device, blocks, workload)
+    units: list[Any] = []
+    if shard > 1:
+        units = _join_shard_group(spec, device, model, blocks)
 
     def clock() -> float:
         if device.type == "cuda":
@@ -76,28 +86,40 @@ def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
         cpu[key] = time.thread_time()
 
     for i, block in enumerate(blocks):
-        block.register_forward_pre_hook(lambda m, a, i=i: stamp(("f0", i)))
+        # prepend: before FSDP2's own pre-forward hook, so that a block's forward includes its unit's all-gather
+        block.register_forward_pre_hook(lambda m, a, i=i: stamp(("f0", i)), prepend=True)
         block.register_forward_hook(lambda m, a, o, i=i: stamp(("f1", i)))
         block.register_full_backward_pre_hook(lambda m, g, i=i: stamp(("b0", i)))
         block.register_full_backward_hook(lambda m, gi, go, i=i: stamp(("b1", i)))
     optimizer = workload.optimizer(model.parameters())
 
-    def iteration(x: Any, y: Any) -> tuple[Any, ...]:
+    def micro(x: Any, y: Any) -> tuple[Any, ...]:
+        """One forward and backward: per block times, embeddings' and head's, per block CPU times."""
         t0 = clock()
         loss = workload.loss(model(x), y)
         t1 = clock()
         loss.backward()
         t2 = clock()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        t3 = clock()
         fwd = [stamps["f1", i] - stamps["f0", i] for i in range(n)]
         bwd = [stamps["b1", i] - stamps["b0", i] for i in range(n)]
         before = (stamps["f0", 0] - t0, t2 - stamps["b1", 0])
         after = (t1 - stamps["f1", n - 1], stamps["b0", n - 1] - t1)
         fwd_cpu = [cpu["f1", i] - cpu["f0", i] for i in range(n)]
         bwd_cpu = [cpu["b1", i] - cpu["b0", i] for i in range(n)]
-        return fwd, bwd, *before, *after, t3 - t2, fwd_cpu, bwd_cpu
+        return fwd, bwd, *before, *after, fwd_cpu, bwd_cpu
+
+    def step() -> float:
+        t2 = clock()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return clock() - t2
+
+    def iteration(x: Any, y: Any) -> tuple[Any, ...]:
+        fwd, bwd, *rest, fwd_cpu, bwd_cpu = micro(x, y)
+        return fwd, bwd, *rest, step(), fwd_cpu, bwd_cpu
+
+    if shard > 1:
+        return _measure_sharded(spec, workload, device, units, micro, step)
 
     times: dict[str, Any] = {}
     sizes = [int(b) for b in spec["mbs"]]
@@ -124,6 +146,83 @@ def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
         dist.destroy_process_group()
         return {"status": "ok", "times": times}
     return {"status": "ok", "times": times, **_sizes(torch, workload, model, blocks, optimizer, sizes[-1], device)}
+
+
+def _measure_sharded(spec: dict[str, Any], workload: Any, device: Any, units: list[Any], micro: Any, step: Any) -> dict:
+    """Time two micro-batches and the update per iteration on the FSDP2 units (module docstring); medians."""
+    import torch.distributed as dist
+
+    from jabascli.profiler.step import to_device
+
+    def configure(sync: bool, reshard_backward: bool) -> None:
+        for unit in units:  # as engine/parallel/sharding.py runs unequal micro-batch counts
+            unit.set_requires_gradient_sync(sync, recurse=False)
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.set_reshard_after_backward(reshard_backward, recurse=False)
+
+    times: dict[str, Any] = {}
+    sizes = [int(b) for b in spec["mbs"]]
+    for k, b in enumerate(sizes):
+        x, y = to_device(workload.synthetic_batch(b), device)
+        runs = []
+        # a fixed number of iterations on both ranks, so that their collectives pair up
+        for rep in range(int(spec.get("warmup", 2)) + int(spec.get("min_reps", 5))):
+            configure(sync=False, reshard_backward=False)
+            first = micro(x, y)
+            configure(sync=True, reshard_backward=True)
+            last = micro(x, y)
+            update = step()
+            if rep >= int(spec.get("warmup", 2)):
+                runs.append((first, last, update))
+        n = len(runs[0][0][0])
+
+        def med(which: int, field: int, runs: list[Any] = runs, n: int = n) -> list[float]:
+            return [median(r[which][field][i] for r in runs) for i in range(n)]
+
+        def med2(which: int, field: int, runs: list[Any] = runs) -> float:
+            return median(r[which][field] for r in runs)
+
+        times[str(b)] = {
+            "fwd_first": med(0, 0),
+            "fwd": med(1, 0),
+            "bwd": med(0, 1),
+            "bwd_last": med(1, 1),
+            "fwd_first_cpu": med(0, 6),
+            "fwd_cpu": med(1, 6),
+            "bwd_cpu": med(0, 7),
+            "bwd_last_cpu": med(1, 7),
+            # embeddings and head: (forward, backward) of a micro-batch between first and last ones
+            "embed": [med2(1, 2), med2(0, 3)],
+            "head": [med2(1, 4), med2(0, 5)],
+            "embed_once": [med2(0, 2) - med2(1, 2), med2(1, 3) - med2(0, 3)],
+            "head_once": [med2(0, 4) - med2(1, 4), med2(1, 5) - med2(0, 5)],
+            "update": median(r[2] for r in runs),
+        }
+        emit_progress(done=k + 1, total=len(sizes), mbs=b, seconds=sum(times[str(b)]["fwd"]))
+    dist.destroy_process_group()
+    return {"status": "ok", "times": times}
+
+
+def _join_shard_group(spec: dict[str, Any], device: Any, model: Any, blocks: list[Any]) -> list[Any]:
+    """Join the group of the sharded measurement and make every block, then the model, an FSDP2 unit over it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from jabascli.engine.distributed import bind_gloo_towards, rendezvous_store
+    from jabascli.engine.parallel.sharding import shard_model
+
+    rank, world = int(spec["rank"]), int(spec["world_size"])
+    timeout = timedelta(seconds=float(spec.get("timeout", 120)))
+    bind_gloo_towards(spec["master_addr"])
+    store = rendezvous_store(spec["master_addr"], int(spec["master_port"]), rank == 0, timeout)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    return shard_model(model, blocks, mesh)
 
 
 def _join_tp_group(spec: dict[str, Any], device: Any, blocks: list[Any], workload: Any) -> None:

@@ -63,6 +63,22 @@ class ModelBlocks(_Strict):
         return _at_tp(self.blocks[block].act_bytes, tp, f"block {self.blocks[block].name} act_bytes")
 
 
+class ShardedTimes(_Strict):
+    """One block's seconds as an FSDP2 unit, in an iteration whose micro-batches keep the parameters gathered from
+    the first forward to the last backward (the runtime's ``sharding = "full"`` with unequal micro-batch counts)."""
+
+    fwd_first: float
+    """Forward of the iteration's first micro-batch: the unit's all-gather included."""
+    fwd: float
+    """Forward of any later micro-batch (FSDP2's hooks, no collective)."""
+    bwd: float
+    """Backward of any micro-batch but the last (gradients accumulate unsharded)."""
+    bwd_last: float
+    """Backward of the last micro-batch: the unit's reduce-scatter included."""
+    update: float
+    """The block's share of the optimizer step on the shards."""
+
+
 class DeviceTimes(_Strict):
     format: Literal["jabas-hybrid-device/1"] = DEVICE_FORMAT
     device: str
@@ -73,6 +89,11 @@ class DeviceTimes(_Strict):
     """Memory the framework takes besides tensors (CUDA context, kernels, allocator), by TP degree."""
     times: dict[int, dict[int, list[tuple[float, float, float]]]]
     """``times[mbs][tp][block] = (forward, backward, update)`` in seconds for one micro-batch of ``mbs`` samples."""
+
+    sharded: dict[int, list[ShardedTimes]] = {}
+    """``sharded[mbs][block]``: the block as an FSDP2 unit over ``sharded_over`` data-parallel ranks (TP 1), as
+    ``jabas profile hybrid`` measures it; absent in imported profiles (then sharded plans are priced without it)."""
+    sharded_over: int = 2
 
     def reserve(self, tp: int) -> float:
         if not self.reserve_bytes:
