@@ -1,0 +1,159 @@
+"""The auto-scaler prices hybrid jobs with the hybrid planner (issue 21): an allocation no plan fits is never chosen,
+the chosen allocation's time is the planner's prediction for it, and plain IIDP's time wins when it is faster."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from jabascli.autoscale.allocation import AllocationSpace, Choice
+from jabascli.autoscale.hybridcost import HybridCostModel
+from jabascli.autoscale.planner import Objective, Planner
+from jabascli.autoscale.trajectory import Segment
+from jabascli.hybrid.job import HybridJob
+from jabascli.hybrid.search import ServerGroup, search
+from jabascli.perfmodel import ServerSpec
+from jabascli.profiles.hybrid import DeviceTimes, HybridProfiles
+from tests.test_hybrid_solve_cli import GB, profiles
+
+PRICE = {"fast": 3.0, "mid": 2.0, "slow": 1.0}
+SPEED = {"fast": 1.0, "mid": 2.0, "slow": 3.0}
+
+
+def hybrid_profiles(memory_gb: float, types: tuple[str, ...] = ("fast", "slow")) -> HybridProfiles:
+    """tests/test_hybrid_solve_cli.py's toy model (4 blocks of 4 GB with Adam), on ``types`` (``mid``: 2x fast's
+    time) with ``memory_gb`` per device."""
+    base = profiles()
+    devices: dict[str, DeviceTimes] = {}
+    for name in types:
+        scale = SPEED[name] / SPEED["slow" if name == "slow" else "fast"]
+        src = base.devices["slow" if name == "slow" else "fast"]
+        times = {
+            b: {t: [(f * scale, g * scale, u) for f, g, u in rows] for t, rows in per_tp.items()}
+            for b, per_tp in src.times.items()
+        }
+        devices[name] = src.model_copy(update={"device": name, "times": times, "memory_bytes": memory_gb * GB})
+    network = base.network.model_copy(
+        update={
+            "intra": {d: base.network.intra["fast"] for d in types},
+            "inter": {d: base.network.inter["fast"] for d in types},
+        }
+    )
+    return base.model_copy(update={"devices": devices, "network": network})
+
+
+def space(types: tuple[str, ...] = ("fast", "slow"), servers: int = 2) -> AllocationSpace:
+    """``servers`` servers of 2 devices of each type, in units of one device."""
+    specs = [ServerSpec(f"{d}{k}", d, 2, d, 100.0, 50.0, PRICE[d] * 2) for d in types for k in range(servers)]
+    return AllocationSpace(specs, 1, {s.name: PRICE[s.device_type] for s in specs})
+
+
+def cost_model(memory_gb: float, types: tuple[str, ...] = ("fast", "slow"), plain=None) -> HybridCostModel:  # type: ignore[no-untyped-def]
+    job = HybridJob(hybrid_profiles(memory_gb, types), [], {}, Path("profiles/hybrid/toy"))
+    return HybridCostModel(job, space(types), plain)
+
+
+def planner_time(memory_gb: float, used: dict[str, int], gbs: int) -> float:
+    """The hybrid planner run by hand on the allocation's used devices (``used``: devices per server of each type,
+    every used server whole): the fastest plan over the TP degrees, as ``jabas solve --hybrid``."""
+    found = []
+    for tp in (1, 2):
+        devices = {}
+        for name, dev in hybrid_profiles(memory_gb).devices.items():
+            times = {b: {tp: rows[tp]} for b, rows in dev.times.items()}
+            devices[name] = dev.model_copy(update={"times": times, "devices_per_server": used.get(name, 2)})
+        from jabascli.hybrid.costmodel import CostModel
+
+        model = CostModel(hybrid_profiles(memory_gb).model_copy(update={"devices": devices}))
+        servers = [ServerGroup(d, 1) for d in used]
+        try:
+            found.append(search(model, servers, gbs, deal=True).prediction.iteration_s)
+        except Exception:
+            continue
+    return min(found, default=math.inf)
+
+
+SEGMENTS = [Segment(16, 100)]
+
+
+def test_an_allocation_no_plan_fits_is_never_chosen() -> None:
+    # 11 GB a device: no single device holds the 16 GB model; two devices of a server can (a pipeline or sharding).
+    model = cost_model(11)
+    one_gpu: list[Choice] = [(1, 0), (0, 1)]
+    for choice in one_gpu:
+        assert model.iteration_time(choice, 16) == math.inf
+        assert model.priced(choice, 16).by == "none"
+    # Cost is the objective: a single slow device would be the cheapest if it were priced.
+    decision = Planner(model.space, model, Objective(kind="cost")).plan(SEGMENTS)
+    assert decision.choice not in one_gpu
+    assert math.isfinite(decision.chosen.time_s)
+    # Brute force: the cheapest allocation with a finite time.
+    priced = {c: model.iteration_time(c, 16) * 100 / 3600 * model.space.price_per_hour(c) for c in model.space}
+    finite = {c: v for c, v in priced.items() if math.isfinite(v)}
+    assert decision.chosen.cost == min(finite.values())
+
+
+def test_the_chosen_allocations_time_is_the_planners_prediction() -> None:
+    model = cost_model(11)
+    decision = Planner(model.space, model, Objective()).plan(SEGMENTS)
+    used = model.space.used(decision.choice)
+    per_type = {}
+    for name, gpus in used.items():
+        per_type.setdefault(name.rstrip("0123456789"), []).append(gpus)
+    assert all(len(set(g)) == 1 for g in per_type.values())
+    priced = model.priced(decision.choice, 16)
+    assert priced.by == "hybrid" and priced.plan is not None
+    # The same allocation planned by hand, server by server.
+    servers = {d: len(g) for d, g in per_type.items()}
+    assert servers and all(n in (1, 2) for n in servers.values())
+    if all(n == 1 for n in servers.values()):
+        assert priced.time_s == planner_time(11, {d: g[0] for d, g in per_type.items()}, 16)
+    assert decision.chosen.time_s == 100 * priced.time_s + 0.0
+    # Every allocation is searched once per GBS, whatever the planner asks.
+    searches = model.searches
+    Planner(model.space, model, Objective()).plan(SEGMENTS)
+    assert model.searches == searches
+
+
+def test_one_server_of_each_type_equals_the_hand_run_planner() -> None:
+    model = cost_model(11)
+    for choice, used in (((2, 0), {"fast": 2}), ((0, 2), {"slow": 2}), ((2, 2), {"fast": 2, "slow": 2})):
+        assert model.iteration_time(choice, 16) == planner_time(11, used, 16)
+
+
+class HalfOfHybrid:
+    """A plain cost model that prices every allocation at a fixed time (the data-parallel solver's stand-in)."""
+
+    def __init__(self, time_s: float) -> None:
+        self.time_s = time_s
+
+    def iteration_time(self, choice: Choice, gbs: int) -> float:
+        return self.time_s
+
+
+def test_a_model_that_fits_one_device_gets_plain_pricing_when_faster() -> None:
+    # 80 GB a device: the model fits one device, and the hybrid planner's fastest plan is plain IIDP itself.
+    hybrid = cost_model(80)
+    t = hybrid.iteration_time((2, 2), 16)
+    assert hybrid.priced((2, 2), 16).plan is not None
+    faster = cost_model(80, plain=HalfOfHybrid(t / 2))
+    assert faster.iteration_time((2, 2), 16) == t / 2 and faster.priced((2, 2), 16).by == "plain"
+    slower = cost_model(80, plain=HalfOfHybrid(t * 2))
+    assert slower.iteration_time((2, 2), 16) == t and slower.priced((2, 2), 16).by == "hybrid"
+    # No plan fits and plain IIDP cannot either (it has no memory model): plain's time is what is left.
+    tight = cost_model(11, plain=HalfOfHybrid(5.0))
+    assert tight.priced((1, 0), 16).by == "plain"
+
+
+def test_a_part_used_server_has_no_hybrid_shape() -> None:
+    # 3 fast devices: one whole server and one half of another; the planner takes one device count per type.
+    model = cost_model(80)
+    assert model.job_of((3, 0)) is None
+    assert model.iteration_time((3, 0), 16) == math.inf
+    assert model.job_of((4, 0)) is not None
+
+
+def test_three_types_decide() -> None:
+    model = cost_model(11, ("fast", "mid", "slow"))
+    decision = Planner(model.space, model, Objective()).plan([Segment(16, 100), Segment(32, 100)])
+    assert math.isfinite(decision.chosen.time_s)
