@@ -6,15 +6,21 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from jabascli.autoscale.allocation import AllocationSpace, Choice
 from jabascli.autoscale.hybridcost import HybridCostModel
 from jabascli.autoscale.planner import Objective, Planner
+from jabascli.autoscale.setup import scaling_from_config
 from jabascli.autoscale.trajectory import Segment
+from jabascli.config import load_config
+from jabascli.errors import InputError
+from jabascli.hybrid.costmodel import CostModel
 from jabascli.hybrid.job import HybridJob
 from jabascli.hybrid.search import ServerGroup, search
 from jabascli.perfmodel import ServerSpec
 from jabascli.profiles.hybrid import DeviceTimes, HybridProfiles
-from tests.test_hybrid_solve_cli import GB, profiles
+from tests.test_hybrid_solve_cli import GB, job, profiles
 
 PRICE = {"fast": 3.0, "mid": 2.0, "slow": 1.0}
 SPEED = {"fast": 1.0, "mid": 2.0, "slow": 3.0}
@@ -49,8 +55,8 @@ def space(types: tuple[str, ...] = ("fast", "slow"), servers: int = 2) -> Alloca
 
 
 def cost_model(memory_gb: float, types: tuple[str, ...] = ("fast", "slow"), plain=None) -> HybridCostModel:  # type: ignore[no-untyped-def]
-    job = HybridJob(hybrid_profiles(memory_gb, types), [], {}, Path("profiles/hybrid/toy"))
-    return HybridCostModel(job, space(types), plain)
+    hybrid = HybridJob(hybrid_profiles(memory_gb, types), [], {}, Path("profiles/hybrid/toy"))
+    return HybridCostModel(hybrid, space(types), plain)
 
 
 def planner_time(memory_gb: float, used: dict[str, int], gbs: int) -> float:
@@ -62,13 +68,11 @@ def planner_time(memory_gb: float, used: dict[str, int], gbs: int) -> float:
         for name, dev in hybrid_profiles(memory_gb).devices.items():
             times = {b: {tp: rows[tp]} for b, rows in dev.times.items()}
             devices[name] = dev.model_copy(update={"times": times, "devices_per_server": used.get(name, 2)})
-        from jabascli.hybrid.costmodel import CostModel
-
         model = CostModel(hybrid_profiles(memory_gb).model_copy(update={"devices": devices}))
         servers = [ServerGroup(d, 1) for d in used]
         try:
             found.append(search(model, servers, gbs, deal=True).prediction.iteration_s)
-        except Exception:
+        except InputError:  # no plan fits at this degree
             continue
     return min(found, default=math.inf)
 
@@ -157,3 +161,24 @@ def test_three_types_decide() -> None:
     model = cost_model(11, ("fast", "mid", "slow"))
     decision = Planner(model.space, model, Objective()).plan([Segment(16, 100), Segment(32, 100)])
     assert math.isfinite(decision.chosen.time_s)
+
+
+def test_setup_picks_the_hybrid_cost_model_for_a_hybrid_job(tmp_path: Path) -> None:
+    # A [parallel] job with hybrid profiles only (no plain ones): priced by the hybrid planner, servers as configured.
+    config = job(tmp_path, memory_gb=11, extra="[parallel]\ntp = 1\n")
+    setup = scaling_from_config(load_config(config))
+    model = setup.cost_model
+    assert isinstance(model, HybridCostModel) and model.plain is None
+    assert [t.device_type for t in setup.space.types] == ["fast", "slow"]
+    decision = setup.planner().plan(SEGMENTS)
+    assert math.isfinite(decision.chosen.time_s)
+    assert model.priced(decision.choice, 16).by == "hybrid"
+    # One device of 11 GB holds no plan: never chosen.
+    assert all(model.iteration_time(c, 16) == math.inf for c in ((1, 0), (0, 1)))
+    assert decision.choice not in ((1, 0), (0, 1))
+
+
+def test_setup_without_parallel_keeps_the_solver(tmp_path: Path) -> None:
+    config = job(tmp_path, memory_gb=11)
+    with pytest.raises(InputError):  # no plain profiles: the plain job is told so, as before
+        scaling_from_config(load_config(config))
