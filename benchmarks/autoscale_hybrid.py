@@ -3,8 +3,8 @@
 A 48-block model (Sailor's OPT-350M profiles: embedding, 46 layers, head; eth-easl/sailor, MIT, in
 ``../shared/reference/planners/sailor``) on a 3-type cluster (``--servers`` servers of each of RTX-3090, Titan-RTX
 and RTX-2080, their devices per server as profiled), allocated in whole servers. Prints the CPU seconds of the first
-decision (every allocation's hybrid search for every GBS of the epoch), of the same decision again (all cached)
-and of the next epoch's decision at a doubled GBS, with the searches run and the allocation chosen.
+decision (the allocations the planner's search prices, each by a hybrid search), of the same decision again (all cached)
+and of the next epoch's decision at a doubled GBS, with the searches run and the allocation chosen; then checks\nthe cost model's lower bound against every allocation's time (which searches the allocations not yet priced).
 
     .venv/bin/python benchmarks/autoscale_hybrid.py --sailor ../shared/reference/planners/sailor
 """
@@ -59,6 +59,14 @@ def main() -> None:
                 f"objective {kind}, {label} (GBS {gbs}): {took:.2f} s CPU, {model.searches - searches} searches; "
                 f"chose {space.describe(decision.choice)}: {priced.time_s:.3f} s/iteration by {priced.by}"
             )
+    # The planner prunes by the lower bound: check it against every time priced above.
+    priced_all = [(c, g, model.iteration_time(c, g)) for c in space for g in (args.gbs, 2 * args.gbs)]
+    over = [
+        (c, g)
+        for c, g, t in priced_all
+        if g * model.sample_work(frozenset(s.device_type for s in space.specs(c))) / space.gpus(c) > t
+    ]
+    print(f"lower bound above the priced time: {len(over)} of {len(priced_all)} (must be 0)")
 
 
 if __name__ == "__main__":

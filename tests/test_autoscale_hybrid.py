@@ -182,3 +182,13 @@ def test_setup_without_parallel_keeps_the_solver(tmp_path: Path) -> None:
     config = job(tmp_path, memory_gb=11)
     with pytest.raises(InputError):  # no plain profiles: the plain job is told so, as before
         scaling_from_config(load_config(config))
+
+
+def test_the_lower_bound_never_exceeds_the_time() -> None:
+    # Three types, several GBS, budgets that force pipelines or not: the bound the planner prunes by holds.
+    for memory in (11, 80):
+        model = cost_model(memory, ("fast", "mid", "slow"))
+        for gbs in (8, 16, 48):
+            for choice in model.space:
+                bound = model.lower_bound(choice, gbs)
+                assert 0 < bound <= model.iteration_time(choice, gbs) * (1 + 1e-12)

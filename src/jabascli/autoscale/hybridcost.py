@@ -13,6 +13,12 @@
 * ``plain``: the plain data-parallel cost model (:class:`~jabascli.autoscale.costmodel.SolverCostModel`, when the
   job has plain profiles too); the time is the lesser of the two, so a model that fits one device still gets plain
   IIDP's pricing when that is fastest (issue 21);
+* ``lower_bound``: ``g W / N``, ``N`` the allocation's devices and ``W`` the least device-seconds a sample can
+  take through the model, block by block the least of ``t (f_i + g_i) / b`` over the allocation's device types and
+  every profiled ``(b, t)``. It holds for every plan of the cost model: a replica's ``T_r >= M_r max_s c_s >= M_r
+  sum_s t_s c_s / n_r`` (``n_r`` its devices), so its ``M_r b`` samples take at most ``T n_r / W`` and summing over
+  replicas ``g <= T N / W``; with plain pricing beside it, the lesser of the two bounds. The planner sorts and
+  prunes candidates by it;
 * every ``(allocation, GBS)`` is searched once (the search is the expensive part), and every device-count shape's
   :class:`~jabascli.hybrid.job.HybridJob` is built once, so its per-TP cost models and their memos serve every
   allocation and GBS of that shape.
@@ -54,6 +60,7 @@ class HybridCostModel:
         self.plain = plain
         self._jobs: dict[tuple[tuple[str, int], ...], HybridJob] = {}
         self._priced: dict[tuple[Choice, int], Priced] = {}
+        self._work: dict[frozenset[str], float] = {}
         self.searches = 0
         """Hybrid searches run (each (allocation, GBS) once): for the measurements in docs/autoscaling.md."""
 
@@ -96,6 +103,33 @@ class HybridCostModel:
             else:
                 self._priced[key] = Priced(math.inf, "none", None)
         return self._priced[key]
+
+    def lower_bound(self, choice: Choice, gbs: int) -> float:
+        """A value never above :meth:`iteration_time` (module doc), without a search."""
+        key = (choice, gbs)
+        if key in self._priced:
+            return self._priced[key].time_s
+        types = {s.device_type for s in self.space.servers if s.name in self.space.used(choice)}
+        hybrid = gbs * self.sample_work(frozenset(types)) / self.space.gpus(choice)
+        lower = getattr(self.plain, "lower_bound", None)
+        plain = lower(choice, gbs) if lower is not None else math.inf
+        return min(hybrid, plain)
+
+    def sample_work(self, types: frozenset[str]) -> float:
+        """``W``: the least device-seconds of one sample through every block on devices of ``types`` (cached)."""
+        if types not in self._work:
+            devices = self.job.profiles.devices
+            work = 0.0
+            for i in range(self.job.profiles.num_blocks):
+                work += min(
+                    (t * (rows[i][0] + rows[i][1]) / b)
+                    for d in types
+                    if d in devices
+                    for b, per_tp in devices[d].times.items()
+                    for t, rows in per_tp.items()
+                )
+            self._work[types] = work
+        return self._work[types]
 
     def hybrid_plan(self, choice: Choice, gbs: int) -> PlanChoice | None:
         """The hybrid planner's fastest plan on the allocation at ``gbs``; None if no plan fits or it has no
