@@ -4,7 +4,8 @@ A 48-block model (Sailor's OPT-350M profiles: embedding, 46 layers, head; eth-ea
 ``../shared/reference/planners/sailor``) on a 3-type cluster (``--servers`` servers of each of RTX-3090, Titan-RTX
 and RTX-2080, their devices per server as profiled), allocated in whole servers. Prints the CPU seconds of the first
 decision (the allocations the planner's search prices, each by a hybrid search), of the same decision again (all cached)
-and of the next epoch's decision at a doubled GBS, with the searches run and the allocation chosen; then checks\nthe cost model's lower bound against every allocation's time (which searches the allocations not yet priced).
+and of the next epoch's decision at a doubled GBS, with the searches run and the allocation chosen; then checks
+the cost model's lower bound against every allocation's time (which searches the allocations not yet priced).
 
     .venv/bin/python benchmarks/autoscale_hybrid.py --sailor ../shared/reference/planners/sailor
 """
