@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from jabascli.autoscale.allocation import AllocationSpace, Choice
+from jabascli.autoscale.costmodel import SolverCostModel
 from jabascli.autoscale.hybridcost import HybridCostModel
 from jabascli.autoscale.planner import Objective, Planner
 from jabascli.autoscale.setup import scaling_from_config
@@ -18,7 +19,15 @@ from jabascli.errors import InputError
 from jabascli.hybrid.costmodel import CostModel
 from jabascli.hybrid.job import HybridJob
 from jabascli.hybrid.search import ServerGroup, search
-from jabascli.perfmodel import ServerSpec
+from jabascli.perfmodel import PerformanceModel, ServerSpec
+from jabascli.profiles import (
+    BucketProfile,
+    CommProfile,
+    CompProfile,
+    MemoryProfile,
+    ProfileSet,
+    ring_allreduce_ideal_ms,
+)
 from jabascli.profiles.hybrid import DeviceTimes, HybridProfiles
 from tests.test_hybrid_solve_cli import GB, job, profiles
 
@@ -192,3 +201,43 @@ def test_the_lower_bound_never_exceeds_the_time() -> None:
             for choice in model.space:
                 bound = model.lower_bound(choice, gbs)
                 assert 0 < bound <= model.iteration_time(choice, gbs) * (1 + 1e-12)
+
+
+def plain_model(ms: float) -> PerformanceModel:
+    """Plain profiles of ``fast`` and ``slow`` (3x the time) at LBS 1 and 2: ``ms`` forward, 2 ``ms`` backward a
+    sample on ``fast``, one model per GPU."""
+    memory, comp = {}, {}
+    for device, speed in (("fast", 1.0), ("slow", 3.0)):
+        for lbs in (1, 2):
+            memory[(device, lbs)] = MemoryProfile(gpu_type=device, total_memory=2**30, lbs=lbs, max_num_models=1)
+            comp[(device, lbs, 1)] = CompProfile(
+                model="toy",
+                gpu_type=device,
+                lbs=lbs,
+                num_models=1,
+                total_time=0.0,
+                data_time=0.0,
+                fwd_time=ms * lbs * speed,
+                bwd_time=2 * ms * lbs * speed,
+                update_time=0.1,
+                copy_time=0.0,
+                bn_sync_time=0.0,
+            )
+    ideal = [ring_allreduce_ideal_ms(s * 2**20, 1e9, 2) for s in (1, 4, 16)]
+    comm = {k: CommProfile(kind=k, ideal_ms=ideal, measured_ms=ideal) for k in ("intra", "inter")}  # type: ignore[arg-type]
+    return PerformanceModel(ProfileSet(memory, comp, BucketProfile(model="toy", bucket_size_distribution=[4.0]), comm))
+
+
+def test_plain_pricing_from_the_solver_wins_where_faster() -> None:
+    # 80 GB devices: the model fits one device. The plain solver (real profiles, the data-parallel solver) prices
+    # beside the hybrid planner; each allocation gets the lesser, and each side wins somewhere.
+    hybrid_only = cost_model(80)
+    for ms, winner in ((0.1, "plain"), (1000.0, "hybrid")):
+        plain = SolverCostModel(plain_model(ms), hybrid_only.space)
+        both = cost_model(80, plain=plain)
+        for choice in hybrid_only.space:
+            expected = min(plain.iteration_time(choice, 16), hybrid_only.iteration_time(choice, 16))
+            assert both.iteration_time(choice, 16) == expected
+            assert both.lower_bound(choice, 16) <= expected
+        # One device (no all-reduce; this toy's communication profile makes plain all-reduces dear).
+        assert both.priced((1, 0), 16).by == winner
