@@ -68,17 +68,18 @@ def cost_model(memory_gb: float, types: tuple[str, ...] = ("fast", "slow"), plai
     return HybridCostModel(hybrid, space(types), plain)
 
 
-def planner_time(memory_gb: float, used: dict[str, int], gbs: int) -> float:
-    """The hybrid planner run by hand on the allocation's used devices (``used``: devices per server of each type,
-    every used server whole): the fastest plan over the TP degrees, as ``jabas solve --hybrid``."""
+def planner_time(memory_gb: float, used: dict[str, tuple[int, int]], gbs: int) -> float:
+    """The hybrid planner run by hand (``used``: servers and devices per server of each type): the fastest plan over
+    the TP degrees, as ``jabas solve --hybrid``."""
     found = []
     for tp in (1, 2):
         devices = {}
         for name, dev in hybrid_profiles(memory_gb).devices.items():
             times = {b: {tp: rows[tp]} for b, rows in dev.times.items()}
-            devices[name] = dev.model_copy(update={"times": times, "devices_per_server": used.get(name, 2)})
+            per_server = used[name][1] if name in used else 2
+            devices[name] = dev.model_copy(update={"times": times, "devices_per_server": per_server})
         model = CostModel(hybrid_profiles(memory_gb).model_copy(update={"devices": devices}))
-        servers = [ServerGroup(d, 1) for d in used]
+        servers = [ServerGroup(d, n) for d, (n, _) in used.items()]
         try:
             found.append(search(model, servers, gbs, deal=True).prediction.iteration_s)
         except InputError:  # no plan fits at this degree
@@ -116,12 +117,9 @@ def test_the_chosen_allocations_time_is_the_planners_prediction() -> None:
     assert all(len(set(g)) == 1 for g in per_type.values())
     priced = model.priced(decision.choice, 16)
     assert priced.by == "hybrid" and priced.plan is not None
-    # The same allocation planned by hand, server by server.
-    servers = {d: len(g) for d, g in per_type.items()}
-    assert servers and all(n in (1, 2) for n in servers.values())
-    if all(n == 1 for n in servers.values()):
-        assert priced.time_s == planner_time(11, {d: g[0] for d, g in per_type.items()}, 16)
-    assert decision.chosen.time_s == 100 * priced.time_s + 0.0
+    # The same allocation planned by hand.
+    assert priced.time_s == planner_time(11, {d: (len(g), g[0]) for d, g in per_type.items()}, 16)
+    assert decision.chosen.time_s == 100 * priced.time_s
     # Every allocation is searched once per GBS, whatever the planner asks.
     searches = model.searches
     Planner(model.space, model, Objective()).plan(SEGMENTS)
@@ -130,7 +128,13 @@ def test_the_chosen_allocations_time_is_the_planners_prediction() -> None:
 
 def test_one_server_of_each_type_equals_the_hand_run_planner() -> None:
     model = cost_model(11)
-    for choice, used in (((2, 0), {"fast": 2}), ((0, 2), {"slow": 2}), ((2, 2), {"fast": 2, "slow": 2})):
+    cases = (
+        ((2, 0), {"fast": (1, 2)}),
+        ((0, 2), {"slow": (1, 2)}),
+        ((2, 2), {"fast": (1, 2), "slow": (1, 2)}),
+        ((4, 1), {"fast": (2, 2), "slow": (1, 1)}),
+    )
+    for choice, used in cases:
         assert model.iteration_time(choice, 16) == planner_time(11, used, 16)
 
 
