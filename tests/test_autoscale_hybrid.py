@@ -126,7 +126,7 @@ def test_the_chosen_allocations_time_is_the_planners_prediction() -> None:
     assert model.searches == searches
 
 
-def test_one_server_of_each_type_equals_the_hand_run_planner() -> None:
+def test_whole_server_allocations_equal_the_hand_run_planner() -> None:
     model = cost_model(11)
     cases = (
         ((2, 0), {"fast": (1, 2)}),
