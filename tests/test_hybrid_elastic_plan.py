@@ -3,14 +3,12 @@
 Driven directly (no processes, as tests/test_elastic_job.py), on the hybrid profiles of
 tests/test_hybrid_autoplan_run.py (4 blocks of 1 GB of parameters, 16 GB with gradients and Adam): on
 ``fast`` + ``slow`` (11 GB each) only two pipeline stages fit; ``big`` (40 GB, the fast device type) holds
-the whole model; ``fast`` alone holds no plan, and a move there is refused in one line naming it. The
-auto-scaler prices each allocation of such a job with the hybrid planner's prediction (inf where nothing fits).
+the whole model; ``fast`` alone holds no plan, and a move there is refused in one line naming it. (The
+auto-scaler's pricing of such a job: tests/test_autoscale_hybrid.py.)
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from pathlib import Path
 
 import pytest
@@ -78,32 +76,3 @@ def test_a_moved_auto_job_gets_the_planners_layout_for_its_new_servers(tmp_path:
     assert isinstance(moved, StartCommand) and moved.resume and moved.world_size == 1
     assert moved.plan["parallel"]["pp"] == 1 and s.gbs == GBS  # the GBS kept, the layout the planner's for big
     assert "hybrid plan at GBS 8" in s.message
-
-
-class Space:
-    """The one thing the hybrid cost model asks of the allocation space: the servers of a choice."""
-
-    def __init__(self, used: dict[tuple[int, ...], dict[str, int]]) -> None:
-        self.table = used
-
-    def used(self, choice: tuple[int, ...]) -> dict[str, int]:
-        return self.table[choice]
-
-
-def test_the_auto_scalers_cost_model_of_an_auto_job_is_the_hybrid_planners_prediction(tmp_path: Path) -> None:
-    from jabascli.autoscale.hybridcost import HybridCostModel
-    from jabascli.hybrid.job import load_job, model_name, solve
-
-    loaded = load_config(auto_job(tmp_path))
-    space = Space({(1, 1, 0): {"fast": 1, "slow": 1}, (0, 0, 1): {"big": 1}, (1, 0, 0): {"fast": 1}})
-    costs = HybridCostModel(loaded, None, space)  # type: ignore[arg-type]  # (the solver's parts are not asked)
-    for choice, servers in space.table.items():
-        config = loaded.config.model_copy(deep=True)
-        config.cluster.available_servers = list(servers)
-        there = dataclasses.replace(loaded, config=config)
-        if servers == {"fast": 1}:  # 16 GB of model and Adam state on 11 GB: never moved there
-            assert costs.iteration_time(choice, GBS) == math.inf
-            continue
-        root = tmp_path / "profiles"
-        predicted = solve(load_job(there, root, model_name(there, root)), GBS).prediction.iteration_s
-        assert costs.iteration_time(choice, GBS) == costs.lower_bound(choice, GBS) == predicted > 0
