@@ -32,15 +32,15 @@ N = 1438  # digits' training samples (sklearn's 1797, less the 20 % validation s
 
 
 class Cluster:
-    """`jabas schedule` and one `jabas worker` per server, as real processes."""
+    """`jabas schedule` and one `jabas worker` per server (``servers`` of them), as real processes."""
 
-    def __init__(self, folder: Path, config: Path) -> None:
+    def __init__(self, folder: Path, config: Path, servers: int = 2) -> None:
         self.folder, self.config = folder, config
         self.loaded = load(config)
         self.url = f"http://127.0.0.1:{self.loaded.config.scheduler.port}"
         self.scheduler = jabas("schedule", "-c", str(config), log=folder / "scheduler.log")
         self.workers = [
-            jabas("worker", "-c", str(config), "--rank", str(r), log=folder / f"worker{r}.log") for r in (0, 1)
+            jabas("worker", "-c", str(config), "--rank", str(r), log=folder / f"worker{r}.log") for r in range(servers)
         ]
 
     def post(self, path: str, body: dict[str, Any]) -> httpx.Response:

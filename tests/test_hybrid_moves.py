@@ -25,24 +25,10 @@ from jabascli.engine.checkpoint import read_checkpoint
 from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.reference import reference_run
 from jabascli.net import free_port
-from tests.elastic_support import jabas
 from tests.engine_support import load, max_abs_diff
 from tests.test_elastic_e2e import Cluster
 from tests.test_hybrid_elastic_plan import GBS, auto_job
 from tests.test_hybrid_exactness import BASE_OPTIONS, WORKLOAD
-
-
-class ThreeServers(Cluster):
-    """`jabas schedule` and a `jabas worker` for each of the three servers of tests/test_hybrid_elastic_plan.py."""
-
-    def __init__(self, folder: Path, config: Path) -> None:
-        self.folder, self.config = folder, config
-        self.loaded = load(config)
-        self.url = f"http://127.0.0.1:{self.loaded.config.scheduler.port}"
-        self.scheduler = jabas("schedule", "-c", str(config), log=folder / "scheduler.log")
-        self.workers = [
-            jabas("worker", "-c", str(config), "--rank", str(r), log=folder / f"worker{r}.log") for r in (0, 1, 2)
-        ]
 
 
 def auto_moving_job(folder: Path, slowdown: float) -> Path:
@@ -65,7 +51,7 @@ def auto_moving_job(folder: Path, slowdown: float) -> Path:
 def test_an_auto_planned_job_takes_the_planners_layout_on_each_allocation_and_equals_the_reference(
     tmp_path: Path,
 ) -> None:
-    cluster = ThreeServers(tmp_path, auto_moving_job(tmp_path, slowdown=100.0))
+    cluster = Cluster(tmp_path, auto_moving_job(tmp_path, slowdown=100.0), servers=3)
     loaded = load(cluster.config)
     layouts = {tuple(servers): plan_for(loaded, servers, GBS)[0].parallel for servers in (["fast", "slow"], ["big"])}
     assert [p.pp if p else 1 for p in layouts.values()] == [2, 1]  # the layouts differ

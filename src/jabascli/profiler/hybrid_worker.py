@@ -205,33 +205,24 @@ def _measure_sharded(spec: dict[str, Any], workload: Any, device: Any, units: li
 
 def _join_shard_group(spec: dict[str, Any], device: Any, model: Any, blocks: list[Any]) -> list[Any]:
     """Join the group of the sharded measurement and make every block, then the model, an FSDP2 unit over it."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from jabascli.engine.distributed import bind_gloo_towards, rendezvous_store
     from jabascli.engine.parallel.sharding import shard_model
 
-    rank, world = int(spec["rank"]), int(spec["world_size"])
-    timeout = timedelta(seconds=float(spec.get("timeout", 120)))
-    bind_gloo_towards(spec["master_addr"])
-    store = rendezvous_store(spec["master_addr"], int(spec["master_port"]), rank == 0, timeout)
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-    return shard_model(model, blocks, mesh)
+    return shard_model(model, blocks, _join_group(spec, device, "dp"))
 
 
 def _join_tp_group(spec: dict[str, Any], device: Any, blocks: list[Any], workload: Any) -> None:
-    """Join the gloo group of the TP measurement and split every block across it."""
+    """Join the group of the TP measurement and split every block across it."""
+    from jabascli.engine.parallel.tensor import parallelize_blocks
+
+    parallelize_blocks(blocks, workload, _join_group(spec, device, "tp"))
+
+
+def _join_group(spec: dict[str, Any], device: Any, dim: str) -> Any:
+    """Join the measurement's process group (gloo on loopback, NCCL on GPUs); a one-dimensional mesh of it."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from jabascli.engine.distributed import bind_gloo_towards, rendezvous_store
-    from jabascli.engine.parallel.tensor import parallelize_blocks
 
     rank, world = int(spec["rank"]), int(spec["world_size"])
     timeout = timedelta(seconds=float(spec.get("timeout", 120)))
@@ -243,8 +234,7 @@ def _join_tp_group(spec: dict[str, Any], device: Any, blocks: list[Any], workloa
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
-    parallelize_blocks(blocks, workload, mesh)
+    return init_device_mesh(device.type, (world,), mesh_dim_names=(dim,))
 
 
 def _sizes(torch: Any, workload: Any, model: Any, blocks: list[Any], optimizer: Any, b: int, device: Any) -> dict:
