@@ -51,7 +51,7 @@ def auto_moving_job(folder: Path, slowdown: float) -> Path:
 def test_an_auto_planned_job_takes_the_planners_layout_on_each_allocation_and_equals_the_reference(
     tmp_path: Path,
 ) -> None:
-    cluster = Cluster(tmp_path, auto_moving_job(tmp_path, slowdown=100.0), servers=3)
+    cluster = Cluster(tmp_path, auto_moving_job(tmp_path, slowdown=30.0), servers=3)
     loaded = load(cluster.config)
     layouts = {tuple(servers): plan_for(loaded, servers, GBS)[0].parallel for servers in (["fast", "slow"], ["big"])}
     assert [p.pp if p else 1 for p in layouts.values()] == [2, 1]  # the layouts differ
