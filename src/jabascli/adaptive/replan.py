@@ -245,8 +245,7 @@ def hybrid_candidates(loaded: object, plan: TrainingPlan, low: int, high: int) -
     from jabascli.hybrid.job import load_job, model_name, plan_file, profiles_root, solve_range
 
     assert isinstance(loaded, LoadedConfig)
-    parallel = loaded.config.parallel
-    if parallel is None or parallel.plan != "auto":
+    if not loaded.config.hybrid_auto:
         return None
     root = profiles_root(loaded)
     if not (root / "hybrid").is_dir():

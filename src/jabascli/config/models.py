@@ -240,6 +240,11 @@ class JabasConfig(Section):
                 return server
         raise KeyError(name)
 
+    @property
+    def hybrid_auto(self) -> bool:
+        """The layout is the hybrid planner's (``[parallel] plan = "auto"``), wherever the job runs, at every GBS."""
+        return self.parallel is not None and self.parallel.plan == "auto"
+
     def available(self) -> list[ServerConfig]:
         """The servers the job may use, in the order of ``available_servers``."""
         if self.cluster.available_servers is None:

@@ -149,7 +149,7 @@ def plan_for(loaded: LoadedConfig, servers: list[str], gbs: int | None = None) -
     configured VSW and GA at ``[job] lbs``, whose GBS follows the allocation. A ``[parallel] plan = "auto"``
     job gets the hybrid planner's plan instead (:func:`_hybrid_plan_for`), or an InputError naming the servers.
     """
-    if _auto(loaded):
+    if loaded.config.hybrid_auto:
         return _hybrid_plan_for(loaded, servers, gbs)
     why = "no GBS to keep"
     if gbs is not None:
@@ -327,7 +327,7 @@ class Scheduler:
         if self.retiring is not None and servers != self.allocation:
             raise Conflict(f"a move to {', '.join(self.allocation)} is under way: move again once it is done")
         # A server that cannot run it fails here, before anything changes (a hybrid plan: at the job's GBS).
-        plan_for(self.loaded, servers, self.gbs if _auto(self.loaded) else None)
+        plan_for(self.loaded, servers, self.gbs if self.loaded.config.hybrid_auto else None)
         self.pending, self.pending_when = list(servers), when
         self.message = f"moving to {', '.join(servers)} at the next {'epoch end' if when == 'epoch' else 'iteration'}"
         gen = self.generation
@@ -690,11 +690,6 @@ class Scheduler:
             epoch_history=[e.model_copy() for e in self.epoch_history],
             scaling=getattr(self.planner, "last", None),
         )
-
-
-def _auto(loaded: LoadedConfig) -> bool:
-    """The job's plans come from the hybrid planner (``[parallel] plan = "auto"``)."""
-    return loaded.config.parallel is not None and loaded.config.parallel.plan == "auto"
 
 
 def _int(value: Any) -> int | None:

@@ -52,8 +52,7 @@ def solve_for_run(
     if gbs is None and batching.metric == "fixed":
         # An adaptive job starts from initial_gbs by its own replanning; --gbs still asks for a solved start.
         gbs, source = batching.initial_gbs, "[batching] initial_gbs"
-    parallel = loaded.config.parallel
-    auto = parallel is not None and parallel.plan == "auto"
+    auto = loaded.config.hybrid_auto
     if gbs is None and auto and (batching.initial_gbs or batching.gbs_min):
         # An adaptive job's layout is the hybrid planner's too: solved for the GBS it starts from; its
         # replanning then takes the planner's plans for the GBS it moves to (adaptive/replan.py).
