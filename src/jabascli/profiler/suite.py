@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 
 from jabascli.config.loader import LoadedConfig
 from jabascli.config.models import ServerConfig
-from jabascli.devices import is_this_host
+from jabascli.devices import detect_devices, is_this_host
 from jabascli.errors import InputError, JabasError, RuntimeFailure
-from jabascli.profiler.common import Reporter, pick_server, resolve_target
+from jabascli.profiler.common import Reporter, pick_server
 from jabascli.profiler.lbsplan import device_speeds, lbs_plan
 from jabascli.profiles.formats import comm_profile_path
 
@@ -217,7 +217,8 @@ def profile_all(
     start = lbs if lbs is not None else 32
     intra_procs = max(2, max(s.devices for s in mine))
     inter_here = many and server is None
-    on_cuda = any(resolve_target(loaded, s.name, threads=1).kind == "cuda" for s in mine)
+    # Servers not emulated run on this node's GPU when it has one (profiler/common.py:resolve_target).
+    on_cuda = any(s.emulate is None for s in mine) and detect_devices().backend == "cuda"
     # A server of one GPU never all-reduces within itself, and NCCL refuses two ranks on one GPU.
     need_intra = (server is None or mine[0].devices > 1) and not (on_cuda and all(s.devices == 1 for s in mine))
     sweep = lbs_values or [start * k for k in range(1, 17) if bound is None or start * k <= max(start, bound)]
