@@ -99,12 +99,15 @@ def test_sharded_plan_priced_from_measured_rows_by_hand() -> None:
     # unequal counts (3 + 1): gathered once in the first forward, reduce-scattered once in the last backward
     plan = Plan(1, (0, 2), (Replica((fast,), 3), Replica((slow,), 1)), checkpoint=frozenset({1}), sharding="full")
     pred = model.predict(plan)
-    # fast: c = 2 * (1.2 + 2.25) + 1.2 (block 1 recomputed) = 8.1 s per micro-batch, 3 of them, plus once
-    # E = 2 * 0.5 gather + 2 * 0.25 reduce-scatter = 1.5 s: 25.8 s; slow: 3 * 8.1 + 3 * 1.5 = 28.8 s
-    assert pred.pipeline_s == pytest.approx((25.8, 28.8))
+    # The gathers and reduce-scatters pair up unit by unit, so both replicas go at the slow one's pace there.
+    # First forward: max(1.7, 5.1) per block = 10.2 s. Fast: c = 2 * (1.2 + 2.25) + 1.2 (block 1 recomputed)
+    # = 8.1 s, so its last backward starts at 10.2 + 2 * 8.1 = 26.4 s, the slow one's at 10.2 s. Block 1 (last
+    # backward + recompute): fast 2.5 + 1.2, slow 7.5 + 3.6: max(26.4 + 3.7, 10.2 + 11.1) = 30.1 s; block 0 at
+    # the slow one's 7.5 s: both end at 37.6 s.
+    assert pred.pipeline_s == pytest.approx((37.6, 37.6))
     assert pred.sync_s == 0.0  # the collectives are inside the measured rows
     assert pred.update_s == pytest.approx(0.8)  # u' of both blocks, on the shards
-    assert pred.iteration_s == pytest.approx(28.8 + 0.8)
+    assert pred.iteration_s == pytest.approx(37.6 + 0.8)
     # memory is priced as before
     assert pred.peak_bytes == plain.predict(plan).peak_bytes
     # equal counts (2 + 2): ZeRO-3 proper, a gather each forward and each backward: E = 2 * 2 * 1.0 + 0.5 = 4.5 s

@@ -42,24 +42,33 @@ def test_profile_parses_back_and_plans(tmp_path: Path) -> None:
     assert sorted(fast.times) == [1, 2] and sorted(fast.times[1]) == [1, 2]  # gpt has a TP plan: TP 2 too
     assert "TP 2 measured" in fast.source and "TP 2 measured" in slow.source
     for b in (1, 2):
+        # the emulated device is measured running the engine's emulation (3x, and the emulation's own cost)
         for (f, g, u), (fs, gs, us) in zip(fast.times[b][1], slow.times[b][1], strict=True):
-            assert (fs, gs, us) == pytest.approx((3 * f, 3 * g, u))  # the emulated device: compute x slowdown
+            assert fs > 2 * f and gs > 2 * g and us == pytest.approx(u)
+        # every block checkpointed, as the runtime does it: its forward and backward with the recompute cost more
+        for dev in (fast, slow):
+            assert len(dev.checkpointed[b]) == 4
+            for (f, g, _), (fc, gc) in zip(dev.times[b][1], dev.checkpointed[b], strict=True):
+                assert fc + gc > f + g
         # TP 2, measured on two processes: the emulated device sleeps twice each block's CPU time on top
         assert len(fast.times[b][2]) == len(slow.times[b][2]) == 4
         for (f, g, u), (fs, gs, us) in zip(fast.times[b][2], slow.times[b][2], strict=True):
             assert 0 < f < fs and 0 < g < gs and us == pytest.approx(u)
     # Sharded over 2 (FSDP2 units, two processes): every block at every micro-batch size; the emulated device
-    # sleeps on top of each measured time, the update on the shards is not slowed
+    # measured running the emulation, the update on the shards not slowed
     assert "sharded (FSDP2) over 2 measured" in fast.source and fast.sharded_over == 2
     for b in (1, 2):
         assert len(fast.sharded[b]) == len(slow.sharded[b]) == 4
         for row, srow in zip(fast.sharded[b], slow.sharded[b], strict=True):
             assert min(row.fwd_first, row.fwd, row.bwd, row.bwd_last, row.update) > 0
-            assert srow.fwd > row.fwd and srow.bwd > row.bwd and srow.update == pytest.approx(row.update)
+            assert srow.fwd > row.fwd and srow.bwd > row.bwd and srow.update < 2 * row.update  # not slowed
         # the first forward gathers the parameters, the later ones do not
         assert sum(r.fwd_first for r in fast.sharded[b]) > sum(r.fwd for r in fast.sharded[b])
     kinds = {(c.collective, c.size_bytes) for c in profiles.network.collectives}
     assert {k for k, _ in kinds} == {"all_reduce", "all_gather", "reduce_scatter", "send"}
+    assert {c.link for c in profiles.network.collectives} == {"intra", "inter"}  # the servers share this machine
+    sent = sorted((c.size_bytes, c.seconds) for c in profiles.network.collectives if c.collective == "send")
+    assert profiles.network.measured_seconds("send", "inter", sent[0][0]) == pytest.approx(sent[0][1])
     assert all(c.seconds > 0 for c in profiles.network.collectives)
 
     out = tmp_path / "plan.json"

@@ -5,10 +5,13 @@ stage ``s`` of replica ``r`` runs on ``t`` devices of type ``d``. From the profi
 (forward, backward, update seconds at ``(b, t)`` on ``d``), ``P_i(t)`` parameter bytes per device, ``A_i(t)``
 activation bytes per sample, ``O_i`` output bytes per sample.
 
-* stage compute per micro-batch: ``c_s = sum_i f_i + g_i + [i checkpointed] f_i`` (TP collectives are inside the
-  measured times at degree ``t``);
+* stage compute per micro-batch: ``c_s = sum_i f_i + g_i + [i checkpointed] k_i`` (TP collectives are inside the
+  measured times at degree ``t``); ``k_i``, what checkpointing the block adds, is the measured checkpointed forward
+  and backward over ``f_i + g_i`` where the profile has them (``jabas profile hybrid``, TP 1), else ``f_i`` (one more
+  forward);
 * pipeline transfers per micro-batch: ``x_s = send(b O_last(s)) + send(b O_last(s-1))`` (activations forward,
-  their gradients back), ``send(S) = S / bw(S)`` on the link between the two placements;
+  their gradients back), ``send(S)`` the measured point-to-point time of ``S`` bytes on that link where the profile
+  has it (``jabas profile hybrid``), else ``S / bw(S)`` on the link between the two placements;
 * pipeline (1F1B and GPipe alike): ``T_r = sum_s (c_s + x_s) + (M_r - 1) max_s (c_s + x_s)``;
 * update: ``U = max_{r,s} sum_{i in s} u_i``;
 * gradient synchronisation of stage ``s`` over its ``R`` replicas, each of the ``t`` devices all-reducing its
@@ -30,6 +33,11 @@ shards), each measured over 2 ranks, emulation included (docs/formats.md). Then
   ``E_s = 2 M gat_s + rs_s``;
 * ``T_r = sum_s (c_s + x_s) + (M_r - 1) max_s (c_s + x_s) + sum_s E_s``; ``G_s = 0`` (the collectives are inside
   ``E_s``); ``U = max_{r,s} sum_{i in s} u'_i``.
+* one stage, replicas of unequal counts: the gathers and reduce-scatters pair up unit by unit across the replicas,
+  so a faster replica's first forward and last backward go at the slowest replica's pace, unit by unit. With
+  ``gl_{r,i} = gL_i + [i checkpointed] f'_i`` on replica ``r``'s device and ``c_r`` its ``c_s``: the first forward
+  ends at ``E = sum_i max_r f1_i``, replica ``r`` starts its last backward at ``L_r = E + (M_r - 1) c_r``, and every
+  replica ends at ``T = max_r (L_r + gl_{r,n-1}) + sum_{i < n-1} max_r gl_{r,i}`` (units in backward order).
 
 The rows are measured over 2 ranks and used as they are for ``R`` replicas (an estimate for ``R > 2``). Profiles
 without them (imported Sailor and Galvatron ones) price ``full`` as above with the unsharded times.
@@ -93,7 +101,8 @@ class CostModel:
         if hit is not None:
             return hit
         rows = self.times(device, mbs, tp)
-        compute = sum(rows[i][0] + rows[i][1] + (rows[i][0] if i in ckpt else 0.0) for i in range(first, last))
+        extra = self.checkpoint_s(device, mbs, tp)
+        compute = sum(rows[i][0] + rows[i][1] + (extra[i] if i in ckpt else 0.0) for i in range(first, last))
         update = sum(rows[i][2] for i in range(first, last))
         self._stage_cache[key] = (compute, update)
         return compute, update
@@ -109,6 +118,21 @@ class CostModel:
             )
         return rows
 
+    def checkpoint_s(self, device: str, mbs: int, tp: int) -> list[float]:
+        """``k_i``: what checkpointing block ``i`` adds to a micro-batch: the measured checkpointed forward and
+        backward over the plain ones where the profile has them (TP 1), else one more forward ``f_i``."""
+        key = ("checkpoint", device, mbs, tp)
+        hit = self.memo.get(key)
+        if hit is None:
+            rows = self.times(device, mbs, tp)
+            measured = self.profiles.devices[device].checkpointed.get(mbs) if tp == 1 else None
+            if measured is not None and len(measured) >= len(rows):
+                hit = [max(fc + gc - f - g, 0.0) for (fc, gc), (f, g, _) in zip(measured, rows, strict=False)]
+            else:
+                hit = [f for f, _, _ in rows]
+            self.memo[key] = hit
+        return hit
+
     def send_s(self, size: float, a: Placement, b: Placement) -> float:
         """Point-to-point time of ``size`` bytes from one placement to another."""
         if size <= 0:
@@ -118,9 +142,10 @@ class CostModel:
         hit = self._send_cache.get(key)
         if hit is None:
             net = self.profiles.network
-            if intra:
+            hit = net.measured_seconds("send", "intra" if intra else "inter", size)
+            if hit is None and intra:
                 hit = net.fit("intra", a.device, 2).seconds(size)
-            else:
+            elif hit is None:
                 hit = max(net.fit("inter", p.device, p.tp).seconds(size) for p in (a, b))
             self._send_cache[key] = hit
         return hit
@@ -222,6 +247,8 @@ class CostModel:
             update = max(update, u_r)
             peaks.append(row)
             fits &= ok
+        if measured and not regather and n_stages == 1 and len(plan.replicas) > 1:
+            pipeline = [self._paired_units(plan, ckpt)] * len(plan.replicas)
         sync = 0.0
         for s in range(n_stages if not measured else 0):  # measured sharding: the collectives are in T_r
             group = [rep.stages[s] for rep in plan.replicas if rep.microbatches > 0]
@@ -229,6 +256,24 @@ class CostModel:
             sync = max(sync, self.allreduce_s(size, group))
         total = max(pipeline) + sync + update
         return Prediction(total, tuple(pipeline), sync, update, tuple(peaks), fits)
+
+    def _paired_units(self, plan: Plan, ckpt: frozenset[int]) -> float:
+        """``T`` of a one-stage sharded plan whose replicas' collectives pair up unit by unit (module docstring)."""
+        reps = [rep for rep in plan.replicas if rep.microbatches > 0]
+        rows = [self.profiles.devices[rep.stages[0].device].sharded[plan.mbs] for rep in reps]
+        n = self.profiles.num_blocks
+        first_forward = sum(max(r[i].fwd_first for r in rows) for i in range(n))
+
+        def last_backward(r: list[Any], i: int) -> float:
+            return r[i].bwd_last + (r[i].fwd if i in ckpt else 0.0)
+
+        starts = [
+            first_forward
+            + (rep.microbatches - 1) * sum(x.fwd + x.bwd + (x.fwd if i in ckpt else 0.0) for i, x in enumerate(r))
+            for rep, r in zip(reps, rows, strict=True)
+        ]
+        top = max(start + last_backward(r, n - 1) for start, r in zip(starts, rows, strict=True))
+        return top + sum(max(last_backward(r, i) for r in rows) for i in range(n - 1))
 
     def _replica(
         self,

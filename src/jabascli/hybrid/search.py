@@ -164,10 +164,10 @@ def _fitting_layout(
 
     Blocks are checkpointed in order of activation bytes saved per second of recompute."""
     budget = model.profiles.devices[device].memory_bytes
-    rows = model.times(device, b, t)
+    extra = model.checkpoint_s(device, b, t)
     order = sorted(
         range(first, last),
-        key=lambda i: -(model.blocks.activations(i, t) - model.blocks.blocks[i].boundary_bytes) / max(rows[i][0], 1e-9),
+        key=lambda i: -(model.blocks.activations(i, t) - model.blocks.blocks[i].boundary_bytes) / max(extra[i], 1e-9),
     )
     for k in range(len(order) + 1):
         ckpt = frozenset(order[:k])
@@ -439,7 +439,8 @@ def _stage_matrix(model: CostModel, d: str, t: int, b: int, in_flight: int, shar
     act = np.array([blocks.activations(i, t) for i in range(n_blocks)])
     par = np.array([blocks.params(i, t) for i in range(n_blocks)])
     out = np.array([blk.boundary_bytes for blk in blocks.blocks])
-    per_block = {"fb": rows[:, 0] + rows[:, 1], "f": rows[:, 0], "a": act, "w": par, "sav": act - out}
+    extra = np.array(model.checkpoint_s(d, b, t))
+    per_block = {"fb": rows[:, 0] + rows[:, 1], "f": extra, "a": act, "w": par, "sav": act - out}
     span = {}
     for k, v in per_block.items():
         pre = np.concatenate([[0.0], np.cumsum(v)])

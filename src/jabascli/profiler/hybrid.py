@@ -103,11 +103,16 @@ def profile_hybrid(
         return HybridRun(workload.name, [], types, skipped=True)
     targets = {t: resolve_target(loaded, next(s for s in mine if s.device_type == t).name) for t in types}
     measured: dict[tuple[str, int | None], dict[str, Any]] = {}
+    emulated: dict[str, dict[str, Any]] = {}
     for t in types:
         key = (targets[t].device, targets[t].threads)
         if key not in measured:
             reporter.progress(0, len(mbs), f"blocks on {targets[t].describe()}")
             measured[key] = _blocks(spec, key, mbs, reporter)
+    for t in types:
+        if targets[t].slowdown != 1.0:
+            reporter.progress(0, len(mbs), f"blocks on {targets[t].describe()}")
+            emulated[t] = _blocks(spec, (targets[t].device, targets[t].threads), mbs, reporter, targets[t].slowdown)
     network, allreduce = _collectives(types, reporter)
     first = next(iter(measured.values()))
     tp2 = callable(getattr(workload.module, "tp_plan", None))
@@ -117,6 +122,11 @@ def profile_hybrid(
             split[key] = _tp_blocks(spec, key, mbs, reporter) if _can_measure_tp2(key[0]) else None
         tp2 = all(result is None or result.get("status") == "ok" for result in split.values())
     sharded = {key: _shard_blocks(spec, key, mbs, reporter) for key in measured if _can_measure_tp2(key[0])}
+    sharded_emulated = {
+        t: _shard_blocks(spec, (targets[t].device, targets[t].threads), mbs, reporter, targets[t].slowdown)
+        for t in emulated
+        if _can_measure_tp2(targets[t].device)
+    }
     blocks = _model_blocks(workload.name, first, tp2)
     devices = {}
     for t in types:
@@ -124,7 +134,8 @@ def profile_hybrid(
         server = next(s for s in mine if s.device_type == t)
         key = (target.device, target.threads)
         tp_times = split.get(key) if tp2 else None
-        times = _device_times(measured[key], target.slowdown, tp2, tp_times, allreduce, first)
+        times = _device_times(measured[key], target.slowdown, tp2, tp_times, allreduce, first, emulated.get(t))
+        checkpointed = _checkpointed_times(emulated.get(t) or measured[key], target.slowdown, emulated=t in emulated)
         devices[t] = DeviceTimes(
             device=t,
             source=_source(target.describe(), tp2, measured_tp=tp_times is not None)
@@ -132,7 +143,12 @@ def profile_hybrid(
             memory_bytes=float(target.memory_bytes),
             devices_per_server=server.devices,
             times=times,
-            sharded=_sharded_times(sharded[key], target.slowdown, first["params_bytes"]) if key in sharded else {},
+            checkpointed=checkpointed,
+            sharded=_sharded_times(sharded_emulated[t], target.slowdown, first["params_bytes"], emulated=True)
+            if t in sharded_emulated
+            else _sharded_times(sharded[key], target.slowdown, first["params_bytes"])
+            if key in sharded
+            else {},
         )
     profiles = HybridProfiles(blocks=blocks, devices=devices, network=network)
     written = write_profiles(root, profiles)
@@ -163,10 +179,12 @@ def _tp_blocks(spec: dict[str, Any], key: tuple[str, int | None], mbs: tuple[int
     return _two_ranks(spec, key, mbs, reporter, "tp", "TP 2")
 
 
-def _shard_blocks(spec: dict[str, Any], key: tuple[str, int | None], mbs: tuple[int, ...], reporter: Reporter) -> dict:
+def _shard_blocks(
+    spec: dict[str, Any], key: tuple[str, int | None], mbs: tuple[int, ...], reporter: Reporter, slowdown: float = 1.0
+) -> dict:
     """The blocks timed as FSDP2 units sharded over 2 data-parallel ranks (two processes); per block the slower
-    rank's times."""
-    return _two_ranks(spec, key, mbs, reporter, "shard", "sharded over 2")
+    rank's times. ``slowdown`` > 1: both ranks' blocks run the engine's emulation."""
+    return _two_ranks({**spec, "slowdown": slowdown}, key, mbs, reporter, "shard", "sharded over 2")
 
 
 def _two_ranks(
@@ -201,13 +219,17 @@ def _max(a: Any, b: Any) -> Any:
     return [max(x, y) for x, y in zip(a, b, strict=True)] if isinstance(a, list) else max(a, b)
 
 
-def _blocks(spec: dict[str, Any], key: tuple[str, int | None], mbs: tuple[int, ...], reporter: Reporter) -> dict:
+def _blocks(
+    spec: dict[str, Any], key: tuple[str, int | None], mbs: tuple[int, ...], reporter: Reporter, slowdown: float = 1.0
+) -> dict:
+    """The blocks timed on one device (module docstring); ``slowdown`` > 1: every block running the engine's
+    emulation of a device that much slower."""
     device, threads = key
 
     def progress(fields: dict[str, Any]) -> None:
         reporter.progress(fields.get("done", 0), len(mbs), f"blocks: micro-batch size {fields.get('mbs')}")
 
-    job = {"kind": "blocks", **spec, "device": device, "threads": threads, "mbs": list(mbs)}
+    job = {"kind": "blocks", **spec, "device": device, "threads": threads, "mbs": list(mbs), "slowdown": slowdown}
     try:
         result = run_child(WORKER, job, progress, timeout=600)
     except ChildCrashed as crash:
@@ -232,7 +254,8 @@ def _collectives(types: list[str], reporter: Reporter) -> tuple[Network, Bandwid
         except ChildCrashed as crash:
             if "address already in use" not in crash.describe().lower() or attempt == 2:
                 raise RuntimeFailure([f"hybrid collective profile failed: {crash.describe()}"]) from None
-    rows = [CollectiveTime(devices=2, link="intra", **row) for row in results[0]["rows"]]
+    # the servers share this machine: what crosses between them is what was measured here
+    rows = [CollectiveTime(devices=2, link=link, **row) for link in ("intra", "inter") for row in results[0]["rows"]]
     ring = [r for r in rows if r.collective == "all_reduce"]
     fit = bus_bandwidth_fit([r.size_bytes for r in ring], [r.seconds for r in ring], 2)
     table = {t: {2: fit} for t in types}
@@ -273,7 +296,10 @@ def _device_times(
     tp_measured: dict[str, Any] | None,
     allreduce: BandwidthFit,
     sizes: dict[str, Any],
+    emulated: dict[str, Any] | None = None,
 ) -> dict[int, dict[int, list[tuple[float, float, float]]]]:
+    """Per micro-batch size and TP degree, per block (forward, backward, update). An emulated device's TP 1 blocks
+    are ``emulated``'s, measured running the emulation; the embeddings and head ``slowdown`` times the CPU's."""
     params = measured["params_bytes"]
     out = sizes["boundary_bytes"]
     times: dict[int, dict[int, list[tuple[float, float, float]]]] = {}
@@ -281,6 +307,10 @@ def _device_times(
         b = int(b_text)
         n = len(t["fwd"])
         fwd, bwd = list(t["fwd"]), list(t["bwd"])
+        scale = slowdown
+        if emulated is not None:  # the emulation's own cost, which multiplying the CPU's times leaves out
+            fwd, bwd = list(emulated["times"][b_text]["fwd"]), list(emulated["times"][b_text]["bwd"])
+            scale = 1.0
         # The embeddings run with the first block, the head and the loss with the last.
         extra_f = [t["embed"][0] if i == 0 else 0.0 for i in range(n)]
         extra_b = [t["embed"][1] if i == 0 else 0.0 for i in range(n)]
@@ -289,7 +319,7 @@ def _device_times(
         update = [t["update"] * p / sum(params) for p in params]
         rows = {
             1: [
-                (slowdown * (f + ef), slowdown * (g + eg), u)
+                (scale * f + slowdown * ef, scale * g + slowdown * eg, u)
                 for f, g, ef, eg, u in zip(fwd, bwd, extra_f, extra_b, update, strict=True)
             ]
         }
@@ -303,6 +333,26 @@ def _device_times(
             ]
         times[b] = rows
     return times
+
+
+def _checkpointed_times(
+    measured: dict[str, Any], slowdown: float, *, emulated: bool
+) -> dict[int, list[tuple[float, float]]]:
+    """Per block (forward, backward with its recompute) with every block checkpointed, at TP 1; the embeddings
+    and head (never checkpointed) as in the plain rows. ``emulated``: measured running the emulation."""
+    scale = 1.0 if emulated else slowdown
+    out: dict[int, list[tuple[float, float]]] = {}
+    for b_text, t in measured["times"].items():
+        if "fwd_ckpt" not in t:
+            return {}
+        n = len(t["fwd_ckpt"])
+        rows = [[scale * f, scale * g] for f, g in zip(t["fwd_ckpt"], t["bwd_ckpt"], strict=True)]
+        rows[0][0] += slowdown * t["embed"][0]
+        rows[0][1] += slowdown * t["embed"][1]
+        rows[n - 1][0] += slowdown * t["head"][0]
+        rows[n - 1][1] += slowdown * t["head"][1]
+        out[int(b_text)] = [(f, g) for f, g in rows]
+    return out
 
 
 def _measured_tp(t: dict[str, Any], slowdown: float, params: list[float]) -> list[tuple[float, float, float]]:
@@ -320,12 +370,14 @@ def _measured_tp(t: dict[str, Any], slowdown: float, params: list[float]) -> lis
     return list(zip(fwd, bwd, update, strict=True))
 
 
-def _sharded_times(measured: dict[str, Any], slowdown: float, params: list[float]) -> dict[int, list[ShardedTimes]]:
-    """Per block the sharded times as an emulated device of ``slowdown`` runs them: ``T + (s - 1) c`` per measured
-    time (as for TP 2: the engine sleeps ``s - 1`` times the CPU time of the work, FSDP2's hooks included); the
-    embeddings' and head's (with the root unit's gather and reduce-scatter) added to the first and last block; the
-    update shared by parameter bytes, not slowed."""
-    extra = slowdown - 1.0
+def _sharded_times(
+    measured: dict[str, Any], slowdown: float, params: list[float], *, emulated: bool = False
+) -> dict[int, list[ShardedTimes]]:
+    """Per block the sharded times as an emulated device of ``slowdown`` runs them: measured running the emulation
+    (``emulated``), else ``T + (s - 1) c`` per measured time (as for TP 2: the engine sleeps ``s - 1`` times the CPU
+    time of the work, FSDP2's hooks included); the embeddings' and head's (with the root unit's gather and
+    reduce-scatter) added to the first and last block; the update shared by parameter bytes, not slowed."""
+    extra = 0.0 if emulated else slowdown - 1.0
     out: dict[int, list[ShardedTimes]] = {}
     for b_text, t in measured["times"].items():
         n = len(t["fwd"])

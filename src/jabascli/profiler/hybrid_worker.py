@@ -8,9 +8,12 @@ Two kinds of spec (``kind``):
   first block (the embeddings) and after the last one (the head and the loss), forward and backward; the
   optimizer step; per block the parameter bytes (modules outside the blocks counted with the first block when
   they run before it, else with the last), the activation bytes kept for backward per sample (every tensor autograd
-  saves while the block runs, parameters excepted, each storage once) and the block's output bytes per sample
+  saves while the block runs, parameters excepted, each storage once; what the embeddings save counted with the
+  first block, the head's and the loss's with the last) and the block's output bytes per sample
   (what a checkpointed block keeps);
-  the optimizer state bytes per parameter byte after one step.
+  the optimizer state bytes per parameter byte after one step; then every block's forward and backward again with
+  every block checkpointed as the runtime checkpoints it (``fwd_ckpt``, ``bwd_ckpt``: the backward includes the
+  recompute). With ``slowdown`` > 1 every block runs the engine's emulation of a device that much slower.
   With ``tp`` > 1 (``rank``, ``world_size`` = ``tp``, ``master_addr``, ``master_port``): one rank of a gloo TP
   group on loopback, every block split by the workload's TP plan (:func:`~jabascli.engine.parallel.tensor.
   parallelize_blocks`), the same iteration timed the same way (a fixed number of repetitions, so the ranks' collectives
@@ -40,6 +43,8 @@ from typing import Any
 from jabascli.profiler.child import emit_progress
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
+IDLE_S = 0.002
+"""Idle time before each timed forward and backward on a CPU (see ``micro``)."""
 
 
 def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
@@ -78,6 +83,12 @@ def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
+    slowdown = float(spec.get("slowdown", 1.0))
+    if slowdown != 1.0:  # first: each block's forward and backward end after its emulated sleep
+        from jabascli.engine.parallel.runner import emulate_blocks
+        from jabascli.engine.vsw import Emulation
+
+        emulate_blocks(blocks, Emulation(slowdown))
     stamps: dict[tuple[str, int], float] = {}
     cpu: dict[tuple[str, int], float] = {}
 
@@ -93,17 +104,25 @@ def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
         block.register_full_backward_hook(lambda m, gi, go, i=i: stamp(("b1", i)))
     optimizer = workload.optimizer(model.parameters())
 
+    # On a CPU, a core that has just waited runs the next forward or backward slower (its caches went cold:
+    # tiny GPT's blocks +30-45% after 2 ms idle, measured here). In a hybrid layout every op follows a wait (a
+    # pipeline stage's for its neighbour, a sharded rank's at its collectives), so every op is timed after one.
+    idle = float(spec.get("idle_s", IDLE_S if device.type == "cpu" else 0.0))
+
     def micro(x: Any, y: Any) -> tuple[Any, ...]:
         """One forward and backward: per block times, embeddings' and head's, per block CPU times."""
+        time.sleep(idle)
         t0 = clock()
         loss = workload.loss(model(x), y)
         t1 = clock()
+        time.sleep(idle)
+        t1_backward = clock()
         loss.backward()
         t2 = clock()
         fwd = [stamps["f1", i] - stamps["f0", i] for i in range(n)]
         bwd = [stamps["b1", i] - stamps["b0", i] for i in range(n)]
         before = (stamps["f0", 0] - t0, t2 - stamps["b1", 0])
-        after = (t1 - stamps["f1", n - 1], stamps["b0", n - 1] - t1)
+        after = (t1 - stamps["f1", n - 1], stamps["b0", n - 1] - t1_backward)
         fwd_cpu = [cpu["f1", i] - cpu["f0", i] for i in range(n)]
         bwd_cpu = [cpu["b1", i] - cpu["b0", i] for i in range(n)]
         return fwd, bwd, *before, *after, fwd_cpu, bwd_cpu
@@ -121,9 +140,10 @@ def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
     if shard > 1:
         return _measure_sharded(spec, workload, device, units, micro, step)
 
-    times: dict[str, Any] = {}
     sizes = [int(b) for b in spec["mbs"]]
-    for k, b in enumerate(sizes):
+
+    def timed(b: int) -> dict[str, Any]:
+        """Medians of timed iterations at micro-batch size ``b``."""
         x, y = to_device(workload.synthetic_batch(b), device)  # seeded alike: every TP rank gets the same batch
         runs = []
         for _ in range(int(spec.get("warmup", 2))):
@@ -133,19 +153,37 @@ def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
             tp == 1 and time.perf_counter() - began < float(spec.get("seconds", 0.5)) and len(runs) < 50
         ):
             runs.append(iteration(x, y))
-        fwd = [median(r[0][i] for r in runs) for i in range(n)]
-        bwd = [median(r[1][i] for r in runs) for i in range(n)]
         rest = [median(r[j] for r in runs) for j in range(2, 7)]
-        times[str(b)] = {"fwd": fwd, "bwd": bwd, "embed": rest[0:2], "head": rest[2:4], "update": rest[4]}
-        times[str(b)]["fwd_cpu"] = [median(r[7][i] for r in runs) for i in range(n)]
-        times[str(b)]["bwd_cpu"] = [median(r[8][i] for r in runs) for i in range(n)]
-        emit_progress(done=k + 1, total=len(sizes), mbs=b, seconds=sum(fwd) + sum(bwd))
+        return {
+            "fwd": [median(r[0][i] for r in runs) for i in range(n)],
+            "bwd": [median(r[1][i] for r in runs) for i in range(n)],
+            "embed": rest[0:2],
+            "head": rest[2:4],
+            "update": rest[4],
+            "fwd_cpu": [median(r[7][i] for r in runs) for i in range(n)],
+            "bwd_cpu": [median(r[8][i] for r in runs) for i in range(n)],
+        }
+
+    times: dict[str, Any] = {}
+    for k, b in enumerate(sizes):
+        times[str(b)] = timed(b)
+        emit_progress(done=k + 1, total=len(sizes), mbs=b, seconds=sum(times[str(b)]["fwd"]))
     if tp > 1:
         import torch.distributed as dist
 
         dist.destroy_process_group()
         return {"status": "ok", "times": times}
-    return {"status": "ok", "times": times, **_sizes(torch, workload, model, blocks, optimizer, sizes[-1], device)}
+    measured = _sizes(torch, workload, model, blocks, optimizer, sizes[-1], device)
+    # Every block checkpointed, as the runtime does it: what the recompute costs, the checkpointing's own work
+    # included (on a CPU a checkpointed block's forward and backward cost more than f and f + g).
+    from jabascli.engine.parallel.checkpointing import checkpoint_blocks
+
+    checkpoint_blocks(blocks, range(n))
+    for k, b in enumerate(sizes):
+        again = timed(b)
+        times[str(b)] |= {"fwd_ckpt": again["fwd"], "bwd_ckpt": again["bwd"]}
+        emit_progress(done=k + 1, total=len(sizes), mbs=b, seconds=sum(again["fwd"]))
+    return {"status": "ok", "times": times, **measured}
 
 
 def _measure_sharded(spec: dict[str, Any], workload: Any, device: Any, units: list[Any], micro: Any, step: Any) -> dict:
@@ -267,9 +305,12 @@ def _sizes(torch: Any, workload: Any, model: Any, blocks: list[Any], optimizer: 
         return hook
 
     def pack(t: Any) -> Any:
+        # what the embeddings save counts with the first block, the head's and the loss's with the last (the
+        # pipeline stages that hold them)
         storage = t.untyped_storage()
-        if phase["block"] >= 0 and storage.data_ptr() not in params:
-            saved[phase["block"]][storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in params:
+            i = phase["block"] if phase["block"] >= 0 else (n - 1 if phase["after"] else 0)
+            saved[i][storage.data_ptr()] = storage.nbytes()
         return t
 
     hooks += [blk.register_forward_pre_hook(enter(i)) for i, blk in enumerate(blocks)]

@@ -13,6 +13,7 @@ A bandwidth fit gives the bus bandwidth of a message of ``S`` bytes as
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Literal
@@ -90,6 +91,11 @@ class DeviceTimes(_Strict):
     times: dict[int, dict[int, list[tuple[float, float, float]]]]
     """``times[mbs][tp][block] = (forward, backward, update)`` in seconds for one micro-batch of ``mbs`` samples."""
 
+    checkpointed: dict[int, list[tuple[float, float]]] = {}
+    """``checkpointed[mbs][block] = (forward, backward)`` at TP 1 with the block checkpointed, the backward with its
+    recompute, as ``jabas profile hybrid`` measures it; absent in imported profiles (then checkpointing costs one more
+    forward)."""
+
     sharded: dict[int, list[ShardedTimes]] = {}
     """``sharded[mbs][block]``: the block as an FSDP2 unit over ``sharded_over`` data-parallel ranks (TP 1), as
     ``jabas profile hybrid`` measures it; absent in imported profiles (then sharded plans are priced without it)."""
@@ -139,6 +145,22 @@ class Network(_Strict):
     """``inter[device][n]``: n devices of one server exchanging with other servers, aggregate."""
     collectives: list[CollectiveTime] = []
     """What ``jabas profile hybrid`` measured, as measured (the fits above come from its all-reduces)."""
+
+    def measured_seconds(self, collective: str, link: Link, size_bytes: float) -> float | None:
+        """``collective`` of ``size_bytes`` over ``link`` from the measured rows, interpolated linearly in size (the
+        smallest's time below it, the largest's bandwidth above it); None where none was measured. A small message
+        is latency, which the bandwidth fits (through all-reduces, in log size) miss by up to 10x."""
+        rows = sorted(
+            (r.size_bytes, r.seconds) for r in self.collectives if r.collective == collective and r.link == link
+        )
+        if not rows:
+            return None
+        if size_bytes <= rows[0][0]:
+            return rows[0][1]
+        for (s0, t0), (s1, t1) in itertools.pairwise(rows):
+            if size_bytes <= s1:
+                return t0 + (t1 - t0) * (size_bytes - s0) / (s1 - s0)
+        return rows[-1][1] * size_bytes / rows[-1][0]
 
     def fit(self, link: Link, device: str, n: int) -> BandwidthFit:
         table = (self.intra if link == "intra" else self.inter).get(device)
