@@ -9,6 +9,9 @@ tensors, the analogue of ``torch.cuda.max_memory_allocated``)::
     static = parameters and buffers of every VSW replica + one gradient per parameter of
              replica 0 (DDP's buckets) + optimizer state that exists already (after a resume)
 
+A layout's gradients are not in ``static``: it drops them after each step, so each
+backward makes them anew and they count then (counted in both, they were counted twice).
+
 Under a ``[parallel]`` layout it counts what THIS rank holds: the local shard or
 TP slice of every ``DTensor`` parameter, its gradient and optimizer state, only
 the stage's blocks with pipeline stages; so a model whose optimizer state does
@@ -65,8 +68,13 @@ class MemoryLimit:
         """The peak seen so far (None when not watching)."""
         return None if self.tracker is None else self.tracker.peak
 
-    def start(self, replicas: Iterable[nn.Module], optimizer: torch.optim.Optimizer) -> None:
-        """Count what exists now and watch the next iterations; fails when that alone is over the budget."""
+    def start(
+        self, replicas: Iterable[nn.Module], optimizer: torch.optim.Optimizer, keeps_gradients: bool = True
+    ) -> None:
+        """Count what exists now and watch the next iterations; fails when that alone is over the budget.
+
+        ``keeps_gradients``: replica 0's gradients are held between iterations, so they count from now on; else
+        (a layout, which drops them after each step) they count as each backward makes them, and only then."""
         if self.budget is None:
             return
         self.left = WATCHED_ITERATIONS
@@ -76,7 +84,7 @@ class MemoryLimit:
             for t in [*replica.parameters(), *replica.buffers()]:
                 storage = _held(t).untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
-            if i == 0:
+            if i == 0 and keeps_gradients:
                 gradients = sum(_held(p).nbytes for p in replica.parameters() if p.requires_grad)
         for state in optimizer.state.values():
             for t in state.values():

@@ -399,7 +399,7 @@ class Trainer:
         self.timer = PhaseTimer()
         # Emulated devices: out of memory as the GPU would be, over the first iterations (engine/memory_limit.py).
         self.memory_limit = MemoryLimit(self.me.memory_bytes, f"{self.me.server} ({self.me.device_type}), rank {rank}")
-        self.memory_limit.start(self.vsw.replicas, self.optimizer)
+        self.memory_limit.start(self.vsw.replicas, self.optimizer, self.vsw.keeps_gradients)
 
     def _plain_workers(self, same_start: bool) -> None:
         """Plain IIDP: VSW replicas of the model, DDP over replica 0, and its communication hook."""
@@ -588,7 +588,7 @@ class Trainer:
         self.gradient_sync.attach(self.vsw, self.buffers, plan)
         self.worker_step.workers, self.worker_step.buffers = plan.workers, self.buffers
         if plan is not previous:  # not when only the LR factor changed
-            self.memory_limit.start(self.vsw.replicas, self.optimizer)
+            self.memory_limit.start(self.vsw.replicas, self.optimizer, self.vsw.keeps_gradients)
         self.progress.record_plan(plan.gbs, plan.lbs, plan.describe(), self.adaptive.lr_factor())
 
     def _replica_params(self) -> list[list[torch.nn.Parameter]]:

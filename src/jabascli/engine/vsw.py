@@ -171,6 +171,8 @@ class VswStrategy:
     """Runs a rank's micro-batches of one iteration; replica 0 is the one the optimizer updates."""
 
     name = ""
+    keeps_gradients = True
+    """Replica 0's gradients live in DDP's buckets from one iteration to the next (zeroed in place)."""
 
     def __init__(self, replicas: Sequence[nn.Module], ddp: DistributedDataParallel) -> None:
         self.replicas = list(replicas)

@@ -42,11 +42,15 @@ shards), each measured over 2 ranks, emulation included (docs/formats.md). Then
 The rows are measured over 2 ranks and used as they are for ``R`` replicas (an estimate for ``R > 2``). Profiles
 without them (imported Sailor and Galvatron ones) price ``full`` as above with the unsharded times.
 
-Peak memory of a device of stage ``s`` in replica ``r``:
-``W = P_s(t)``, ``mem = W (2 + k_f) + k_o W / (R if sharded else 1) + n_s a_s + reserve(t)`` where ``k_o``/``k_f``
-are the profile's optimizer and framework bytes per parameter byte, ``a_s = b sum_i (A_i(t), or O_i if
-checkpointed) + b max_{i checkpointed} A_i(t)`` (one block recomputed at a time) and ``n_s`` the micro-batches in
-flight: ``min(M_r, S - s)`` under 1F1B, ``M_r`` under GPipe.
+Peak memory of a device of stage ``s`` in replica ``r``, with ``W = P_s(t)`` and ``R' = R`` if sharded else 1:
+``mem = W (2 + k_f) + k_o W / R' + B_s + reserve(t) + max(n_s a_s + r_s, k_s W / R')`` where ``k_o``/``k_f`` are
+the profile's optimizer and framework bytes per parameter byte, ``a_s = b sum_i (A_i(t), or O_i if checkpointed)``,
+``r_s = b max_{i checkpointed} A_i(t)`` (one block recomputed at a time, however many micro-batches are in flight),
+``n_s`` the micro-batches in flight: ``min(M_r, S - s)`` under 1F1B, ``M_r`` under GPipe; the last term is the
+larger of the backward's activations and what the optimizer step allocates and frees again (``k_s`` per parameter
+byte it updates). ``B_s``: jabas's pipeline runtime keeps every micro-batch's buffers for the whole iteration,
+``B_s = M_r b ([s > 0] O_first(s)-1 + [s < S-1] O_last(s) + [s = S-1] O_model)`` (received activations, received
+gradients, the model's outputs for the loss); 0 where the profiles come from another planner's runtime.
 """
 
 from __future__ import annotations
@@ -176,8 +180,9 @@ class CostModel:
             self._param_prefix[tp] = prefix
         return prefix[last] - prefix[first]
 
-    def activations(self, mbs: int, tp: int, first: int, last: int, ckpt: frozenset[int]) -> float:
-        """``a_s``: activation bytes one micro-batch leaves on a device of the stage until its backward."""
+    def activations(self, mbs: int, tp: int, first: int, last: int, ckpt: frozenset[int]) -> tuple[float, float]:
+        """``(a_s, r_s)``: activation bytes one micro-batch leaves on a device of the stage until its backward, and
+        what recomputing its largest checkpointed block takes back (one block at a time, whatever is in flight)."""
         kept = 0.0
         recompute = 0.0
         for i in range(first, last):
@@ -186,16 +191,38 @@ class CostModel:
                 recompute = max(recompute, self.blocks.activations(i, tp))
             else:
                 kept += self.blocks.activations(i, tp)
-        return mbs * (kept + recompute)
+        return mbs * kept, mbs * recompute
 
     def stage_memory(
-        self, device: str, mbs: int, tp: int, first: int, last: int, ckpt: frozenset[int], in_flight: int, shards: int
+        self,
+        device: str,
+        mbs: int,
+        tp: int,
+        first: int,
+        last: int,
+        ckpt: frozenset[int],
+        in_flight: int,
+        shards: int,
+        buffers: float = 0.0,
     ) -> float:
+        """Peak bytes of a device of the stage: the larger of its backward's peak and its optimizer step's."""
         w = self.params(first, last, tp)
         k_o = self.blocks.optimizer_bytes_per_param_byte
         k_f = self.blocks.framework_bytes_per_param_byte
         reserve = self.profiles.devices[device].reserve(tp) if device in self.profiles.devices else 0.0
-        return w * (2 + k_f) + k_o * w / shards + in_flight * self.activations(mbs, tp, first, last, ckpt) + reserve
+        held = w * (2 + k_f) + k_o * w / shards + reserve + buffers
+        kept, recompute = self.activations(mbs, tp, first, last, ckpt)
+        backward = in_flight * kept + recompute
+        return held + max(backward, self.blocks.step_bytes_per_param_byte * w / shards)
+
+    def pipeline_buffers(self, mbs: int, first: int, last: int, stage: int, stages: int, microbatches: int) -> float:
+        """``B_s``: what the pipeline runtime keeps of every micro-batch of the iteration on stage ``s`` (module
+        docstring); 0 outside a pipeline or where the profiles' runtime reuses its buffers."""
+        if stages == 1 or not self.blocks.microbatch_buffers:
+            return 0.0
+        kept = self.blocks.blocks[first - 1].boundary_bytes if stage > 0 else 0.0
+        kept += self.blocks.blocks[last - 1].boundary_bytes if stage < stages - 1 else self.blocks.output_bytes
+        return microbatches * mbs * kept
 
     def measured_sharded(self, plan: Plan) -> bool:
         """Whether ``plan`` is sharded and every placement has measured sharded rows at its micro-batch size."""
@@ -308,7 +335,8 @@ class CostModel:
                 comm += self.send_s(b * self.blocks.blocks[first - 1].boundary_bytes, place, rep.stages[s - 1])
             steps.append(compute + comm)
             in_flight = rep.microbatches if plan.schedule == "gpipe" else min(rep.microbatches, n_stages - s)
-            mem = self.stage_memory(place.device, b, place.tp, first, last, sck, in_flight, shards)
+            buffers = self.pipeline_buffers(b, first, last, s, n_stages, rep.microbatches)
+            mem = self.stage_memory(place.device, b, place.tp, first, last, sck, in_flight, shards, buffers)
             row.append(mem)
             fits &= mem <= self.profiles.devices[place.device].memory_bytes
         t_r = sum(steps) + (rep.microbatches - 1) * max(steps) + once if rep.microbatches else 0.0

@@ -96,14 +96,12 @@ def search(
             have = ", ".join(sorted(model.profiles.devices))
             raise InputError.at(None, f"servers.{g.device}", f"no hybrid profile of this device type (have: {have})")
         devices[g.device] += g.count * model.profiles.devices[g.device].devices_per_server
-    best: list[tuple[float, int, Callable[[], Plan | None]]] = []
+    candidates: list[tuple[float, int, Callable[[], Plan | None]]] = []
     counter = itertools.count()
     smallest = Shortfall()
 
     def offer(estimate: float, plan: Callable[[], Plan | None]) -> None:
-        heapq.heappush(best, (-estimate, next(counter), plan))
-        if len(best) > keep:
-            heapq.heappop(best)
+        candidates.append((estimate, next(counter), plan))
 
     for b in _lbs_values(model, list(devices), gbs):
         n_micro = gbs // b
@@ -112,9 +110,16 @@ def search(
         pipelines = _pipeline_plans(model, devices, b, n_micro, stage_counts, tp_candidates, smallest, even_split, deal)
         for estimate, plan in pipelines:
             offer(estimate, plan)
-    plans = [build() for _, _, build in best]
-    choices = [Choice(p, model.predict(p)) for p in plans if p is not None]
-    choices = [c for c in choices if c.prediction.fits]
+    # The ``keep`` best by estimate that fit once built (a stage's checkpoint set, or the full model's memory,
+    # may say no where the DP's estimate said yes: the next ones are tried then).
+    choices: list[Choice] = []
+    for _, _, build in sorted(candidates, key=lambda c: (c[0], c[1])):
+        plan = build()
+        choice = None if plan is None else Choice(plan, model.predict(plan))
+        if choice is not None and choice.prediction.fits:
+            choices.append(choice)
+            if len(choices) == keep:
+                break
     if not choices:
         if not _lbs_values(model, list(devices), gbs):
             raise InputError.at(None, "gbs", f"no plan at GBS {gbs}: no profiled micro-batch size divides it")
@@ -129,7 +134,8 @@ def search(
             f"{size(smallest.need)} on a {smallest.device} device (every block checkpointed), "
             f"which has {size(smallest.budget)}",
         )
-    return min(choices, key=lambda c: c.prediction.iteration_s)
+    # equally fast (to the nanosecond): the plan whose fullest device holds the least
+    return min(choices, key=lambda c: (round(c.prediction.iteration_s, 9), c.prediction.max_peak_bytes))
 
 
 def _lbs_values(model: CostModel, types: list[str], gbs: int) -> list[int]:
@@ -158,11 +164,20 @@ def _water_fill(times: list[float], n: int) -> list[int]:
 
 
 def _fitting_layout(
-    model: CostModel, device: str, b: int, t: int, first: int, last: int, in_flight: int, shards: int
+    model: CostModel,
+    device: str,
+    b: int,
+    t: int,
+    first: int,
+    last: int,
+    in_flight: int,
+    shards: int,
+    buffers: float = 0.0,
 ) -> tuple[float, frozenset[int]] | None:
     """Per-micro-batch compute of blocks ``first..last-1`` with the checkpoint set that makes them fit, or None.
 
-    Blocks are checkpointed in order of activation bytes saved per second of recompute."""
+    Blocks are checkpointed in order of activation bytes saved per second of recompute; ``buffers``: what the
+    pipeline runtime keeps on the stage (:meth:`CostModel.pipeline_buffers`)."""
     budget = model.profiles.devices[device].memory_bytes
     extra = model.checkpoint_s(device, b, t)
     order = sorted(
@@ -171,7 +186,7 @@ def _fitting_layout(
     )
     for k in range(len(order) + 1):
         ckpt = frozenset(order[:k])
-        mem = model.stage_memory(device, b, t, first, last, ckpt, in_flight, shards)
+        mem = model.stage_memory(device, b, t, first, last, ckpt, in_flight, shards, buffers)
         if mem <= budget:
             return model.stage_compute(device, b, t, first, last, ckpt), ckpt
     return None
@@ -315,7 +330,7 @@ def _split_blocks(
     idx_i, idx_j = _grid(n_blocks)
     sigmas = []
     for s, (d, t) in enumerate(stages):
-        sigma = _stage_matrix(model, d, t, b, min(micro, n_stages - s), shards)
+        sigma = _stage_matrix(model, d, t, b, min(micro, n_stages - s), shards, (s, n_stages, micro))
         if s + 1 < n_stages:
             sigma = sigma + _send_times(model, b, heads[s], heads[s + 1])[idx_j]
         if s > 0:
@@ -342,7 +357,8 @@ def _split_blocks(
     def build() -> Plan | None:
         ckpt: set[int] = set()
         for s, (d, t) in enumerate(stages):
-            lay = _fitting_layout(model, d, b, t, bounds[s], bounds[s + 1], min(micro, n_stages - s), shards)
+            buffers = model.pipeline_buffers(b, bounds[s], bounds[s + 1], s, n_stages, micro)
+            lay = _fitting_layout(model, d, b, t, bounds[s], bounds[s + 1], min(micro, n_stages - s), shards, buffers)
             if lay is None:
                 return None
             ckpt |= lay[1]
@@ -360,7 +376,10 @@ def _closest_split(
     """Offer the split whose largest need over its device's memory is least, every block checkpointed
     (the same DP: ``g_s[j] = min_i max(g_{s-1}[i], need_s(i, j) / budget_s)``)."""
     n_stages = len(stages)
-    needs = [_least_memory(model, d, t, b, min(micro, n_stages - s), shards) for s, (d, t) in enumerate(stages)]
+    needs = [
+        _least_memory(model, d, t, b, min(micro, n_stages - s), shards, (s, n_stages, micro))
+        for s, (d, t) in enumerate(stages)
+    ]
     _, bounds = _bottleneck_split(
         [need / model.profiles.devices[d].memory_bytes for need, (d, _) in zip(needs, stages, strict=True)]
     )
@@ -384,15 +403,19 @@ def _bottleneck_split(cost: list[np.ndarray]) -> tuple[float, list[int]]:
     return float(f[n_blocks]), [0, *reversed(bounds)]
 
 
-def _least_memory(model: CostModel, d: str, t: int, b: int, in_flight: int, shards: int) -> np.ndarray:
-    """``need[i, j]``: peak memory of a stage holding blocks ``i..j-1``, every one checkpointed (``inf`` if empty)."""
-    key = ("least", d, t, b, in_flight, shards)
+def _least_memory(
+    model: CostModel, d: str, t: int, b: int, in_flight: int, shards: int, position: tuple[int, int, int]
+) -> np.ndarray:
+    """``need[i, j]``: peak memory of a stage holding blocks ``i..j-1``, every one checkpointed (``inf`` if empty);
+    ``position``: the stage's index, the stage count and the micro-batches a replica runs."""
+    key = ("least", d, t, b, in_flight, shards, position)
     if key not in model.memo:
         n_blocks = model.profiles.num_blocks
         need = np.full((n_blocks + 1, n_blocks + 1), np.inf)
         for i in range(n_blocks):
             for j in range(i + 1, n_blocks + 1):
-                need[i, j] = model.stage_memory(d, b, t, i, j, frozenset(range(i, j)), in_flight, shards)
+                buffers = model.pipeline_buffers(b, i, j, *position)
+                need[i, j] = model.stage_memory(d, b, t, i, j, frozenset(range(i, j)), in_flight, shards, buffers)
         model.memo[key] = need
     return model.memo[key]
 
@@ -422,12 +445,14 @@ def _grid(n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     return np.meshgrid(np.arange(n_blocks + 1), np.arange(n_blocks + 1), indexing="ij")  # type: ignore[return-value]
 
 
-def _stage_matrix(model: CostModel, d: str, t: int, b: int, in_flight: int, shards: int) -> np.ndarray:
+def _stage_matrix(
+    model: CostModel, d: str, t: int, b: int, in_flight: int, shards: int, position: tuple[int, int, int]
+) -> np.ndarray:
     """``sigma[i, j]``: compute time per micro-batch of a stage holding blocks ``i..j-1`` on ``t`` devices ``d``,
-    with the checkpointed blocks it needs to fit (``inf`` if it cannot). Cached on the model: the DP asks for the
-    same matrices for every pipeline template."""
+    with the checkpointed blocks it needs to fit (``inf`` if it cannot); ``position`` as for :func:`_least_memory`.
+    Cached on the model: the DP asks for the same matrices for every pipeline template."""
     cache = model.memo
-    key = (d, t, b, in_flight, shards)
+    key = (d, t, b, in_flight, shards, position)
     if key in cache:
         return cache[key]
     blocks = model.blocks
@@ -446,12 +471,22 @@ def _stage_matrix(model: CostModel, d: str, t: int, b: int, in_flight: int, shar
         pre = np.concatenate([[0.0], np.cumsum(v)])
         span[k] = pre[idx_j] - pre[idx_i]
     k_w = 2 + blocks.framework_bytes_per_param_byte + blocks.optimizer_bytes_per_param_byte / shards
-    mem = span["w"] * k_w + in_flight * b * span["a"] + model.profiles.devices[d].reserve(t)
-    excess = mem - model.profiles.devices[d].memory_bytes
+    stage, stages, micro = position
+    buffers = np.zeros_like(span["w"])
+    if stages > 1 and blocks.microbatch_buffers:  # CostModel.pipeline_buffers over every (i, j)
+        if stage > 0:
+            buffers = buffers + micro * b * np.concatenate([[0.0], out])[idx_i]
+        buffers = buffers + micro * b * (
+            np.concatenate([[0.0], out])[idx_j] if stage < stages - 1 else blocks.output_bytes
+        )
+    held = span["w"] * k_w + buffers + model.profiles.devices[d].reserve(t)
+    budget = model.profiles.devices[d].memory_bytes
+    excess = held + in_flight * b * span["a"] - budget
     save = in_flight * b * span["sav"] / count
     need = np.where(excess > 0, np.ceil((excess + b * span["a"] / count) / np.maximum(save, 1.0)), 0)
     sigma = span["fb"] + need * span["f"] / count
-    sigma = np.where(valid & (need <= count), sigma, np.inf)
+    step_fits = held + blocks.step_bytes_per_param_byte * span["w"] / shards <= budget
+    sigma = np.where(valid & (need <= count) & step_fits, sigma, np.inf)
     cache[key] = sigma
     return sigma
 

@@ -285,6 +285,9 @@ def _model_blocks(model: str, measured: dict[str, Any], tp2: bool) -> ModelBlock
         model=model,
         source="jabas profile hybrid",
         optimizer_bytes_per_param_byte=float(measured["optimizer_bytes_per_param_byte"]),
+        step_bytes_per_param_byte=float(measured["step_bytes_per_param_byte"]),
+        output_bytes=float(measured["output_bytes"]),
+        microbatch_buffers=True,
         blocks=blocks,
     )
 

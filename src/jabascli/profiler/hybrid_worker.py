@@ -11,7 +11,8 @@ Two kinds of spec (``kind``):
   saves while the block runs, parameters excepted, each storage once; what the embeddings save counted with the
   first block, the head's and the loss's with the last) and the block's output bytes per sample
   (what a checkpointed block keeps);
-  the optimizer state bytes per parameter byte after one step; then every block's forward and backward again with
+  the optimizer state bytes per parameter byte after one step and what the step allocates and frees again; the
+  model's output bytes per sample; then every block's forward and backward again with
   every block checkpointed as the runtime checkpoints it (``fwd_ckpt``, ``bwd_ckpt``: the backward includes the
   recompute). With ``slowdown`` > 1 every block runs the engine's emulation of a device that much slower.
   With ``tp`` > 1 (``rank``, ``world_size`` = ``tp``, ``master_addr``, ``master_port``): one rank of a gloo TP
@@ -317,9 +318,10 @@ def _sizes(torch: Any, workload: Any, model: Any, blocks: list[Any], optimizer: 
     hooks += [blk.register_forward_hook(leave(i)) for i, blk in enumerate(blocks)]
     x, y = to_device(workload.synthetic_batch(b), device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = workload.loss(model(x), y)
+        out = model(x)
+        loss = workload.loss(out, y)
     loss.backward()
-    optimizer.step()
+    step_transient = _step_transient(torch, optimizer, device)
     optimizer.zero_grad(set_to_none=True)
     for h in hooks:
         h.remove()
@@ -342,7 +344,24 @@ def _sizes(torch: Any, workload: Any, model: Any, blocks: list[Any], optimizer: 
         "act_bytes": [sum(s.values()) / b for s in saved],
         "boundary_bytes": output,
         "optimizer_bytes_per_param_byte": state / max(sum(block_params), 1),
+        "step_bytes_per_param_byte": step_transient / max(sum(block_params), 1),
+        "output_bytes": out.numel() * out.element_size() / b,
     }
+
+
+def _step_transient(torch: Any, optimizer: Any, device: Any) -> float:
+    """Bytes the optimizer step allocates and frees again, beyond the state it keeps (its peak over its end)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        optimizer.step()
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device))
+    from jabascli.memtrack import TensorMemoryTracker
+
+    with TensorMemoryTracker() as step:
+        optimizer.step()
+    return float(step.peak - step.live)
 
 
 def measure_collectives(spec: dict[str, Any]) -> dict[str, Any]:

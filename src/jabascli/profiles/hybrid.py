@@ -55,6 +55,15 @@ class ModelBlocks(_Strict):
     """Optimizer state per parameter byte (Adam in fp32: 2)."""
     framework_bytes_per_param_byte: float = 0.0
     """Further copies the training framework keeps per parameter byte (communication buffers, fp32 masters)."""
+    step_bytes_per_param_byte: float = 0.0
+    """What the optimizer step allocates and frees again, per parameter byte it updates (foreach temporaries: 2.9
+    for AdamW on a CPU); 0 in imported profiles."""
+    output_bytes: float = 0.0
+    """The model's output per sample (the logits the last pipeline stage keeps for the loss); 0 in imported ones."""
+    microbatch_buffers: bool = False
+    """The pipeline runtime keeps every micro-batch's received activations and gradients, and the last stage every
+    micro-batch's output, for the whole iteration (jabas's runtime, ``torch.distributed.pipelining``: set by ``jabas
+    profile hybrid``); False in imported profiles, whose planners' runtimes reuse them."""
     blocks: list[BlockInfo]
 
     def params(self, block: int, tp: int) -> float:

@@ -124,6 +124,8 @@ class LayoutWorkers:
     """Runs this rank's part of its replica's micro-batches (see the module docstring)."""
 
     name = "layout"
+    keeps_gradients = False
+    """Gradients are dropped after each step (:meth:`zero_grad`) and made again in the next backward."""
 
     def __init__(self, replica: Replica, layout: Layout, workload: Workload, device: torch.device) -> None:
         self.replica, self.layout, self.model = replica, layout, replica.model
