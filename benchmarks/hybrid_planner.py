@@ -179,10 +179,11 @@ def memory_parts(model: CostModel, plan: Plan) -> str:
     k_o = model.blocks.optimizer_bytes_per_param_byte / (len(plan.replicas) if plan.sharding == "full" else 1)
     ckpt = frozenset(i for i in plan.checkpoint if first <= i < last)
     in_flight = min(plan.replicas[0].microbatches, plan.num_stages)
-    act = in_flight * model.activations(plan.mbs, place.tp, first, last, ckpt)
+    kept, recompute = model.activations(plan.mbs, place.tp, first, last, ckpt)
+    act = in_flight * kept + recompute
     return (
         f"parameters+gradients {w * 2 / GB:.1f} GB, optimizer {w * k_o / GB:.1f} GB, "
-        f"activations {act / GB:.1f} GB ({in_flight} micro-batches of {plan.mbs})"
+        f"activations {act / GB:.1f} GB ({in_flight} micro-batches of {plan.mbs}, one block recomputed)"
     )
 
 
