@@ -8,8 +8,10 @@ Writes ``<profiles>/hybrid/<workload>/blocks.json``, ``device-<type>.json`` per 
   seconds at every micro-batch size; the embeddings' part of the iteration is added to the first block and the
   head's and the loss's to the last (a pipeline's first and last stages hold them); ``u_i`` is the optimizer step
   shared by parameter bytes; parameter, activation and output bytes per block; optimizer state bytes per parameter
-  byte. An emulated server's device type gets ``f_i, g_i`` times its ``slowdown`` (the engine sleeps
-  ``slowdown - 1`` times each forward and backward; the update is not slowed);
+  byte; then each block again with every block checkpointed, as the runtime checkpoints it. On a CPU each op is
+  timed after 2 ms idle (in a layout every op follows a wait; :mod:`.hybrid_worker`). An emulated server's device
+  type is measured running the engine's emulation (every block sleeps ``slowdown - 1`` times its CPU time after its
+  forward and backward; the update is not slowed): that costs more than ``slowdown`` times the CPU's times;
 * **collectives**, two gloo processes on loopback: all-reduce, all-gather, reduce-scatter and send by size, kept
   as measured (``network.json``: ``collectives``); the bandwidth fit of every device type (``intra`` and ``inter``,
   2 devices) is the all-reduce's bus bandwidth ``2 (n-1)/n S / t`` fitted as ``polyval(c, log2(S / 1e6))`` GB/s
@@ -30,7 +32,7 @@ Sharded data parallelism (``sharding = "full"``) is measured the same way (``sha
 processes hold every block and then the model as FSDP2 units, as the runtime does, and each iteration runs two
 micro-batches (the first pays each unit's all-gather in its forward, the last its reduce-scatter in its backward,
 the parameters stay gathered between) and the optimizer step on the shards. Per block the slower rank's medians;
-an emulated device gets ``T + (s - 1) c`` for each, as under TP 2.
+an emulated device is measured with both ranks running its emulation.
 """
 
 from __future__ import annotations
@@ -136,6 +138,12 @@ def profile_hybrid(
         tp_times = split.get(key) if tp2 else None
         times = _device_times(measured[key], target.slowdown, tp2, tp_times, allreduce, first, emulated.get(t))
         checkpointed = _checkpointed_times(emulated.get(t) or measured[key], target.slowdown, emulated=t in emulated)
+        if t in sharded_emulated:
+            shard_rows = _sharded_times(sharded_emulated[t], target.slowdown, first["params_bytes"], emulated=True)
+        elif key in sharded:
+            shard_rows = _sharded_times(sharded[key], target.slowdown, first["params_bytes"])
+        else:
+            shard_rows = {}
         devices[t] = DeviceTimes(
             device=t,
             source=_source(target.describe(), tp2, measured_tp=tp_times is not None)
@@ -144,11 +152,7 @@ def profile_hybrid(
             devices_per_server=server.devices,
             times=times,
             checkpointed=checkpointed,
-            sharded=_sharded_times(sharded_emulated[t], target.slowdown, first["params_bytes"], emulated=True)
-            if t in sharded_emulated
-            else _sharded_times(sharded[key], target.slowdown, first["params_bytes"])
-            if key in sharded
-            else {},
+            sharded=shard_rows,
         )
     profiles = HybridProfiles(blocks=blocks, devices=devices, network=network)
     written = write_profiles(root, profiles)
