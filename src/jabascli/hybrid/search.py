@@ -111,9 +111,10 @@ def search(
         for estimate, plan in pipelines:
             offer(estimate, plan)
     # The ``keep`` best by estimate that fit once built (a stage's checkpoint set, or the full model's memory,
-    # may say no where the DP's estimate said yes: the next ones are tried then).
+    # may say no where the DP's estimate said yes: the next ones are tried then, 16 per kept plan at most, so
+    # that a budget nothing fits is told without building every candidate).
     choices: list[Choice] = []
-    for _, _, build in sorted(candidates, key=lambda c: (c[0], c[1])):
+    for _, _, build in sorted(candidates, key=lambda c: (c[0], c[1]))[: 16 * keep]:
         plan = build()
         choice = None if plan is None else Choice(plan, model.predict(plan))
         if choice is not None and choice.prediction.fits:
