@@ -312,34 +312,30 @@ def _device_times(
     times: dict[int, dict[int, list[tuple[float, float, float]]]] = {}
     for b_text, t in measured["times"].items():
         b = int(b_text)
-        n = len(t["fwd"])
-        fwd, bwd = list(t["fwd"]), list(t["bwd"])
-        scale = slowdown
-        if emulated is not None:  # the emulation's own cost, which multiplying the CPU's times leaves out
-            fwd, bwd = list(emulated["times"][b_text]["fwd"]), list(emulated["times"][b_text]["bwd"])
-            scale = 1.0
-        # The embeddings run with the first block, the head and the loss with the last.
-        extra_f = [t["embed"][0] if i == 0 else 0.0 for i in range(n)]
-        extra_b = [t["embed"][1] if i == 0 else 0.0 for i in range(n)]
-        extra_f[n - 1] += t["head"][0]
-        extra_b[n - 1] += t["head"][1]
+        blocks = t if emulated is None else emulated["times"][b_text]  # the emulated: running the emulation
+        scale = slowdown if emulated is None else 1.0
         update = [t["update"] * p / sum(params) for p in params]
-        rows = {
-            1: [
-                (scale * f + slowdown * ef, scale * g + slowdown * eg, u)
-                for f, g, ef, eg, u in zip(fwd, bwd, extra_f, extra_b, update, strict=True)
-            ]
-        }
+        fwd, bwd = [scale * f for f in blocks["fwd"]], [scale * g for g in blocks["bwd"]]
+        _add_ends(fwd, bwd, t, slowdown)
+        rows = {1: list(zip(fwd, bwd, update, strict=True))}
         if tp_measured is not None:
             rows[2] = _measured_tp(tp_measured["times"][b_text], slowdown, params)
         elif tp2:
             ar = [2 * allreduce.seconds(b * o) for o in out]
-            rows[2] = [
-                (slowdown * (f / 2 + ef) + a, slowdown * (g / 2 + eg) + a, u / 2)
-                for f, g, ef, eg, u, a in zip(fwd, bwd, extra_f, extra_b, update, ar, strict=True)
-            ]
+            half_f, half_g = [scale * f / 2 for f in blocks["fwd"]], [scale * g / 2 for g in blocks["bwd"]]
+            _add_ends(half_f, half_g, t, slowdown)
+            rows[2] = [(f + a, g + a, u / 2) for f, g, u, a in zip(half_f, half_g, update, ar, strict=True)]
         times[b] = rows
     return times
+
+
+def _add_ends(fwd: list[float], bwd: list[float], t: dict[str, Any], slowdown: float) -> None:
+    """Add the embeddings' forward and backward to the first block, the head's and the loss's to the last (the
+    pipeline stages that hold them), ``slowdown`` times the CPU's (the emulation slows the blocks only)."""
+    fwd[0] += slowdown * t["embed"][0]
+    bwd[0] += slowdown * t["embed"][1]
+    fwd[-1] += slowdown * t["head"][0]
+    bwd[-1] += slowdown * t["head"][1]
 
 
 def _checkpointed_times(
@@ -352,27 +348,19 @@ def _checkpointed_times(
     for b_text, t in measured["times"].items():
         if "fwd_ckpt" not in t:
             return {}
-        n = len(t["fwd_ckpt"])
-        rows = [[scale * f, scale * g] for f, g in zip(t["fwd_ckpt"], t["bwd_ckpt"], strict=True)]
-        rows[0][0] += slowdown * t["embed"][0]
-        rows[0][1] += slowdown * t["embed"][1]
-        rows[n - 1][0] += slowdown * t["head"][0]
-        rows[n - 1][1] += slowdown * t["head"][1]
-        out[int(b_text)] = [(f, g) for f, g in rows]
+        fwd, bwd = [scale * f for f in t["fwd_ckpt"]], [scale * g for g in t["bwd_ckpt"]]
+        _add_ends(fwd, bwd, t, slowdown)
+        out[int(b_text)] = list(zip(fwd, bwd, strict=True))
     return out
 
 
 def _measured_tp(t: dict[str, Any], slowdown: float, params: list[float]) -> list[tuple[float, float, float]]:
     """Per block (forward, backward, update) under TP 2 from its measurement: ``T + (s - 1) c`` per block (module
     docstring), the embeddings and head (whole on every rank) times ``s``, the measured update shared by bytes."""
-    n = len(t["fwd"])
     extra = slowdown - 1.0
     fwd = [f + extra * c for f, c in zip(t["fwd"], t["fwd_cpu"], strict=True)]
     bwd = [g + extra * c for g, c in zip(t["bwd"], t["bwd_cpu"], strict=True)]
-    fwd[0] += slowdown * t["embed"][0]
-    bwd[0] += slowdown * t["embed"][1]
-    fwd[n - 1] += slowdown * t["head"][0]
-    bwd[n - 1] += slowdown * t["head"][1]
+    _add_ends(fwd, bwd, t, slowdown)
     update = [t["update"] * p / sum(params) for p in params]
     return list(zip(fwd, bwd, update, strict=True))
 
@@ -393,14 +381,13 @@ def _sharded_times(
             return [w + extra * c for w, c in zip(t[name], t[f"{name}_cpu"], strict=True)]
 
         f_first, f_rest, g_rest, g_last = slowed("fwd_first"), slowed("fwd"), slowed("bwd"), slowed("bwd_last")
-        f_rest[0] += slowdown * t["embed"][0]
-        g_rest[0] += slowdown * t["embed"][1]
-        f_first[0] += slowdown * t["embed"][0] + t["embed_once"][0]
-        g_last[0] += slowdown * t["embed"][1] + t["embed_once"][1]
-        f_rest[n - 1] += slowdown * t["head"][0]
-        g_rest[n - 1] += slowdown * t["head"][1]
-        f_first[n - 1] += slowdown * t["head"][0] + t["head_once"][0]
-        g_last[n - 1] += slowdown * t["head"][1] + t["head_once"][1]
+        _add_ends(f_rest, g_rest, t, slowdown)
+        _add_ends(f_first, g_last, t, slowdown)
+        # the root unit's gather runs in the first forward, its reduce-scatter in the last backward
+        f_first[0] += t["embed_once"][0]
+        g_last[0] += t["embed_once"][1]
+        f_first[n - 1] += t["head_once"][0]
+        g_last[n - 1] += t["head_once"][1]
         total = sum(params)
         out[int(b_text)] = [
             ShardedTimes(fwd_first=ff, fwd=f, bwd=g, bwd_last=gl, update=t["update"] * p / total)
