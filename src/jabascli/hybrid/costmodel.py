@@ -294,10 +294,9 @@ class CostModel:
         def last_backward(r: list[Any], i: int) -> float:
             return r[i].bwd_last + (r[i].fwd if i in ckpt else 0.0)
 
-        starts = [
-            first_forward
-            + (rep.microbatches - 1) * sum(x.fwd + x.bwd + (x.fwd if i in ckpt else 0.0) for i, x in enumerate(r))
-            for rep, r in zip(reps, rows, strict=True)
+        starts = [  # c_r: sharded_stage's compute of the whole model on the replica's device
+            first_forward + (rep.microbatches - 1) * self.sharded_stage(rep.stages[0].device, plan.mbs, 0, n, ckpt)[0]
+            for rep in reps
         ]
         top = max(start + last_backward(r, n - 1) for start, r in zip(starts, rows, strict=True))
         return top + sum(max(last_backward(r, i) for r in rows) for i in range(n - 1))

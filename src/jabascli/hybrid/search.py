@@ -475,11 +475,10 @@ def _stage_matrix(
     stage, stages, micro = position
     buffers = np.zeros_like(span["w"])
     if stages > 1 and blocks.microbatch_buffers:  # CostModel.pipeline_buffers over every (i, j)
+        before = np.concatenate([[0.0], out])  # before[k]: the output of block k - 1
         if stage > 0:
-            buffers = buffers + micro * b * np.concatenate([[0.0], out])[idx_i]
-        buffers = buffers + micro * b * (
-            np.concatenate([[0.0], out])[idx_j] if stage < stages - 1 else blocks.output_bytes
-        )
+            buffers = buffers + micro * b * before[idx_i]
+        buffers = buffers + micro * b * (before[idx_j] if stage < stages - 1 else blocks.output_bytes)
     held = span["w"] * k_w + buffers + model.profiles.devices[d].reserve(t)
     budget = model.profiles.devices[d].memory_bytes
     excess = held + in_flight * b * span["a"] - budget
