@@ -34,7 +34,6 @@ from jabascli.autoscale.costmodel import IterationCostModel, SolverCostModel
 from jabascli.errors import InputError
 from jabascli.hybrid.job import HybridJob, solve
 from jabascli.hybrid.search import Choice as PlanChoice
-from jabascli.hybrid.search import ServerGroup
 from jabascli.perfmodel import PerformanceModel
 
 
@@ -165,5 +164,4 @@ class HybridCostModel:
                 devices[device] = devices[device].model_copy(update={"devices_per_server": gpus})
             profiles = self.job.profiles.model_copy(update={"devices": devices})
             base = self._jobs[shape] = HybridJob(profiles, [], {}, self.job.folder, self.job.tp)
-        servers = [ServerGroup(d, len(names)) for d, names in per_type.items()]
-        return HybridJob(base.profiles, servers, per_type, base.folder, base.tp, base._models)
+        return base.on_servers(per_type)

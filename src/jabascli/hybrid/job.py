@@ -66,6 +66,11 @@ class HybridJob:
                 )
         return [self.tp]
 
+    def on_servers(self, names: dict[str, list[str]]) -> HybridJob:
+        """The same profiles, and cost models (their memos), on other servers: ``names`` per device type."""
+        groups = [ServerGroup(d, len(of_type)) for d, of_type in names.items()]
+        return HybridJob(self.profiles, groups, names, self.folder, self.tp, self._models)
+
     def model(self, tp: int) -> CostModel:
         """The cost model over the times of TP degree ``tp`` only (kept: its memo serves every GBS)."""
         if tp not in self._models:
