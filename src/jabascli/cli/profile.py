@@ -578,10 +578,12 @@ def hybrid(
     """The hybrid planner's profiles of the job's workload on the servers of this machine.
 
     Per block and device type: forward and backward seconds by micro-batch
-    size (TP 2 measured on two processes where the workload has a TP plan), parameter,
-    activation and output bytes, optimizer state; and all-reduce, all-gather,
-    reduce-scatter and send on gloo. Writes <out>/hybrid/ (docs/formats.md),
-    which `jabas solve --hybrid` reads.
+    size, plain and checkpointed (TP 2 and sharding over 2 measured on two
+    processes where the workload allows), parameter, activation and output
+    bytes, optimizer state and what its step allocates; and all-reduce,
+    all-gather, reduce-scatter and send on gloo. An emulated server's device
+    type is measured running its emulation. Writes <out>/hybrid/
+    (docs/formats.md), which `jabas solve --hybrid` reads.
 
     Example:
 
