@@ -14,6 +14,13 @@ GBS (``--gbs``, default 64 and 256), through the commands a user types:
    leaving it out right?);
 3. plain DDP: both servers at LBS ``GBS / 2``, one worker each.
 
+The runs of a row are measured in ``--rounds`` rounds (default 2), the order
+reversed every other round (A B C, C B A), and each figure is the mean of its
+rounds. This host's speed drifts over minutes: the same fast-server run of
+digits measured 14.2, 18.6 and 15.4 ms per iteration within half an hour,
+which is more than some of the gains compared here; reversed rounds cancel a
+drift that is linear over the row, and the per-row line prints every round.
+
 Printed per row: samples/s of each server alone, of jabas's plan and of plain
 DDP on both, the efficiency (jabas over the sum of the two alone; its limit is
 below 1 by the all-reduce), jabas over DDP, and jabas's predicted beside its
@@ -22,7 +29,7 @@ Every trainer runs at one thread (``OMP_NUM_THREADS=1``), so that "alone" and
 "together" share the machine alike; the load average is printed before and
 after (on a busy machine, two trainers side by side each lose part of a core).
 
-    .venv/bin/python benchmarks/heterogeneous_efficiency.py                  # everything, about 20 min
+    .venv/bin/python benchmarks/heterogeneous_efficiency.py                  # everything, about 35 min
     .venv/bin/python benchmarks/heterogeneous_efficiency.py --quick          # tiny ResNet, 3x, GBS 64
     .venv/bin/python benchmarks/heterogeneous_efficiency.py --workloads resnet,vit --slowdowns 3
 
@@ -35,11 +42,12 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +117,21 @@ class Measured:
     predicted_s: float | None
     measured_s: float
     iterations: int
+    rounds: list[float] = field(default_factory=list)
+    """Each round's median iteration time, when several runs were averaged."""
+
+    @classmethod
+    def mean(cls, runs: list[Measured]) -> Measured:
+        """Several runs of one plan as one: the mean of their medians."""
+        times = [r.measured_s for r in runs]
+        first = runs[0]
+        return cls(first.plan, first.predicted_s, statistics.fmean(times), sum(r.iterations for r in runs), times)
+
+    def per_round(self) -> str:
+        """`` (rounds 16466/s, 15980/s)``; empty for a single run."""
+        if len(self.rounds) < 2:
+            return ""
+        return " (rounds " + ", ".join(f"{self.plan.gbs / t:.0f}/s" for t in self.rounds) + ")"
 
     @property
     def samples_per_s(self) -> float:
@@ -173,7 +196,8 @@ class Bench:
         # steps.csv has a row per LOG_INTERVAL_S at most: a fast workload needs many steps for a few rows.
         seconds = max(steps_budget_s, 4 * LOG_INTERVAL_S)
         steps = max(12 if quick else 15, min(5000, 5 + math.ceil(seconds / guess)))
-        jabas("run", "-c", str(config), "--plan", str(path), "--max-steps", str(steps))
+        # --fresh: a --root kept from an earlier invocation holds checkpoints under the same run names.
+        jabas("run", "-c", str(config), "--plan", str(path), "--max-steps", str(steps), "--fresh")
         found = median_iteration_s(self.root / "runs" / name / "steps.csv")
         if found is None:
             raise RuntimeError(f"{name}: no iterations in steps.csv")
@@ -192,11 +216,15 @@ def main() -> None:
                         "all time covers both servers)")  # fmt: skip
     parser.add_argument("--gbs", default="64,256", help="GBS values, small to large")
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per run, about")
-    parser.add_argument("--quick", action="store_true", help="tiny ResNet, 3x, GBS 64, short runs")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every plan of a row, in reversed order "
+                        "each other round; figures are their means")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="tiny ResNet, 3x, GBS 64, short runs, one round")
     parser.add_argument("--root", type=Path, default=None, help="keep profiles and runs here (default: a temp folder)")
     args = parser.parse_args()
     if args.quick:
-        args.workloads, args.slowdowns, args.gbs, args.seconds = "resnet", "3", "64", 2.0
+        args.workloads, args.slowdowns, args.gbs, args.seconds, args.rounds = "resnet", "3", "64", 2.0, 1
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     slowdowns = [float(s) for s in args.slowdowns.split(",")]
     gbs_values = [int(g) for g in args.gbs.split(",")]
@@ -207,7 +235,6 @@ def main() -> None:
     rows = []
     for key in workloads:
         workload, options = WORKLOADS[key]
-        fast_alone: dict[int, Measured] = {}
         for slowdown in slowdowns:
             bench = Bench(root, key, workload, options, slowdown, gbs_values)
             report = bench.profile_all()
@@ -220,7 +247,7 @@ def main() -> None:
             print("  where the time went: " + ", ".join(f"{x['name']} {x['seconds']:.0f} s" for x in report["stages"]))
             for gbs in gbs_values:
                 try:
-                    rows.append(measure_row(bench, key, slowdown, gbs, fast_alone, args))
+                    rows.append(measure_row(bench, key, slowdown, gbs, args))
                 except RuntimeError as exc:  # one failed run does not lose the others' figures
                     print(f"{key} x{slowdown:g} GBS {gbs}: failed: {exc}", flush=True)
                     continue
@@ -230,21 +257,30 @@ def main() -> None:
     print(f"\nafter: {load()}; {time.monotonic() - began:.0f} s in all")
 
 
-def measure_row(
-    bench: Bench, key: str, slowdown: float, gbs: int, fast_alone: dict[int, Measured], args: argparse.Namespace
-) -> tuple[Any, ...]:
+def measure_row(bench: Bench, key: str, slowdown: float, gbs: int, args: argparse.Namespace) -> tuple[Any, ...]:
     """Each server alone, jabas's plan (and both servers' best where it left one out), plain DDP."""
-    if gbs not in fast_alone:  # the same fast server for every slow one
-        fast_alone[gbs] = bench.train(bench.solve(gbs, "fast"), args.seconds, args.quick)
-    fast = fast_alone[gbs]
-    slow = bench.train(bench.solve(gbs, bench.slow), args.seconds, args.quick)
+    plans = {"fast": bench.solve(gbs, "fast"), "slow": bench.solve(gbs, bench.slow)}
     own = bench.solve(gbs, "auto")
-    same = own.lbs == fast.plan.lbs and shape(own) == shape(fast.plan)
-    mine = fast if same else bench.train(own, args.seconds, args.quick)
-    # Was leaving the slow server out right? Its best plan with both servers, measured too.
-    every = bench.train(bench.solve(gbs, "all"), args.seconds, args.quick) if len(own.assignments) == 1 else mine
-    ddp = bench.train(bench.ddp(gbs), args.seconds, args.quick)
-    return (key, slowdown, gbs, fast, slow, mine, every, ddp)
+    if own.lbs != plans["fast"].lbs or shape(own) != shape(plans["fast"]):
+        plans["jabas"] = own
+    if len(own.assignments) == 1:  # was leaving the slow server out right? Its best plan with both, measured too
+        plans["every"] = bench.solve(gbs, "all")
+    plans["ddp"] = bench.ddp(gbs)
+    measured = measure_rounds(bench, plans, args)
+    fast = measured["fast"]
+    mine = measured.get("jabas", fast)
+    every = measured.get("every", mine)
+    return (key, slowdown, gbs, fast, measured["slow"], mine, every, measured["ddp"])
+
+
+def measure_rounds(bench: Bench, plans: dict[str, Plan], args: argparse.Namespace) -> dict[str, Measured]:
+    """Every plan ``args.rounds`` times, the order reversed every other round (A B C, C B A)."""
+    runs: dict[str, list[Measured]] = {name: [] for name in plans}
+    order = list(plans)
+    for r in range(args.rounds):
+        for name in order if r % 2 == 0 else reversed(order):
+            runs[name].append(bench.train(plans[name], args.seconds, args.quick))
+    return {name: Measured.mean(found) for name, found in runs.items()}
 
 
 def shape(plan: Plan) -> list[tuple[str, int, int, int]]:
@@ -257,9 +293,10 @@ def row_line(row: tuple[Any, ...]) -> str:
     both = "" if every is mine else f", both servers' best plan {every.samples_per_s:.0f}/s"
     predicted = f"predicted {mine.predicted_s * 1e3:.1f} ms, " if mine.predicted_s else ""
     return (
-        f"{key} x{slowdown:g} GBS {gbs}: fast {fast.samples_per_s:.0f}/s, slow {slow.samples_per_s:.0f}/s, "
-        f"jabas {mine.samples_per_s:.0f}/s ({mine.servers}, LBS {mine.plan.lbs}; {predicted}"
-        f"measured {mine.measured_s * 1e3:.1f} ms){both}, DDP {ddp.samples_per_s:.0f}/s"
+        f"{key} x{slowdown:g} GBS {gbs}: fast {fast.samples_per_s:.0f}/s{fast.per_round()}, "
+        f"slow {slow.samples_per_s:.0f}/s, jabas {mine.samples_per_s:.0f}/s{mine.per_round()} "
+        f"({mine.servers}, LBS {mine.plan.lbs}; {predicted}measured {mine.measured_s * 1e3:.1f} ms){both}, "
+        f"DDP {ddp.samples_per_s:.0f}/s"
     )
 
 
