@@ -29,6 +29,7 @@ from jabascli.profiles import (
     ring_allreduce_ideal_ms,
     write_memory_profile,
 )
+from jabascli.profiles.formats import read_comp_profile
 from tests.conftest import WITH_SIGINT
 
 BUDGET = 2_000_000  # bytes: digits fits a few VSWs at LBS 16 and none by LBS 64
@@ -427,6 +428,26 @@ def test_inter_node_comm_between_two_local_nodes(tmp_path: Path) -> None:
     assert (first.meta.world_size, first.meta.bandwidth) == (2, 12.5e9)  # the server's inter_bandwidth
     assert first.ideal_ms == second.ideal_ms and first.measured_ms == second.measured_ms  # every node agrees
     assert read_comm_profile(tmp_path / "node0", "intra") is None
+
+
+def test_profile_all_measures_short_points_in_several_processes(tmp_path: Path) -> None:
+    """A point shorter than the threshold is measured in `repeats` processes; the run of median total is kept."""
+    from jabascli.profiler.comp import PointBudget, profile_comp
+
+    (tmp_path / "tiny_cnn.py").write_text(TINY_CNN)
+    config = make_job(tmp_path, '[[cluster.servers]]\nname = "box"\ndevice_type = "cpu"\n', workload="tiny_cnn.py")
+    loaded = load_config(config, check_profiles=False)
+    profile_memory(loaded, lbs_values=[4], max_vsw=1, threads=1)
+    short = profile_comp(loaded, iters=5, warmup=1, threads=1, budget=PointBudget(0.0, repeats=3, repeat_below_ms=1e6))
+    [point] = short.results
+    totals = point.profile.run_totals
+    assert totals is not None and len(totals) == 3
+    assert point.profile.total_time == sorted(totals)[1]  # the median run, not a mix of runs
+    assert read_comp_profile(point.path).run_totals == totals  # written, and parses back
+    long = profile_comp(
+        loaded, iters=5, warmup=1, threads=1, force=True, budget=PointBudget(0.0, repeats=3, repeat_below_ms=1e-6)
+    )
+    assert long.results[0].profile.run_totals is None  # above the threshold: one process
 
 
 def test_profile_all_budget_bounds_each_point(tmp_path: Path) -> None:

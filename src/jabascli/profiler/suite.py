@@ -66,6 +66,10 @@ CUDA_TRIAL_S = 10.0
 FIXED_S = {"bucket": 4.0, "intra": 8.0, "inter": 8.0, "hybrid": 20.0}
 POINT_SECONDS = 2.0
 """Seconds of measured iterations per computation point, at most (five iterations at least)."""
+SHORT_POINT_MS = 50.0
+SHORT_POINT_RUNS = 3
+"""On a CPU, a point whose iteration is shorter than ``SHORT_POINT_MS`` is measured in this many processes
+(:attr:`~.comp.PointBudget.repeats`)."""
 
 
 @dataclass
@@ -243,7 +247,13 @@ def profile_all(
         + (f" (GBS up to {bound})" if bound else "")
         + f"; expected to take about {_minutes(expected['total'])}"
     )
-    budget = PointBudget(seconds=POINT_SECONDS, overlap_once=True, stop_vsw=True)
+    budget = PointBudget(
+        seconds=POINT_SECONDS,
+        overlap_once=True,
+        stop_vsw=True,
+        repeats=SHORT_POINT_RUNS,
+        repeat_below_ms=SHORT_POINT_MS,
+    )
 
     def stage(name: str, weight: float, work: Callable[[Reporter], str]) -> bool:
         nonlocal done

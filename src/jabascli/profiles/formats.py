@@ -108,6 +108,9 @@ class CompProfile(_Measured):
     """Emulated devices: the factor the compute phases were multiplied by."""
     vsw_strategy: str | None = None
     """How the engine ran the VSWs: ``sequential`` (one replica) or ``streams`` (one per VSW)."""
+    run_totals: list[NonNegativeFloat] | None = None
+    """When the point was measured in several processes: each one's ``total_time`` (ms), in order;
+    the profile is the run of median total."""
 
 
 class BucketProfile(_Format):
