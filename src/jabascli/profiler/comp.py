@@ -268,9 +268,10 @@ def _measure_point(
     profile = to_profile(result)
     if repeats <= 1 or profile.total_time >= repeat_below_ms:
         return result, profile
-    runs = [(result, profile)] + [
-        (r, to_profile(r)) for r in (_run(spec, on_progress, timeout, what) for _ in range(repeats - 1))
-    ]
+    runs = [(result, profile)]
+    for _ in range(repeats - 1):
+        again = _run(spec, on_progress, timeout, what)
+        runs.append((again, to_profile(again)))
     result, profile = sorted(runs, key=lambda run: run[1].total_time)[len(runs) // 2]
     return result, profile.model_copy(update={"run_totals": [p.total_time for _, p in runs]})
 
