@@ -29,7 +29,7 @@ from jabascli.profiles import (
     ring_allreduce_ideal_ms,
     write_memory_profile,
 )
-from jabascli.profiles.formats import read_comp_profile
+from jabascli.profiles.formats import CompProfile, read_comp_profile
 from tests.conftest import WITH_SIGINT
 
 BUDGET = 2_000_000  # bytes: digits fits a few VSWs at LBS 16 and none by LBS 64
@@ -448,6 +448,23 @@ def test_profile_all_measures_short_points_in_several_processes(tmp_path: Path) 
         loaded, iters=5, warmup=1, threads=1, force=True, budget=PointBudget(0.0, repeats=3, repeat_below_ms=1e-6)
     )
     assert long.results[0].profile.run_totals is None  # above the threshold: one process
+
+
+def test_a_vsw_point_is_short_by_its_time_per_vsw() -> None:
+    """VSW 5 at 75 ms runs 15 ms per VSW: measured in as many processes as the 15 ms single-VSW point,
+    since whether VSWs pay is the ratio of the two (one draw against a median made VSWs "pay")."""
+    from jabascli.profiler.comp import PointBudget
+
+    def point(n: int, total: float) -> CompProfile:
+        times = {"data_time": 0.0, "fwd_time": total / 2, "bwd_time": total / 2, "update_time": 0.0, "copy_time": 0.0}
+        return CompProfile(model="m", gpu_type="cpu", lbs=8, num_models=n, total_time=total, **times)
+
+    budget = PointBudget(repeats=3, repeat_below_ms=50.0)
+    assert budget.runs(point(1, 15.0), on_gpu=False) == 3
+    assert budget.runs(point(5, 75.0), on_gpu=False) == 3
+    assert budget.runs(point(1, 75.0), on_gpu=False) == 1
+    assert budget.runs(point(2, 120.0), on_gpu=False) == 1  # 60 ms per VSW
+    assert budget.runs(point(1, 15.0), on_gpu=True) == 1  # a GPU measures each point once, after a cooldown
 
 
 def test_profile_all_budget_bounds_each_point(tmp_path: Path) -> None:

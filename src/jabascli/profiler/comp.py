@@ -73,11 +73,21 @@ class PointBudget:
     """Stop the VSW sweep at the first count that does not pay (:func:`vsw_pays`), and measure only one
     VSW at larger LBS values once a sweep has shown that VSWs do not pay on the device."""
     repeats: int = 1
-    """On a CPU, measure a point whose iteration is shorter than ``repeat_below_ms`` in this many processes
-    and keep the run of median total. At a few milliseconds per iteration each process's speed is a draw:
-    one point measured in eight processes started seconds apart ranged 3.7-4.5 ms, which is more than the
-    5% by which VSWs must pay and more than the gains the solver weighs; every point is cheap there."""
+    """On a CPU, measure a point whose iteration per VSW is shorter than ``repeat_below_ms`` in this many
+    processes and keep the run of median total. At a few milliseconds per iteration each process's speed
+    is a draw: one point measured in eight processes started seconds apart ranged 3.7-4.5 ms, which is
+    more than the 5% by which VSWs must pay and more than the gains the solver weighs; every point is
+    cheap there. The threshold is per VSW so that a VSW point is measured in as many processes as the
+    single-VSW point at its LBS: whether VSWs pay is the ratio of the two, and a single draw against a
+    median of three made VSW 5 "pay" on a CPU, where VSWs run one after another."""
     repeat_below_ms: float = 0.0
+
+    def runs(self, first: CompProfile, on_gpu: bool) -> int:
+        """How many processes measure the point whose first process measured ``first``."""
+        if on_gpu:  # a GPU measures each point once, after a cooldown (GPU_COOLDOWN)
+            return 1
+        short = first.total_time / first.num_models < self.repeat_below_ms
+        return max(self.repeats, 1) if short else 1
 
 
 @dataclass
@@ -198,13 +208,11 @@ def profile_comp(
                 # cost, so once per device is enough when the budget says so.
                 "overlap": not (budget.overlap_once and overlap_known),
             }
-            repeats = budget.repeats if target.kind != "cuda" else 1  # a GPU's points cool down apart
             to_profile = partial(
                 _profile, model=model, target=target, lbs=lbs, n=n, precision=workload_spec["precision"]
             )
-            result, profile = _measure_point(
-                spec, on_progress, run_timeout, what, repeats, budget.repeat_below_ms, to_profile
-            )
+            runs_for = partial(budget.runs, on_gpu=target.kind == "cuda")
+            result, profile = _measure_point(spec, on_progress, run_timeout, what, runs_for, to_profile)
             written = write_comp_profile(folder, name, profile)
             results.append(CompResult(lbs, n, profile, written))
             here.append(profile)
@@ -258,15 +266,15 @@ def _measure_point(
     on_progress: Any,
     timeout: float | None,
     what: str,
-    repeats: int,
-    repeat_below_ms: float,
+    runs_for: Callable[[CompProfile], int],
     to_profile: Callable[[dict[str, Any]], CompProfile],
 ) -> tuple[dict[str, Any], CompProfile]:
     """One point's run and profile; a short point (see :attr:`PointBudget.repeats`) is measured in
-    ``repeats`` processes, and the run of median ``total_time`` kept, with every run's total."""
+    several processes, and the run of median ``total_time`` kept, with every run's total."""
     result = _run(spec, on_progress, timeout, what)
     profile = to_profile(result)
-    if repeats <= 1 or profile.total_time >= repeat_below_ms:
+    repeats = runs_for(profile)
+    if repeats <= 1:
         return result, profile
     runs = [(result, profile)]
     for _ in range(repeats - 1):
