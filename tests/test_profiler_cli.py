@@ -452,18 +452,21 @@ def test_profile_all_measures_short_points_in_several_processes(tmp_path: Path) 
 
 def test_a_vsw_point_is_short_by_its_time_per_vsw() -> None:
     """VSW 5 at 75 ms runs 15 ms per VSW: measured in as many processes as the 15 ms single-VSW point,
-    since whether VSWs pay is the ratio of the two (one draw against a median made VSWs "pay")."""
+    since whether VSWs pay is the ratio of the two (one draw against a median made VSWs "pay"). An
+    emulated device's point is short by the CPU's work before the slowdown, which a draw is part of."""
     from jabascli.profiler.comp import PointBudget
 
-    def point(n: int, total: float) -> CompProfile:
+    def point(n: int, total: float, slowdown: float | None = None) -> CompProfile:
         times = {"data_time": 0.0, "fwd_time": total / 2, "bwd_time": total / 2, "update_time": 0.0, "copy_time": 0.0}
-        return CompProfile(model="m", gpu_type="cpu", lbs=8, num_models=n, total_time=total, **times)
+        return CompProfile(model="m", gpu_type="cpu", lbs=8, num_models=n, total_time=total, slowdown=slowdown, **times)
 
     budget = PointBudget(repeats=3, repeat_below_ms=50.0)
     assert budget.runs(point(1, 15.0), on_gpu=False) == 3
     assert budget.runs(point(5, 75.0), on_gpu=False) == 3
     assert budget.runs(point(1, 75.0), on_gpu=False) == 1
     assert budget.runs(point(2, 120.0), on_gpu=False) == 1  # 60 ms per VSW
+    assert budget.runs(point(1, 90.0, slowdown=3.0), on_gpu=False) == 3  # an emulated device: 30 ms of CPU work
+    assert budget.runs(point(1, 180.0, slowdown=3.0), on_gpu=False) == 1
     assert budget.runs(point(1, 15.0), on_gpu=True) == 1  # a GPU measures each point once, after a cooldown
 
 
