@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,21 +91,6 @@ class PerformanceModel:
             measured = {b for s, b, _ in self.profiles.comp if s == profile_server}
             self._lbs[profile_server] = [b for b in self.profiles.lbs_values(profile_server) if b in measured]
         return list(self._lbs[profile_server])
-
-    def run_variation(self, profile_server: str) -> float:
-        """How far apart the processes that measured ``profile_server``'s computation points fell.
-
-        For each point measured in several processes (``run_totals``, CPU points shorter than
-        50 ms per VSW), ``(slowest - fastest) / total_time``; the median of those, or 0 when no
-        point was measured more than once (a GPU's, a seed's). Predictions closer than this
-        cannot be told apart by the profiles (the solver's server choice, ``docs/solver.md``).
-        """
-        ranges = sorted(
-            (max(p.run_totals) - min(p.run_totals)) / p.total_time
-            for (server, _, _), p in self.profiles.comp.items()
-            if server == profile_server and p.run_totals and len(p.run_totals) > 1 and p.total_time > 0
-        )
-        return statistics.median(ranges) if ranges else 0.0
 
     def device(self, profile_server: str, lbs: int) -> DeviceModel:
         key = (profile_server, lbs)

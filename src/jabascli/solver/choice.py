@@ -7,10 +7,6 @@ So a server is left out exactly when the job is predicted no faster with it
 than without it: a slow GPU next to fast ones adds its share when the plan can
 balance it (IIDP's VSWs and GA), and is dropped when its part of the
 all-reduce, or an LBS too coarse for its share, would hold the others back.
-Where the profiles were measured in several processes (short CPU points), a
-tie is any gain smaller than how far apart those processes measured
-(:attr:`~jabascli.solver.solve.Solver.tie`): the profiles cannot tell such a
-gain from their own noise, and the server that would bring it is left out.
 
 ``--servers auto`` (the default of ``jabas run`` and ``jabas solve``) applies
 it (:func:`~jabascli.solver.cluster.allocation_key`) over the config's
@@ -41,8 +37,6 @@ class ServerChoice:
     """Available servers the plan does not use."""
     with_all: Plan | None = None
     """The best plan on every available server, when some were left out (None: none reaches the GBS)."""
-    tie: float = 0.0
-    """The solver's :attr:`~jabascli.solver.solve.Solver.tie`."""
 
     def line(self) -> str | None:
         """``slow left out: 291 ms with it, 172 ms without``; None when every server is used."""
@@ -53,10 +47,7 @@ class ServerChoice:
         without = f"{_ms(self.plan.iteration_time_s)} without"
         if self.with_all is None:
             return f"{names} left out: no plan reaches GBS {self.plan.gbs} with {it}, {without}"
-        line = f"{names} left out: {_ms(self.with_all.iteration_time_s)} with {it}, {without}"
-        if (self.with_all.iteration_time_s or 0.0) < (self.plan.iteration_time_s or 0.0):
-            line += f", a gain within the {self.tie:.0%} by which the profiles' processes differ"
-        return line
+        return f"{names} left out: {_ms(self.with_all.iteration_time_s)} with {it}, {without}"
 
 
 def _ms(seconds: float | None) -> str:
@@ -103,4 +94,4 @@ def choose_plan(
         with_all: Plan | None = solver_from_config(loaded, None, weight_sync).solve(gbs)
     except InputError:
         with_all = None
-    return ServerChoice(plan, left_out, with_all, solver.tie)
+    return ServerChoice(plan, left_out, with_all)

@@ -14,10 +14,7 @@ and the problem is the bottleneck knapsack solved exactly by
 :class:`~jabascli.solver.bottleneck.BottleneckTable`, for all ``E`` at once.
 The plan is the best over LBS values and weight-sync methods (and, with
 ``auto``, over allocations). Ties go to fewer GPUs, then ``sequential``, then
-the larger LBS. With ``auto``, a plan on fewer GPUs within ``tie`` of the
-fastest is a tie too: ``tie`` is how far apart the profiles' own processes
-measured the same point (``PerformanceModel.run_variation``; 0 on a GPU), so
-the profiles cannot say which of such plans is faster. See ``docs/solver.md``.
+the larger LBS. See ``docs/solver.md``.
 """
 
 from __future__ import annotations
@@ -303,8 +300,6 @@ class Solver:
         self.allocation_unit = allocation_unit
         self.auto = auto
         self.methods = weight_sync_methods(model, weight_sync)
-        self.tie = max((model.run_variation(s.profile_server) for s in servers), default=0.0) if auto else 0.0
-        """Plans on fewer GPUs within ``(1 + tie)`` of the fastest tie with it (module doc)."""
         if auto:
             types = server_types(servers, allocation_unit)
             count = count_allocations(types)
@@ -413,8 +408,7 @@ class Solver:
     # ---------------------------------------------------------------------------
 
     def _best(self, candidates: list[_Candidate]) -> _Candidate | None:
-        """The candidate with the smallest key, or the one on fewest GPUs within ``tie`` of it; with
-        several allocations, pruned by lower bounds."""
+        """The candidate with the smallest key; with several allocations, pruned by lower bounds."""
         if len(self._allocations) > 1:
             bounds = [c.allocation.lower_bounds(c.lbs, c.weight_sync, c.size)[c.extra] for c in candidates]
             order = sorted(range(len(candidates)), key=lambda i: (bounds[i], candidates[i].allocation.gpus))
@@ -422,20 +416,14 @@ class Solver:
             bounds = [-np.inf] * len(candidates)
             order = list(range(len(candidates)))
         best: _Candidate | None = None
-        solved: list[_Candidate] = []
         for i in order:
             c = candidates[i]
-            if best is not None and bounds[i] > best.time_s * (1 + self.tie):
+            if best is not None and bounds[i] > best.time_s:
                 break
             c.time_s = c.allocation.table(c.lbs, c.weight_sync, c.size).value(c.extra)
-            if np.isfinite(c.time_s):
-                solved.append(c)
-                if best is None or c.key() < best.key():
-                    best = c
-        if best is None or self.tie <= 0:
-            return best
-        top = best.time_s * (1 + self.tie)
-        return min((c for c in solved if c.time_s <= top), key=lambda c: (c.allocation.gpus, c.key()))
+            if np.isfinite(c.time_s) and (best is None or c.key() < best.key()):
+                best = c
+        return best
 
     def unreachable(self, gbs: int) -> list[Problem]:
         """Why no plan reaches ``gbs``: one line per LBS tried."""
