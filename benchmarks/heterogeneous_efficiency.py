@@ -29,7 +29,7 @@ Every trainer runs at one thread (``OMP_NUM_THREADS=1``), so that "alone" and
 "together" share the machine alike; the load average is printed before and
 after (on a busy machine, two trainers side by side each lose part of a core).
 
-    .venv/bin/python benchmarks/heterogeneous_efficiency.py                  # everything, about 35 min
+    .venv/bin/python benchmarks/heterogeneous_efficiency.py                  # everything, about 37 min
     .venv/bin/python benchmarks/heterogeneous_efficiency.py --quick          # tiny ResNet, 3x, GBS 64
     .venv/bin/python benchmarks/heterogeneous_efficiency.py --workloads resnet,vit --slowdowns 3
 
