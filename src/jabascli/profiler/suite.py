@@ -68,8 +68,8 @@ POINT_SECONDS = 2.0
 """Seconds of measured iterations per computation point, at most (five iterations at least)."""
 SHORT_POINT_MS = 50.0
 SHORT_POINT_RUNS = 3
-"""On a CPU, a point whose iteration is shorter than ``SHORT_POINT_MS`` is measured in this many processes
-(:attr:`~.comp.PointBudget.repeats`)."""
+"""On a CPU, a point whose iteration per VSW (on an emulated device, before its slowdown) is shorter than
+``SHORT_POINT_MS`` is measured in this many processes (:attr:`~.comp.PointBudget.repeats`)."""
 
 
 @dataclass
