@@ -13,10 +13,10 @@ from paramiko.ssh_exception import BadHostKeyException, NoValidConnectionsError
 
 from jabascli.config.models import ServerConfig
 from jabascli.errors import InputError
+from jabascli.ssh.connect import KnownHosts, RevokedHostKey, UnknownHostKey, _connect_problem, _OfferKeys
+from jabascli.ssh.target import SshTarget, load_ssh_config, resolve_target
 from jabascli.sync.plan import GATHERED, plan_gather, plan_push
-from jabascli.sync.remote import KnownHosts, RevokedHostKey, UnknownHostKey, _connect_problem, _OfferKeys
 from jabascli.sync.run import remote_folder, working_dir
-from jabascli.sync.target import SshTarget, load_ssh_config, resolve_target
 from jabascli.sync.tree import FileInfo, NotAProfileTree, SyncError, local_manifest, path_fits
 
 
@@ -168,7 +168,7 @@ def test_ssh_config_fills_what_the_server_entry_leaves_out(tmp_path: Path) -> No
 def test_proxy_jump_is_refused_clearly(tmp_path: Path) -> None:
     config = tmp_path / "ssh_config"
     config.write_text("Host gpu0\n  ProxyJump bastion\n")
-    with pytest.raises(SyncError, match="ProxyJump for gpu0, which jabas sync does not support"):
+    with pytest.raises(SyncError, match="ProxyJump for gpu0, which jabas does not support"):
         resolve_target(server(host="gpu0"), load_ssh_config(config))
 
 

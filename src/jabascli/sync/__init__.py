@@ -2,8 +2,8 @@
 
 - :mod:`~jabascli.sync.tree`: what a profile folder may hold; manifests (size + SHA-256)
 - :mod:`~jabascli.sync.plan`: merging manifests, conflicts, what to move (pure)
-- :mod:`~jabascli.sync.target`: a server's address, user and keys, from the config and ``~/.ssh/config``
-- :mod:`~jabascli.sync.remote`: one SSH/SFTP connection: host keys, auth, atomic transfers
+- :mod:`jabascli.ssh`: a server's address, user and keys (``~/.ssh/config``), host keys and authentication
+- :mod:`~jabascli.sync.remote`: one SFTP connection: atomic transfers, remote hashes
 - :mod:`~jabascli.sync.run`: the sync itself, across servers in parallel, reporting events
 """
 

@@ -36,9 +36,10 @@ from paramiko import SSHConfig
 from jabascli.config.loader import LoadedConfig
 from jabascli.config.models import ServerConfig
 from jabascli.errors import InputError, Problem
+from jabascli.ssh.connect import KnownHosts
+from jabascli.ssh.target import load_ssh_config, resolve_target
 from jabascli.sync.plan import Conflict, Fetch, plan_gather, plan_push
-from jabascli.sync.remote import Connection, KnownHosts
-from jabascli.sync.target import load_ssh_config, resolve_target
+from jabascli.sync.remote import Connection
 from jabascli.sync.tree import FileInfo, Manifest, SyncError, local_manifest
 
 Direction = Literal["fetch", "send"]

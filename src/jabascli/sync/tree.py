@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import BinaryIO, Literal
 
 from jabascli.config.models import BUCKET_DIRNAME, COMMUNICATION_DIRNAME, COMPUTATION_DIRNAME, MEMORY_DIRNAME
+from jabascli.ssh import SshError
 
 LBS_TREE_DIRNAMES = frozenset({MEMORY_DIRNAME, COMPUTATION_DIRNAME})
 FLAT_DIRNAMES = frozenset({COMMUNICATION_DIRNAME, BUCKET_DIRNAME})
@@ -49,8 +50,8 @@ CHUNK = 32 * 1024
 EntryKind = Literal["file", "dir", "symlink", "other"]
 
 
-class SyncError(Exception):
-    """Something went wrong with one server; the message is one line for a person."""
+SyncError = SshError
+"""Something went wrong with one server; the message is one line for a person."""
 
 
 class NotAProfileTree(SyncError):

@@ -18,7 +18,7 @@ from paramiko.ssh_exception import ConfigParseError
 
 from jabascli.config.models import ServerConfig
 from jabascli.errors import InputError
-from jabascli.sync.tree import SyncError
+from jabascli.ssh import SshError
 
 DEFAULT_SSH_CONFIG = Path("~/.ssh/config")
 
@@ -67,8 +67,8 @@ def resolve_target(server: ServerConfig, ssh_config: SSHConfig | None) -> SshTar
     for key, spelled in (("proxyjump", "ProxyJump"), ("proxycommand", "ProxyCommand")):
         value = options.get(key)
         if value and value.lower() != "none":
-            raise SyncError(
-                f"~/.ssh/config sets {spelled} for {server.host}, which jabas sync does not support yet: "
+            raise SshError(
+                f"~/.ssh/config sets {spelled} for {server.host}, which jabas does not support yet: "
                 "give an address it can reach directly as the server's host"
             )
     explicit = server.model_fields_set
@@ -79,7 +79,7 @@ def resolve_target(server: ServerConfig, ssh_config: SSHConfig | None) -> SshTar
         try:
             port = int(options["port"])
         except ValueError:
-            raise SyncError(f"~/.ssh/config gives {server.host} the port {options['port']!r}, not a number") from None
+            raise SshError(f"~/.ssh/config gives {server.host} the port {options['port']!r}, not a number") from None
     user = server.ssh_user or options.get("user") or getpass.getuser()
 
     if server.ssh_key is not None:
