@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 
-def free_port() -> int:
-    """A port nothing listens on now. Another program may take it before it is used: callers that
-    bind it themselves retry (the comm profiler does); a rendezvous that fails on it reports it."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now at ``host`` (an address of this machine). Another program may take it
+    before it is used: callers that bind it themselves retry (the comm profiler does); a rendezvous that
+    fails on it reports it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def is_local(host: str) -> bool:
+    """Whether ``host`` is this machine: a loopback address, or an address one of its interfaces holds."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for info in infos:
+        address = str(info[4][0])
+        if ipaddress.ip_address(address).is_loopback or interface_of(address) is not None:
+            return True
+    return False
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

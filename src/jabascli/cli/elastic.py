@@ -14,6 +14,7 @@ from jabascli.errors import InputError
 
 if TYPE_CHECKING:
     from jabascli.elastic.protocol import JobStatus
+    from jabascli.elastic.remote import SshOptions
 
 SchedulerOption = Annotated[
     str | None, typer.Option("--scheduler", help="ADDR:PORT of the scheduler (default: \\[scheduler] address:port).")
@@ -89,22 +90,44 @@ def worker(
     config: ConfigOption,
     rank: Annotated[int, typer.Option(min=0, help="This node's rank: its server's index in \\[\\[cluster.servers]].")],
     scheduler: SchedulerOption = None,
+    stdin: Annotated[
+        bool,
+        typer.Option(
+            "--stdin",
+            help="Read the token from a launch order on standard input, and end (trainers too) when standard "
+            "input closes: how `jabas run` starts agents on other machines over SSH.",
+        ),
+    ] = False,
 ) -> None:
     """Run the agent of one node: register with the scheduler, start and stop trainers.
 
     Retries an unreachable scheduler for \\[scheduler] connect_timeout_s, then exits 1.
+    With --stdin, SIGTERM or the end of standard input ends its trainers (SIGTERM,
+    then SIGKILL) before it exits.
 
     Example:
 
         jabas worker -c jabas.toml --rank 1 --scheduler 10.0.0.1:40000
     """
+    import os
+    import sys
+
     from jabascli.elastic.agent import WorkerAgent
     from jabascli.elastic.client import SchedulerClient
+    from jabascli.elastic.lifeline import end_when_closed, exit_on_sigterm, read_order
     from jabascli.elastic.token import load_token
 
+    if stdin:
+        order = read_order(sys.stdin.buffer)
+        os.environ.update(order.env)
+        exit_on_sigterm()
+        end_when_closed(sys.stdin.buffer)
     loaded = load_config(config)
-    token = load_token(loaded)
-    with SchedulerClient(_address(loaded, scheduler), token) as client:
+    token = order.token if stdin else load_token(loaded)
+    address = _address(loaded, scheduler)
+    if stdin:  # the launcher reads the pid, to kill this agent should its lifeline not end it
+        err_console.print(f"worker rank {rank}, pid {os.getpid()}, scheduler {address}", highlight=False, markup=False)
+    with SchedulerClient(address, token) as client:
         WorkerAgent(loaded, rank, client).run()
 
 
@@ -224,6 +247,7 @@ def run_elastic_here(
     resuming: bool = False,
     port: int | None = None,
     token_file: Path | None = None,
+    ssh: SshOptions | None = None,
     **unsupported: object,
 ) -> None:
     """``jabas run --elastic``: the scheduler and an agent per server on this machine, with a progress bar.
@@ -284,7 +308,20 @@ def run_elastic_here(
             line = f"scheduler on {where.address}, token in {where.token_file} (steer it: `{steer}`)"
             (err_console if json_out else progress.console).print(line, highlight=False, markup=False)
 
-        status = run_elastic(loaded, show, port=port, resume=resuming, token_file=token_file, on_steering=steering)
+        def node_line(server: str, line: str) -> None:
+            if not json_out:
+                progress.console.print(f"[{server}] {line}", highlight=False, markup=False)
+
+        status = run_elastic(
+            loaded,
+            show,
+            port=port,
+            resume=resuming,
+            token_file=token_file,
+            on_steering=steering,
+            ssh=ssh,
+            on_line=node_line,
+        )
     if json_out:
         print_json(status.model_dump(mode="json"))
         return

@@ -155,6 +155,20 @@ def run(
             help="Servers of a solved plan: auto (default: leave out any that slows the job), all, or a list: a,b."
         ),
     ] = None,
+    known_hosts: Annotated[
+        Path | None,
+        typer.Option(
+            "--known-hosts", help="On a cluster: host keys to check servers against (default: ~/.ssh/known_hosts)."
+        ),
+    ] = None,
+    ssh_config: Annotated[
+        Path | None,
+        typer.Option("--ssh-config", help="On a cluster: OpenSSH client config (default: ~/.ssh/config)."),
+    ] = None,
+    accept_new_host_keys: Annotated[
+        bool,
+        typer.Option("--accept-new-host-keys", help="On a cluster: trust and record host keys not yet known."),
+    ] = False,
     json_out: JsonOption = False,
 ) -> None:
     """Train the whole job on this machine: one trainer process per device (or emulated device).
@@ -173,6 +187,11 @@ def run(
     to the run folder as CSV (adjustments.csv for GBS decisions), JSON lines and
     TensorBoard scalars. --json prints the epochs, each with its adjustments.
 
+    On a cluster (servers whose host is another machine) it runs the job as
+    --elastic does, starting each server's agent on its host over SSH, checked
+    first (docs/cluster.md); each node's output is shown with its name, and
+    Ctrl-C ends every process it started on every node.
+
     Example:
 
         jabas run -c examples/quickstart.toml
@@ -180,6 +199,8 @@ def run(
         jabas run -c examples/quickstart.toml --fresh
 
         jabas run -c examples/two_servers.toml --gbs 256 --servers all
+
+        jabas run -c cluster.toml --known-hosts ~/.ssh/known_hosts
     """
     from jabascli.cli.run_plan import report_predicted, solve_own_plan
     from jabascli.engine.launch import run_local
@@ -195,14 +216,21 @@ def run(
     if start.resume is not None and resume is None and not json_out:
         where = f"resuming {loaded.config.job.name} from {start.resume} (epoch {start.epoch + 1}, step {start.step})"
         console.print(f"{where}; --fresh starts over", highlight=False, markup=False)
-    if elastic or loaded.config.scaling.enabled:
+    from jabascli.elastic.local import remote_servers
+
+    on_cluster = bool(remote_servers(loaded))
+    if elastic or loaded.config.scaling.enabled or on_cluster:
         from jabascli.cli.elastic import run_elastic_here
+        from jabascli.elastic.remote import SshOptions
 
         # No plan solved here: the scheduler plans each generation itself.
         given = {"plan": plan, "gbs": gbs, "resume": resume, "max_steps": max_steps}
         steer = {"port": port, "token_file": token_file}
-        run_elastic_here(loaded, json_out, config, resuming=start.resume is not None, **steer, **given)
+        ssh = SshOptions(known_hosts, ssh_config, accept_new_host_keys)
+        run_elastic_here(loaded, json_out, config, resuming=start.resume is not None, ssh=ssh, **steer, **given)
         return
+    if known_hosts is not None or ssh_config is not None or accept_new_host_keys:
+        raise InputError.at(None, "--known-hosts", "is used on a cluster only (servers on other machines)")
     own = solve_own_plan(loaded, gbs, plan, quiet=json_out, servers=servers)
     plan = own.path if own is not None else plan
     if port is not None or token_file is not None:

@@ -98,6 +98,9 @@ class ServerConfig(Section):
     sync_root: str | None = None
     """Folder on this server that relative ``jabas sync`` folders resolve against (a remote path);
     None: the same absolute path as on the node running ``jabas sync``."""
+    python: str | None = None
+    """The Python that runs jabas on this server, when ``jabas run`` starts its agent over SSH (a remote
+    path); None: the same path as the Python running ``jabas run`` (nodes sharing one installation)."""
     vsw: PositiveInt = 1
     """Virtual stream workers (VSW) per device, used when no plan file is given."""
     ga: NonNegativeInt = 0
