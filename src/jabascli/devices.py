@@ -101,17 +101,6 @@ def _total_ram() -> int:
         return 0
 
 
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})
-
-
-def is_this_host(host: str) -> bool:
-    """Whether a server's ``host`` names this machine: a loopback address, or this machine's name."""
-    if host in LOOPBACK_HOSTS or host.startswith("127."):
-        return True
-    names = {socket.gethostname(), socket.gethostname().split(".")[0], socket.getfqdn()}
-    return host in names
-
-
 def trainer_threads(trainers_here: int, environ: Mapping[str, str] | None = None) -> int:
     """torch threads of each trainer process ``jabas run`` starts on this machine.
 

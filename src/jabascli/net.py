@@ -16,14 +16,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def is_local(host: str) -> bool:
-    """Whether ``host`` is this machine: a loopback address, or an address one of its interfaces holds."""
+    """Whether a server's ``host`` is this machine: its name, a loopback address, or an address one of its
+    interfaces holds (a name is resolved first)."""
+    if host in (socket.gethostname(), socket.gethostname().split(".")[0], socket.getfqdn()):
+        return True
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
         return False
     for info in infos:
         address = str(info[4][0])
-        if ipaddress.ip_address(address).is_loopback or interface_of(address) is not None:
+        ip = ipaddress.ip_address(address)
+        if ip.is_loopback or ip.is_unspecified or interface_of(address) is not None:
             return True
     return False
 

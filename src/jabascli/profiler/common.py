@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 from jabascli.config.loader import LoadedConfig
 from jabascli.config.models import ServerConfig
-from jabascli.devices import NodeDevices, detect_devices, is_this_host, trainer_threads
+from jabascli.devices import NodeDevices, detect_devices, trainer_threads
 from jabascli.errors import InputError
+from jabascli.net import is_local
 from jabascli.workload import Workload, workload_of
 
 DeviceKind = Literal["cuda", "cpu", "emulated"]
@@ -119,7 +120,7 @@ def trainers_sharing_cores(loaded: LoadedConfig, server: ServerConfig) -> int:
     server is a node of its own, whose trainers are one per device.
     """
     servers = loaded.config.available() or [server]
-    if all(is_this_host(s.host) for s in servers):
+    if all(is_local(s.host) for s in servers):
         return sum(s.devices for s in servers)
     return server.devices
 

@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 
 from jabascli.config.loader import LoadedConfig
 from jabascli.config.models import ServerConfig
-from jabascli.devices import detect_devices, is_this_host
+from jabascli.devices import detect_devices
 from jabascli.errors import InputError, JabasError, RuntimeFailure
+from jabascli.net import is_local
 from jabascli.profiler.common import Reporter, pick_server
 from jabascli.profiler.lbsplan import device_speeds, lbs_plan
 from jabascli.profiles.formats import comm_profile_path
@@ -115,7 +116,7 @@ class _StageReporter(Reporter):
 def servers_here(loaded: LoadedConfig) -> tuple[list[ServerConfig], list[ServerConfig]]:
     """The job's servers on this machine, and those elsewhere."""
     servers = loaded.config.available()
-    return [s for s in servers if is_this_host(s.host)], [s for s in servers if not is_this_host(s.host)]
+    return [s for s in servers if is_local(s.host)], [s for s in servers if not is_local(s.host)]
 
 
 def gbs_bound(loaded: LoadedConfig, gbs_max: int | None) -> int | None:
