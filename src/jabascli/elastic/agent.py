@@ -27,7 +27,6 @@ Every exit is reported with its code and the tail of the trainer's log.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import select
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jabascli.atomic import atomic_write_json, atomic_write_text
+from jabascli.children import PREEXEC
 from jabascli.config import LoadedConfig
 from jabascli.devices import detect_devices, trainer_threads
 from jabascli.elastic.client import Rejected, SchedulerClient, Unreachable
@@ -284,7 +284,7 @@ class WorkerAgent:
                     stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
                     pass_fds=(write_fd,),
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=PREEXEC,
                 )
         except BaseException:
             os.close(read_fd)
@@ -438,10 +438,3 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the kernel SIGKILLs the trainer when its agent dies, so none outlives it."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jabascli.atomic import atomic_write
+from jabascli.children import PREEXEC
 from jabascli.config import LoadedConfig
 from jabascli.devices import trainer_threads
 from jabascli.elastic.client import SchedulerClient, Unreachable
@@ -136,7 +137,17 @@ def run_elastic(
             on_steering(steering)
         for name, command in commands.items():
             with (logs / f"{name}.log").open("wb") as log:
-                procs[name] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                # Ctrl-C reaches this process alone, which stops the job in order (the trainers checkpoint);
+                # should it die, so do its children.
+                procs[name] = subprocess.Popen(
+                    command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,
+                    preexec_fn=PREEXEC,
+                )
         if nodes:
             procs.update(_start_remote(loaded, nodes, scheduler, token, logs, on_line))
         with SchedulerClient(steering.address, token) as client:

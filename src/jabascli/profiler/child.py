@@ -45,6 +45,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from jabascli.children import PREEXEC
+
 PROGRESS_PREFIX = "@@jabas-progress "
 POLL_SECONDS = 0.05
 
@@ -144,29 +146,8 @@ def _start(module: str, args: list[str], log_path: Path) -> subprocess.Popen[byt
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent if _LIBC is not None else None,
+            preexec_fn=PREEXEC,
         )
-
-
-def _load_libc() -> Any:
-    if sys.platform != "linux":
-        return None
-    import ctypes
-
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
-_LIBC = _load_libc()  # loaded here, not between fork and exec
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Linux: have the kernel kill this process when the thread that started it ends."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _follow(
@@ -304,7 +285,7 @@ class _Zygote:
             [sys.executable, "-m", "jabascli.profiler.zygote"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            preexec_fn=die_with_parent if _LIBC is not None else None,
+            preexec_fn=PREEXEC,
         )
         self.lock = threading.Lock()
         self.buffer = b""

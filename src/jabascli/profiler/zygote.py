@@ -31,7 +31,7 @@ def _child(request: dict[str, Any]) -> None:
     """In the forked child: become the requested run, then exit without returning."""
     code = 1
     try:
-        from jabascli.profiler.child import die_with_parent
+        from jabascli.children import die_with_parent
 
         die_with_parent()
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -61,7 +61,7 @@ def _child(request: dict[str, Any]) -> None:
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from jabascli.profiler.child import die_with_parent
+    from jabascli.children import die_with_parent
 
     die_with_parent()
     # The expensive imports, done once for every child (the first optimizer step or dispatch mode
