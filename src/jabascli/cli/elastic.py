@@ -121,7 +121,7 @@ def worker(
         order = read_order(sys.stdin.buffer)
         os.environ.update(order.env)
         exit_on_sigterm()
-        end_when_closed(sys.stdin.buffer)
+        end_when_closed(sys.stdin.fileno())
     loaded = load_config(config)
     token = order.token if stdin else load_token(loaded)
     address = _address(loaded, scheduler)

@@ -65,11 +65,15 @@ def read_order(stream: BinaryIO) -> LaunchOrder:
         raise InputError.at("standard input", None, f"not a launch order: {exc}") from None
 
 
-def end_when_closed(stream: BinaryIO) -> threading.Thread:
-    """Watch ``stream`` in a daemon thread; at end-of-file send this process SIGTERM."""
+def end_when_closed(fd: int) -> threading.Thread:
+    """Watch the file descriptor ``fd`` in a daemon thread; at end-of-file send this process SIGTERM.
+
+    It reads the descriptor itself, not a buffered stream over it, whose lock a daemon thread would still
+    hold while the interpreter shuts down (which aborts it).
+    """
 
     def watch() -> None:
-        while stream.read(4096):
+        while os.read(fd, 4096):
             pass
         os.kill(os.getpid(), signal.SIGTERM)
 

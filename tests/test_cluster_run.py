@@ -1,0 +1,164 @@
+"""`jabas run` on a cluster of three emulated nodes, each a network namespace with its own address,
+a shaped link and its own sshd: nothing is started by hand on any node.
+
+A fast server and two slower ones (emulated slowdowns), digits in float64 with
+every training sample recorded. The job is interrupted with Ctrl-C under way
+(no jabas process may be left on any node, and none may listen beyond its
+node's address while it runs), then run again: it resumes from its checkpoint,
+ends, and its parameters equal one process that followed its GBS history.
+Runs as root only (network namespaces), and where sshd is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import tomli_w
+
+from jabascli.engine.plan import load_plan
+from jabascli.engine.reference import reference_run
+from tests.cluster import EmulatedCluster, NodeSpec, cluster_factory  # noqa: F401 (the fixture)
+from tests.elastic_support import RECORDED_DIGITS, TRAINER_ENV, load, used_samples
+from tests.engine_support import checkpoint_of, max_abs_diff
+from tests.sshd import require_sshd, write_key
+
+N = 1438  # digits' training samples (sklearn's 1797, less the 20 % validation split)
+EPOCHS = 2
+
+
+def _config(folder: Path, cluster: EmulatedCluster, key: Path) -> Path:
+    (folder / "samples").mkdir(parents=True)
+    (folder / "recorded_digits.py").write_text(RECORDED_DIGITS)
+    options = {"lr": 0.05, "width": 4, "record": str(folder / "samples")}
+    shapes = {"fast": (2, 2.0), "slow1": (1, 4.0), "slow2": (1, 4.0)}  # VSW, emulated slowdown
+    servers = [
+        {
+            "name": node.name,
+            "host": node.address,
+            "device_type": "cpu",
+            "vsw": shapes[node.name][0],
+            "emulate": {"slowdown": shapes[node.name][1], "memory_bytes": 2_000_000_000},
+            "ssh_user": "root",
+            "ssh_key": str(key),
+        }
+        for node in cluster.nodes
+    ]
+    config = {
+        "job": {
+            "name": "digits",
+            "workload": str(folder / "recorded_digits.py"),
+            "epochs": EPOCHS,
+            "lbs": 16,
+            "options": options,
+        },
+        "batching": {"metric": "fixed"},
+        "cluster": {"servers": servers},
+        "scheduler": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 10.0, "connect_timeout_s": 30.0},
+        "storage": {"checkpoint_dir": str(folder / "checkpoints"), "run_dir": str(folder / "runs")},
+    }
+    path = folder / "job.toml"
+    path.write_bytes(tomli_w.dumps(config).encode())
+    return path
+
+
+def _status(folder: Path) -> dict[str, Any] | None:
+    """The running job's status from its scheduler, found as `jabas job status` finds it (None: not yet)."""
+    try:
+        steering = json.loads((folder / "runs" / "digits" / "scheduler.json").read_text())
+        token = Path(steering["token_file"]).read_text().strip()
+        answer = httpx.get(
+            f"http://{steering['address']}/v1/job", headers={"Authorization": f"Bearer {token}"}, timeout=5
+        )
+        return answer.json() if answer.status_code == 200 else None
+    except (OSError, ValueError, KeyError, httpx.TransportError):
+        return None
+
+
+def _no_jabas_left(cluster: EmulatedCluster, timeout: float = 30.0) -> dict[str, list[str]]:
+    """The command lines of jabas processes still in a node after ``timeout`` (none: {})."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {node.name: cluster.jabas_pids_in(node) for node in cluster.nodes}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return {name: [_cmdline(pid) for pid in pids] for name, pids in left.items() if pids}
+        time.sleep(0.2)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return f"{pid}: gone"
+
+
+@pytest.mark.slow
+def test_jabas_run_trains_three_nodes_exactly_across_a_ctrl_c(cluster_factory, tmp_path: Path) -> None:  # noqa: F811
+    require_sshd()
+    cluster: EmulatedCluster = cluster_factory(
+        [NodeSpec("fast", "1gbit"), NodeSpec("slow1", "200mbit"), NodeSpec("slow2", "200mbit")]
+    )
+    key = tmp_path / "id_ed25519"
+    (tmp_path / "authorized_keys").write_text(write_key(key) + "\n")
+    sshds = [cluster.start_sshd(node, tmp_path / "authorized_keys") for node in cluster.nodes]
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("".join(s.known_hosts_line() for s in sshds))
+    config = _config(tmp_path, cluster, key)
+    run = [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--known-hosts", str(known_hosts)]
+    env = {**os.environ, **TRAINER_ENV}
+
+    # 1. Under way, every listening socket of a jabas process in a node is on that node's address;
+    #    then Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it).
+    first = subprocess.Popen(
+        run, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while (status := _status(tmp_path)) is None or status["step"] < 3:
+            assert first.poll() is None, first.communicate()[0].decode()[-3000:]
+            assert time.monotonic() < deadline, f"no progress; last status {status}"
+            time.sleep(0.2)
+        listening = {node.name: cluster.listening_sockets(node) for node in cluster.nodes}
+        jabas = {node.name: set(cluster.jabas_pids_in(node)) for node in cluster.nodes}
+        os.killpg(first.pid, signal.SIGINT)
+        output = first.communicate(timeout=120)[0].decode()
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode != 0, output[-3000:]
+    for node in cluster.nodes:
+        ours = [s for s in listening[node.name] if s.pid in jabas[node.name]]
+        assert ours, f"no jabas process listens in {node.name} (rank 0's store, gloo): {listening[node.name]}"
+        assert all(s.ip == node.address for s in ours), (node.name, node.address, ours)
+    assert _no_jabas_left(cluster) == {}, output[-3000:]
+    stopped_at = checkpoint_of(load(config))["progress"]["step"]
+    assert stopped_at >= 3
+    for server in ("fast", "slow1", "slow2"):
+        assert f"[{server}] worker rank" in output, output[-3000:]  # each node's output, with its name
+
+    # 2. Run again: it resumes from the checkpoint the interrupted run wrote, and ends.
+    second = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, timeout=300)
+    output = (second.stdout + second.stderr).decode()
+    assert second.returncode == 0, output[-3000:]
+    assert "resuming digits from" in output and f"step {stopped_at})" in output, output[-3000:]
+    assert _no_jabas_left(cluster) == {}, output[-3000:]
+
+    loaded = load(config)
+    final = checkpoint_of(loaded)
+    history = final["progress"]["gbs_history"]
+    counts = used_samples(tmp_path, N, EPOCHS)
+    for epoch in range(EPOCHS):
+        assert max(counts[epoch].values()) == 1, f"epoch {epoch}: a sample was used twice"
+        gbs = [h for h in history if h["epoch"] <= epoch][-1]["gbs"]
+        assert sum(counts[epoch].values()) == N - N % gbs, (epoch, history)
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=final["progress"]["step"], schedule=history)
+    diffs = max_abs_diff(final["model"], reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, diffs
