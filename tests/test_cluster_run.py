@@ -162,3 +162,33 @@ def test_jabas_run_trains_three_nodes_exactly_across_a_ctrl_c(cluster_factory, t
     reference, _ = reference_run(loaded, load_plan(loaded), steps=final["progress"]["step"], schedule=history)
     diffs = max_abs_diff(final["model"], reference.state_dict())
     assert max(diffs.values()) <= 1e-9, diffs
+
+
+def test_nodes_that_cannot_run_the_job_are_named_before_anything_starts(cluster_factory, tmp_path: Path) -> None:  # noqa: F811
+    """One node without sshd, one whose Python runs another jabas, one without jabas at that path."""
+    require_sshd()
+    cluster: EmulatedCluster = cluster_factory([NodeSpec("fast"), NodeSpec("slow1"), NodeSpec("slow2")], rate=None)
+    key = tmp_path / "id_ed25519"
+    (tmp_path / "authorized_keys").write_text(write_key(key) + "\n")
+    sshds = [cluster.start_sshd(cluster.node(name), tmp_path / "authorized_keys") for name in ("slow1", "slow2")]
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("".join(s.known_hosts_line() for s in sshds))
+    config = _config(tmp_path, cluster, key)
+    other = tmp_path / "other-python"  # another installation, answering as an older jabas would
+    other.write_text("#!/bin/sh\necho 'jabas 0.0.9'\n")
+    other.chmod(0o755)
+    text = config.read_text()
+    text = text.replace('name = "slow1"', f'name = "slow1"\npython = "{other}"')
+    text = text.replace('name = "slow2"', 'name = "slow2"\npython = "/nonexistent/bin/python3"')
+    config.write_text(text)
+    run = [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--known-hosts", str(known_hosts)]
+    result = subprocess.run(run, cwd=tmp_path, env={**os.environ, **TRAINER_ENV}, capture_output=True, timeout=120)
+    lines = sorted(line for line in result.stderr.decode().splitlines() if line.strip())
+    assert result.returncode == 1, lines
+    fast, slow1, slow2 = (cluster.node(name).address for name in ("fast", "slow1", "slow2"))
+    assert len(lines) == 3 and "Traceback" not in result.stderr.decode(), lines
+    assert lines[0].startswith(f"error: server 'fast': connection refused by {fast}:22"), lines
+    assert lines[1].startswith(f"error: server 'slow1' (root@{slow1}:22): runs jabas 0.0.9, this machine "), lines
+    assert lines[2].startswith(f"error: server 'slow2' (root@{slow2}:22): /nonexistent/bin/python3 -m jabascli"), lines
+    assert not (tmp_path / "runs" / "digits" / "scheduler.json").exists()
+    assert _no_jabas_left(cluster, timeout=0) == {}
