@@ -7,6 +7,7 @@ tests/test_cluster_run.py.
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import time
@@ -110,3 +111,16 @@ def test_a_worker_given_no_launch_order_says_so_in_one_line(tmp_path: Path) -> N
     assert result.returncode == 2
     lines = result.stderr.decode().strip().splitlines()
     assert lines == ["error: standard input: not a launch order: token: Field required"], lines
+
+
+def test_gloo_and_nccl_are_held_to_the_interface_towards_the_master(monkeypatch: pytest.MonkeyPatch) -> None:
+    from jabascli.engine.distributed import bind_gloo_towards
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's choice stands
+    bind_gloo_towards("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    bind_gloo_towards("127.0.0.1")
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "lo"

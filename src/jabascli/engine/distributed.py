@@ -26,9 +26,9 @@ maybe minutes away) do not run into the process group's rendezvous timeout.
 Where trainers listen: the store of every job (with or without generations)
 is rank 0's, bound to ``MASTER_ADDR`` only (torch's own TCPStore listens on
 every interface, and a store has no authentication: anyone who reaches it can
-write keys into the job); gloo's sockets are bound to the interface this node
-reaches ``MASTER_ADDR`` through (``GLOO_SOCKET_IFNAME``, unless set): loopback
-when the job runs on one machine. See docs/security.md.
+write keys into the job); gloo's (and NCCL's) sockets are bound to the interface this
+node reaches ``MASTER_ADDR`` through (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``,
+unless set): loopback when the job runs on one machine. See docs/security.md.
 """
 
 from __future__ import annotations
@@ -195,14 +195,17 @@ def rendezvous_store(host: str, port: int, is_master: bool, timeout: timedelta =
 
 
 def bind_gloo_towards(master_addr: str) -> None:
-    """Make gloo listen only on the interface this node reaches ``master_addr`` through (unless the
-    user chose one with ``GLOO_SOCKET_IFNAME``); without it gloo binds to what the host name resolves to."""
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
+    """Make gloo and NCCL listen only on the interface this node reaches ``master_addr`` through
+    (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``: each unless the user set it); without them gloo binds
+    to what the host name resolves to, and NCCL to the first interface it likes."""
+    unset = [name for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if not os.environ.get(name)]
+    if not unset:
         return
     local = local_address_towards(master_addr)
     interface = interface_of(local) if local is not None else None
     if interface is not None:
-        os.environ["GLOO_SOCKET_IFNAME"] = interface
+        for name in unset:
+            os.environ[name] = interface
 
 
 def _join_generation(env: DistEnv, backend: str) -> None:
