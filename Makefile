@@ -7,12 +7,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: quickstart test lint venv clean sshd gpu-check
+.PHONY: quickstart test lint venv clean sshd slurm gpu-check
 
 quickstart: $(VENV)/.installed-base
 	$(VENV)/bin/jabas run -c examples/quickstart.toml
 
-test: $(VENV)/.installed-test sshd
+test: $(VENV)/.installed-test sshd slurm
 	$(VENV)/bin/ruff check src tests models benchmarks
 	$(VENV)/bin/ruff format --check src tests models benchmarks
 	$(PY) -m pytest
@@ -37,6 +37,18 @@ sshd:
 		export DEBIAN_FRONTEND=noninteractive; \
 		apt-get update -qq >/dev/null && \
 		apt-get install -y -qq --no-install-recommends openssh-server >/dev/null; \
+	fi
+
+# The Slurm tests (tests/test_slurm.py) start a real slurmctld, one slurmd per emulated node and a
+# munged. On a fresh Debian machine run as root (CI), install Slurm 22.05 and munge for them; anywhere
+# else do nothing, and those tests skip saying why. The packages' services are not started here.
+slurm:
+	@if { [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/slurmd ] || ! command -v sbatch >/dev/null || \
+	      [ ! -x /usr/sbin/munged ]; } && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing slurmctld, slurmd, slurm-client and munge for the Slurm tests"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -qq >/dev/null && \
+		apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; \
 	fi
 
 # A torch already installed (a CUDA build, say) is used as it is: the venv then sees
