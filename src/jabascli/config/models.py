@@ -174,6 +174,9 @@ class SchedulerConfig(Section):
     """The scheduler answers 413 to a request whose body is larger."""
     connect_timeout_s: float = Field(60.0, gt=0)
     """How long a worker agent retries an unreachable scheduler before it gives up."""
+    collective_timeout_s: float = Field(300.0, gt=0)
+    """A collective of the trainers (an all-reduce, a broadcast) that does not finish within this time raises
+    on every rank waiting in it: a lost or hung rank fails the others instead of stopping the job for good."""
     in_place_moves: bool = True
     """Moves that keep rank 0's server keep the trainers that stay running (docs/elastic.md); false: every
     move restarts all trainers from the checkpoint."""

@@ -56,6 +56,8 @@ OPEN_TIMEOUT = timedelta(days=7)
 """How long a rank waits for rank 0 to open its generation (the agent kills it sooner when the job fails)."""
 STORE_TIMEOUT = timedelta(minutes=5)
 """Connecting to the store, and each store operation of a rendezvous."""
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+"""How long a collective waits for its peers, unless the job says (``[scheduler] collective_timeout_s``)."""
 
 _stores: dict[tuple[str, int], dist.TCPStore] = {}
 """The TCP stores this process joined (or hosts, on rank 0), kept for later generations."""
@@ -123,8 +125,12 @@ def choose_device(plan: TrainingPlan, env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(env: DistEnv, device: torch.device) -> bool:
-    """Join the job's process group; returns False when one was already initialised (by the caller)."""
+def init_process_group(env: DistEnv, device: torch.device, timeout: timedelta = COLLECTIVE_TIMEOUT) -> bool:
+    """Join the job's process group; returns False when one was already initialised (by the caller).
+
+    ``timeout`` bounds every collective of the group (``[scheduler] collective_timeout_s``): a rank that
+    waits longer for a lost or hung peer raises instead of waiting for ever.
+    """
     if dist.is_initialized():
         return False
     backend = "nccl" if device.type == "cuda" and not _sharing_gpus() else "gloo"
@@ -134,17 +140,17 @@ def init_process_group(env: DistEnv, device: torch.device) -> bool:
         assert env.master_addr is not None and env.master_port is not None
         bind_gloo_towards(env.master_addr)
         store = rendezvous_store(env.master_addr, env.master_port, env.rank == 0)
-        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     else:
-        _join_generation(env, backend)
+        _join_generation(env, backend, timeout)
     return True
 
 
-def rejoin(env: DistEnv, device: torch.device) -> None:
+def rejoin(env: DistEnv, device: torch.device, timeout: timedelta = COLLECTIVE_TIMEOUT) -> None:
     """Leave the current process group and join generation ``env.generation`` through the same store."""
     _retired.append(dist.group.WORLD)
     dist.destroy_process_group()  # unregisters it; the reference above keeps gloo's threads until the end
-    init_process_group(env, device)
+    init_process_group(env, device, timeout)
 
 
 def release_retired() -> None:
@@ -208,12 +214,12 @@ def bind_gloo_towards(master_addr: str) -> None:
             os.environ[name] = interface
 
 
-def _join_generation(env: DistEnv, backend: str) -> None:
+def _join_generation(env: DistEnv, backend: str, timeout: timedelta) -> None:
     assert env.master_addr is not None
     bind_gloo_towards(env.master_addr)
     wait_for_generation(env)
     store = dist.PrefixStore(f"g{env.generation}/", _store(env))
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size)
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
 def wrap_ddp(

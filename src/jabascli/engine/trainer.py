@@ -38,6 +38,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ from jabascli.engine.distributed import (
     wrap_ddp,
 )
 from jabascli.engine.events import EventSink
+from jabascli.engine.faults import FaultInjector
 from jabascli.engine.layout import checkpoint_folder, checkpoint_store, run_folder
 from jabascli.engine.loader import MicroBatchFeed, default_loader_workers
 from jabascli.engine.memory_limit import MemoryLimit
@@ -146,10 +148,11 @@ def run_trainer(
                 wait_for_generation(env)  # a rank started for a move waits here for the checkpoint ...
                 trainer.restore(written)  # ... which every rank of the generation reads before the group forms
                 written = None
+                timeout = timedelta(seconds=loaded.config.scheduler.collective_timeout_s)
                 if switching:
-                    rejoin(env, device)
+                    rejoin(env, device, timeout)
                 else:
-                    created = init_process_group(env, device) or created
+                    created = init_process_group(env, device, timeout) or created
                 trainer.connect()
                 if metrics is None:
                     metrics = trainer.open_metrics()  # rank 0's, kept across moves in place
@@ -261,6 +264,7 @@ class Trainer:
         self.emit = on_event if (on_event is not None and rank == 0) else None
         self.epochs = cfg.job.epochs
         self.validate_every = cfg.job.validate_every
+        self.faults = FaultInjector.from_environ(rank, run_folder(loaded))
 
         # What to train, and where training stands.
         self.workload: Workload = inputs.workload if inputs else workload_of(loaded)
@@ -468,6 +472,7 @@ class Trainer:
         epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for iteration in self._iterations(epoch):
             self.control.before_iteration()
+            self.faults.before_step(self.progress.step + 1)  # JABAS_FAULT: failures on purpose, for tests
             log.settings()  # the GBS and LR this iteration trains with, when they change
             with self.memory_limit.watch():
                 loss = self.train_step(iteration)
