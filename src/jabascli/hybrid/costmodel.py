@@ -39,8 +39,18 @@ shards), each measured over 2 ranks, emulation included (docs/formats.md). Then
   ends at ``E = sum_i max_r f1_i``, replica ``r`` starts its last backward at ``L_r = E + (M_r - 1) c_r``, and every
   replica ends at ``T = max_r (L_r + gl_{r,n-1}) + sum_{i < n-1} max_r gl_{r,i}`` (units in backward order).
 
-The rows are measured over 2 ranks and used as they are for ``R`` replicas (an estimate for ``R > 2``). Profiles
-without them (imported Sailor and Galvatron ones) price ``full`` as above with the unsharded times.
+The rows are measured over 2 ranks of one machine and used as they are for ``R`` replicas (an estimate for
+``R > 2``). Where a stage's replicas span servers, ``E_s`` also takes what its collectives cost on the ``inter`` link
+beyond the ``intra`` one: per block of ``P_i`` parameter bytes, ``n_g (AG_inter(P_i) - AG_intra(P_i)) +
+RS_inter(P_i) - RS_intra(P_i)`` from the measured collectives (``n_g`` = ``2 M`` under ZeRO-3 proper, else 1; at
+least 0 over the stage). Profiles without the rows (imported Sailor and Galvatron ones) price ``full`` as above with
+the unsharded times.
+
+Links: ``intra`` is what devices of one server exchange over, ``inter`` what crosses between servers; both come from
+the network profile (``jabas profile hybrid`` measures ``intra`` on this machine, and ``inter`` between two nodes
+where :func:`jabascli.profiler.hybrid.measure_link` ran on both). Every cross-server term above (sends between stages
+on different servers, gradient sync over replicas on several servers, sharded collectives across servers) is priced
+on the ``inter`` link, so a slower link makes exactly those plans dearer.
 
 Peak memory of a device of stage ``s`` in replica ``r``, with ``W = P_s(t)`` and ``R' = R`` if sharded else 1:
 ``mem = W (2 + k_f) + k_o W / R' + B_s + reserve(t) + max(n_s a_s + r_s, k_s W / R')`` where ``k_o``/``k_f`` are
@@ -246,6 +256,30 @@ class CostModel:
         scatter = sum(max(0.0, r.bwd_last - r.bwd) for r in rows)
         return compute, gather, scatter, sum(r.update for r in rows)
 
+    def link_extra(self, plan: Plan, stage: int, gathers: int) -> float:
+        """What stage ``stage``'s FSDP2 collectives take beyond the measured sharded rows' when its replicas span
+        servers: per block ``gathers`` all-gathers and one reduce-scatter of its parameter bytes, each the ``inter``
+        link's measured time less the ``intra`` one's (the rows were measured over two processes of one machine),
+        0 when the replicas share a server or the profile lacks either link's rows."""
+        servers = {rep.stages[stage].server for rep in plan.replicas if rep.microbatches > 0}
+        if len(servers) == 1 and "" not in servers:
+            return 0.0
+        key = ("link_extra", plan.bounds[stage], plan.bounds[stage + 1], gathers)
+        hit = self.memo.get(key)
+        if hit is None:
+            net = self.profiles.network
+            hit = 0.0
+            for i in plan.stage_blocks(stage):
+                size = self.blocks.params(i, 1)
+                for name, times in (("all_gather", gathers), ("reduce_scatter", 1)):
+                    inter = net.measured_seconds(name, "inter", size)
+                    intra = net.measured_seconds(name, "intra", size)
+                    if inter is not None and intra is not None:
+                        hit += times * (inter - intra)
+            hit = max(hit, 0.0)
+            self.memo[key] = hit
+        return hit
+
     # --- the whole plan -----------------------------------------------------------------------------------------
     def predict(self, plan: Plan) -> Prediction:
         n_stages = plan.num_stages
@@ -275,7 +309,7 @@ class CostModel:
             peaks.append(row)
             fits &= ok
         if measured and not regather and n_stages == 1 and len(plan.replicas) > 1:
-            pipeline = [self._paired_units(plan, ckpt)] * len(plan.replicas)
+            pipeline = [self._paired_units(plan, ckpt) + self.link_extra(plan, 0, 1)] * len(plan.replicas)
         sync = 0.0
         for s in range(n_stages if not measured else 0):  # measured sharding: the collectives are in T_r
             group = [rep.stages[s] for rep in plan.replicas if rep.microbatches > 0]
@@ -322,7 +356,8 @@ class CostModel:
             sck = frozenset(i for i in ckpt if first <= i < last)
             if measured:
                 compute, gather, scatter, u_s = self.sharded_stage(place.device, b, first, last, sck)
-                once += (2 * rep.microbatches if regather else 1) * gather + scatter
+                gathers = 2 * rep.microbatches if regather else 1
+                once += gathers * gather + scatter + self.link_extra(plan, s, gathers)
                 update = max(update, u_s)
             else:
                 compute = self.stage_compute(place.device, b, place.tp, first, last, sck)

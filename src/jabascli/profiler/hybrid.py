@@ -42,9 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
+from jabascli.atomic import atomic_write_json
 from jabascli.config import LoadedConfig
 from jabascli.errors import InputError, RuntimeFailure
+from jabascli.inputs import read_json
 from jabascli.net import free_port
 from jabascli.profiler.child import ChildCrashed, run_child, run_children
 from jabascli.profiler.common import Reporter, ensure_writable, job_workload, resolve_target
@@ -265,6 +268,65 @@ def _collectives(types: list[str], reporter: Reporter) -> tuple[Network, Bandwid
     table = {t: {2: fit} for t in types}
     source = "jabas profile hybrid: gloo, 2 processes on loopback (inter = intra: the servers share this machine)"
     return Network(source=source, intra=table, inter=table, collectives=rows), fit
+
+
+def measure_link(
+    rank: int,
+    master_addr: str,
+    master_port: int,
+    *,
+    reporter: Reporter | None = None,
+    sizes_bytes: tuple[int, ...] = SIZES_BYTES,
+    timeout_s: float = 600.0,
+) -> list[CollectiveTime]:
+    """One of the two processes of a measurement of the link between two nodes: run on each node, ``rank`` 0 on the
+    node whose address is ``master_addr`` (its store listens there), ``rank`` 1 on the other. The collectives of
+    :func:`_collectives` (all-reduce, all-gather, reduce-scatter and send by size, gloo) then cross the link; both
+    ranks return the same rows (each the slower rank's median), ``link = "inter"``. ``sizes_bytes``: the sizes
+    measured (default 1 KiB to 4 MiB; on a slow link the largest take seconds each)."""
+    reporter = reporter or Reporter()
+    spec = {
+        "kind": "collectives",
+        "world_size": 2,
+        "rank": rank,
+        "master_addr": master_addr,
+        "master_port": master_port,
+        "sizes_bytes": list(sizes_bytes),
+        "timeout": timeout_s,
+    }
+
+    def progress(fields: dict[str, Any]) -> None:
+        reporter.progress(fields.get("done", 0), len(sizes_bytes), f"link: {fields.get('size_bytes')} bytes")
+
+    try:
+        result = run_child(WORKER, spec, progress, timeout=timeout_s, fresh=True)
+    except ChildCrashed as crash:
+        raise RuntimeFailure([f"hybrid link profile (rank {rank}) failed: {crash.describe()}"]) from None
+    if result.get("status") != "ok":
+        raise RuntimeFailure([f"hybrid link profile (rank {rank}) failed: {result.get('error')}"])
+    return [CollectiveTime(devices=2, link="inter", **row) for row in result["rows"]]
+
+
+def link_network(network: Network, rows: list[CollectiveTime], source: str) -> Network:
+    """``network`` with its ``inter`` link as measured between two nodes (:func:`measure_link`): the rows as they
+    are, and every device type's ``inter`` fit the all-reduce's bus bandwidth over them, for one device of a server
+    (each node ran one process)."""
+    ring = sorted((r for r in rows if r.collective == "all_reduce"), key=lambda r: r.size_bytes)
+    if len(ring) < 2:
+        raise InputError.at(None, "link", f"{len(ring)} all-reduce sizes measured on the link: a fit needs 2")
+    fit = bus_bandwidth_fit([r.size_bytes for r in ring], [r.seconds for r in ring], 2)
+    return network.with_link("inter", rows, fit, 1, source)
+
+
+def write_link(root: Path, rows: list[CollectiveTime], source: str) -> Path:
+    """Replace the ``inter`` link of ``<root>/hybrid/network.json`` (``jabas profile hybrid`` wrote it) by ``rows``
+    measured between two nodes (:func:`link_network`), atomically; the path."""
+    path = root / "hybrid" / "network.json"
+    try:
+        network = Network.model_validate(read_json(path))
+    except ValidationError as err:
+        raise InputError.at(path, None, f"not a hybrid network profile: {err.errors()[0]['msg']}") from None
+    return atomic_write_json(path, link_network(network, rows, source).model_dump(mode="json"))
 
 
 def bus_bandwidth_fit(sizes: list[float], seconds: list[float], n: int) -> BandwidthFit:

@@ -171,6 +171,21 @@ class Network(_Strict):
                 return t0 + (t1 - t0) * (size_bytes - s0) / (s1 - s0)
         return rows[-1][1] * size_bytes / rows[-1][0]
 
+    def with_link(
+        self, link: Link, rows: list[CollectiveTime], fit: BandwidthFit, devices: int, source: str
+    ) -> Network:
+        """This network with ``link`` measured anew: its rows replaced by ``rows`` and every device type's fit for
+        it by ``fit`` (for ``devices`` devices of a server), ``source`` saying where the link was measured."""
+        types = sorted(set(self.intra) | set(self.inter))
+        kept = [r for r in self.collectives if r.link != link]
+        measured = [r.model_copy(update={"link": link}) for r in rows]
+        update: dict[str, object] = {
+            link: {t: {devices: fit} for t in types},
+            "collectives": kept + measured,
+            "source": "; ".join(filter(None, (self.source.split(f"; {link}: ")[0], f"{link}: {source}"))),
+        }
+        return self.model_copy(update=update)
+
     def fit(self, link: Link, device: str, n: int) -> BandwidthFit:
         table = (self.intra if link == "intra" else self.inter).get(device)
         if not table:
