@@ -17,7 +17,14 @@ and recorded neither.)
 
 Every node of an inter-node run writes the same profile, so that a node that
 already has one skips the run on all nodes alike; a node that skips while the
-others measure leaves them waiting until the rendezvous times out.
+others measure leaves them waiting until the rendezvous times out. Same means
+byte for byte: every rank ends with the same numbers, and the bandwidth behind
+an inter-node ``ideal_ms`` is the lowest ``inter_bandwidth`` of the job's
+servers on every node (what the slowest link allows), so nodes sharing one
+profile folder may write it in any order. The meta file also records
+``hosts``, every rank's address (where its gloo listens), so an inter-node
+profile says between which machines it was measured (``127.0.0.1`` for each
+rank of ``jabas profile all`` on one machine).
 """
 
 from __future__ import annotations
@@ -154,7 +161,9 @@ def profile_comm(
         return CommRun(target, folder, existing, path, skipped=True)
 
     world_size = local * nodes
-    bandwidth = target.server.inter_bandwidth if inter else target.server.intra_bandwidth
+    bandwidth = target.server.intra_bandwidth
+    if inter:
+        bandwidth = min(s.inter_bandwidth for s in (loaded.config.available() or [target.server]))
     sizes_bytes = [max(4, round(mb * BUCKET_MB / 4) * 4) for mb in sizes_mb]
     base = {
         "world_size": world_size,
@@ -207,6 +216,7 @@ def profile_comm(
         backend=backend,
         sizes_bytes=[row["size_bytes"] for row in rows],
         after_wait_ms=after_wait,
+        hosts=results[0].get("hosts"),
     )
     profile = CommProfile(kind=kind, ideal_ms=ideal, measured_ms=measured, meta=meta)
     written = write_comm_profile(folder, profile)
@@ -216,6 +226,12 @@ def profile_comm(
             f"(p25 {row['p25']:.3f}, p75 {row['p75']:.3f}, {row['reps']} reps)"
         )
     return CommRun(target, folder, profile, written, spread=[(row["p25"], row["p75"]) for row in rows])
+
+
+def profile_hosts(profile: CommProfile) -> list[str] | None:
+    """Every rank's address when the profile was measured (its meta file's ``hosts``), or None."""
+    hosts = (profile.meta.model_extra or {}).get("hosts") if profile.meta is not None else None
+    return [str(h) for h in hosts] if isinstance(hosts, list) else None
 
 
 def _parse_master(master: str) -> tuple[str, int]:

@@ -7,7 +7,9 @@ rank 0 picks the number of timed repetitions (enough for about
 starts after a barrier, so every rank times the same all-reduce. The times of
 each repetition are combined across ranks with MAX, since an all-reduce is
 over when its slowest rank is done; the median of those is the measurement.
-Every rank ends with the same numbers; local rank 0 of each node writes them.
+Every rank ends with the same numbers; local rank 0 of each node writes them. Every rank also
+learns every rank's own address (the one it reaches the master from, where gloo listens), so the
+profile says between which hosts it was measured.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     store = rendezvous_store(spec["master_addr"], int(spec["master_port"]), rank == 0, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     try:
+        hosts = _gather_hosts(spec["master_addr"], world, device)
         rows = []
         sizes = [int(s) for s in spec["sizes_bytes"]]
         for index, size in enumerate(sizes):
@@ -69,9 +72,27 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             rows.append({"size_bytes": tensor.numel() * 4, "reps": len(times), **row})
             if rank == 0:
                 emit_progress(done=index + 1, total=len(sizes), size_bytes=size, median_ms=row["median"])
-        return {"status": "ok", "rows": rows}
+        return {"status": "ok", "rows": rows, "hosts": hosts}
     finally:
         dist.destroy_process_group()
+
+
+HOST_BYTES = 64
+
+
+def _gather_hosts(master_addr: str, world: int, device: Any) -> list[str]:
+    """Every rank's address towards ``master_addr``, by rank (fixed-size bytes, never a pickle)."""
+    import torch
+    import torch.distributed as dist
+
+    from jabascli.net import local_address_towards
+
+    own = (local_address_towards(master_addr) or "?").encode()[:HOST_BYTES]
+    mine = torch.zeros(HOST_BYTES, dtype=torch.uint8, device=device)
+    mine[: len(own)] = torch.tensor(list(own), dtype=torch.uint8)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for t in every]
 
 
 def _after_wait(tensor: Any, device: Any, rank: int, world: int, wait_ms: float, reps: int) -> float:
