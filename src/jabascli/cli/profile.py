@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +28,7 @@ from rich.table import Table
 
 from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
 from jabascli.config import load_config
-from jabascli.errors import InputError
+from jabascli.errors import InputError, JabasError
 from jabascli.profiler.common import Reporter
 
 app = typer.Typer(help="Measure what the solver needs, per device type.", no_args_is_help=True)
@@ -38,6 +40,15 @@ ServerOption = Annotated[
     str | None, typer.Option("--server", help="This node's server name in the config (default: the first server).")
 ]
 ForceOption = Annotated[bool, typer.Option("--force", help="Measure again what is already on disk.")]
+LaunchedOption = Annotated[
+    bool,
+    typer.Option(
+        "--launched",
+        hidden=True,
+        help="Run by `jabas profile all` of a cluster: progress as JSON lines on stdout, and stop as Ctrl-C "
+        "would when standard input closes.",
+    ),
+]
 ThreadsOption = Annotated[
     int | None,
     typer.Option(
@@ -76,11 +87,11 @@ class _ProgressReporter(Reporter):
         return self._task
 
     def progress(self, completed: float, total: float | None, what: str) -> None:
-        self._progress.update(self._started(), completed=completed, total=total, description=what)
+        self._progress.update(self._started(), completed=completed, total=total, description=escape(what))
 
     def note(self, message: str) -> None:
         self._started()
-        self._progress.console.print(f"  {message}", highlight=False)
+        self._progress.console.print(f"  {message}", highlight=False, markup=False)  # "[fast] ..." is text
 
     def stop(self) -> None:
         if self._task is not None:
@@ -115,6 +126,38 @@ def _reporting(title: str, quiet: bool) -> Iterator[Reporter]:
             yield reporter
         finally:
             reporter.stop()
+
+
+def _emit(line: str) -> None:
+    typer.echo(line)  # flushed: the launcher shows it as it comes
+
+
+@contextmanager
+def _launched_reporting() -> Iterator[Reporter]:
+    """``--launched``: this command's pid, then its progress, as event lines; the end of standard input
+    stops it as Ctrl-C does (its launcher closed it, or the SSH session dropped)."""
+    from jabascli.elastic.lifeline import end_when_closed
+    from jabascli.profiler.remote import LineReporter, event_line
+
+    with _terminate_as_interrupt():
+        _emit(event_line("pid", pid=os.getpid()))
+        end_when_closed(sys.stdin.fileno())
+        yield LineReporter(_emit)
+
+
+@contextmanager
+def _launched_errors(launched: bool) -> Iterator[None]:
+    """``--launched``: an error is an event line for the launcher (which names the server), and the exit code."""
+    if not launched:
+        yield
+        return
+    from jabascli.profiler.remote import event_line
+
+    try:
+        yield
+    except JabasError as exc:
+        _emit(event_line("error", code=exc.exit_code, lines=exc.lines()))
+        raise typer.Exit(exc.exit_code) from None
 
 
 def _mib(value: int | None) -> str:
@@ -340,6 +383,7 @@ def comm(
     backend: Annotated[str | None, typer.Option(help="gloo or nccl (default: nccl on GPUs, else gloo).")] = None,
     force: ForceOption = False,
     json_out: JsonOption = False,
+    launched: LaunchedOption = False,
 ) -> None:
     """All-reduce time per message size, intra-node (and inter-node with --rank/--world/--master).
 
@@ -353,27 +397,42 @@ def comm(
 
         jabas profile comm -c jabas.toml --rank 0 --world 2 --master 10.0.0.5:29500
     """
-    from jabascli.profiler.comm import profile_comm
+    from jabascli.profiler.comm import profile_comm, profile_hosts
     from jabascli.profiles.formats import BUCKET_MB
 
-    loaded = load_config(config, check_profiles=False)
-    with _reporting("Communication profile", json_out) as reporter:
-        run = profile_comm(
-            loaded,
-            server=server,
-            out=out,
-            sizes=sizes,
-            nprocs=nprocs,
-            rank=rank,
-            world=world,
-            master=master,
-            warmup=warmup,
-            reps=reps,
-            backend=backend,
-            force=force,
-            reporter=reporter,
-        )
+    with _launched_errors(launched):
+        loaded = load_config(config, check_profiles=False)
+        reporting = _launched_reporting() if launched else _reporting("Communication profile", json_out)
+        with reporting as reporter:
+            run = profile_comm(
+                loaded,
+                server=server,
+                out=out,
+                sizes=sizes,
+                nprocs=nprocs,
+                rank=rank,
+                world=world,
+                master=master,
+                warmup=warmup,
+                reps=reps,
+                backend=backend,
+                force=force,
+                reporter=reporter,
+            )
     profile = run.profile
+    if launched:
+        from jabascli.profiler.remote import event_line
+
+        meta = profile.meta
+        world_size = meta.world_size if meta is not None else None
+        hosts = profile_hosts(profile)
+        sizes_done = len(profile.measured_ms)
+        _emit(
+            event_line(
+                "result", path=str(run.path), skipped=run.skipped, world_size=world_size, hosts=hosts, sizes=sizes_done
+            )
+        )
+        return
     if json_out:
         print_json({"path": str(run.path), "skipped": run.skipped, **profile.model_dump(exclude_none=True)})
         return
@@ -401,8 +460,8 @@ def all_(
         str | None,
         typer.Option(
             "--server",
-            help="On a real cluster: this node's server. Profiles it, and prints the inter-node commands "
-            "every node runs (default: every server, all on this machine).",
+            help="This node's server only: profiles it here, and prints the inter-node commands every node "
+            "would run (default: every server, each on its node).",
         ),
     ] = None,
     lbs: Annotated[
@@ -437,40 +496,86 @@ def all_(
             help="Also the hybrid planner's profiles (`jabas profile hybrid`; always when the job has \\[parallel]).",
         ),
     ] = False,
+    known_hosts: Annotated[
+        Path | None,
+        typer.Option(
+            "--known-hosts", help="On a cluster: host keys to check servers against (default: ~/.ssh/known_hosts)."
+        ),
+    ] = None,
+    ssh_config: Annotated[
+        Path | None,
+        typer.Option("--ssh-config", help="On a cluster: OpenSSH client config (default: ~/.ssh/config)."),
+    ] = None,
+    accept_new_host_keys: Annotated[
+        bool,
+        typer.Option("--accept-new-host-keys", help="On a cluster: trust and record host keys not yet known."),
+    ] = False,
+    launched: LaunchedOption = False,
 ) -> None:
     """Every profile the solver needs, in one command: buckets, memory and computation per server, all-reduce.
 
     With every server of the config on this machine (loopback, emulated or
     not): each server, the intra-node all-reduce and the inter-node one over
-    loopback, one process per server. On a cluster, run it on every node with
-    --server NAME; it prints the `jabas profile comm --rank/--world/--master`
-    commands the nodes then run together. Files already on disk are kept
+    loopback, one process per server.
+
+    On a cluster (servers whose host is another machine) it checks every node
+    over SSH first, as `jabas run` does, then profiles each server on its own
+    node, one after another (on an emulated cluster the nodes share this
+    machine's cores, and servers profiled at once would measure each other),
+    and then the all-reduce between the nodes, every node at once, rank 0's
+    node the master at its host from the config. Each node's output is shown
+    with its name; Ctrl-C stops the profilers on every node. The nodes read and
+    write the job's files at the same paths (a shared file system).
+
+    --server NAME profiles only that server, on this node, and prints the
+    `jabas profile comm --rank/--world/--master` commands the nodes would run
+    together for the inter-node profile. Files already on disk are kept
     (--force measures again); Ctrl-C leaves only complete files.
 
     Example:
 
         jabas profile all -c examples/two_servers.toml
 
+        jabas profile all -c cluster.toml --known-hosts ~/.ssh/known_hosts --gbs-max 256
+
         jabas profile all -c jabas.toml --server node1 --gbs-max 1024
     """
-    from jabascli.profiler.suite import failure_error, profile_all
+    from jabascli.profiler.suite import failure_error, profile_all, servers_here
 
-    loaded = load_config(config, check_profiles=False)
-    began = time.monotonic()
-    with _reporting("All profiles", json_out) as reporter:
-        run = profile_all(
-            loaded,
-            server=server,
-            lbs=lbs,
-            gbs_max=gbs_max,
-            gbs_min=gbs_min,
-            iters=iters,
-            sizes=sizes,
-            force=force,
-            reporter=reporter,
-            hybrid=hybrid,
-        )
+    with _launched_errors(launched):
+        loaded = load_config(config, check_profiles=False)
+        ssh = None
+        if known_hosts is not None or ssh_config is not None or accept_new_host_keys:
+            if server is not None or not servers_here(loaded)[1]:
+                raise InputError.at(
+                    None, "--known-hosts", "is used on a cluster only (servers on other machines, no --server)"
+                )
+            from jabascli.elastic.remote import SshOptions
+
+            ssh = SshOptions(known_hosts, ssh_config, accept_new_host_keys)
+        began = time.monotonic()
+        reporting = _launched_reporting() if launched else _reporting("All profiles", json_out)
+        with reporting as reporter:
+            run = profile_all(
+                loaded,
+                server=server,
+                lbs=lbs,
+                gbs_max=gbs_max,
+                gbs_min=gbs_min,
+                iters=iters,
+                sizes=sizes,
+                force=force,
+                reporter=reporter,
+                hybrid=hybrid,
+                ssh=ssh,
+            )
     took = time.monotonic() - began
+    stages = [{"name": s.name, "ok": s.ok, "detail": s.detail, "seconds": round(s.seconds, 1)} for s in run.stages]
+    if launched:  # failed stages are the launcher's to name
+        from jabascli.profiler.remote import event_line
+
+        _emit(event_line("result", stages=stages, bucket_mib=run.bucket_mib, gbs_max=run.gbs_max))
+        return
     failure = failure_error(run)
     if json_out:
         print_json(
@@ -479,9 +584,7 @@ def all_(
                 "lbs_values": run.lbs_values,
                 "expected_s": round(run.expected_s, 1),
                 "took_s": round(took, 1),
-                "stages": [
-                    {"name": s.name, "ok": s.ok, "detail": s.detail, "seconds": round(s.seconds, 1)} for s in run.stages
-                ],
+                "stages": stages,
                 "commands": run.commands,
             }
         )

@@ -29,10 +29,12 @@ emulated or not), in this order:
    planner's profiles (:mod:`.hybrid`).
 
 A server whose profile fails does not stop the others: the failure is kept
-and named at the end. On a real cluster (``server`` given), this node's
-server is profiled (steps 1-3) and the inter-node profile is left to every
-node at once: :attr:`SuiteRun.commands` lists the ``jabas profile comm``
-command each node runs.
+and named at the end. When servers are on other machines, :mod:`.remote`
+profiles each on its node over SSH, one after another, then the all-reduce
+between the nodes. With ``server`` given, only this node's server is profiled
+(steps 1-3; what each node runs for :mod:`.remote`, and what a user may run by
+hand), and :attr:`SuiteRun.commands` lists the ``jabas profile comm`` command
+each node would run for the inter-node profile.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jabascli.config.loader import LoadedConfig
 from jabascli.config.models import ServerConfig
@@ -50,6 +53,9 @@ from jabascli.net import is_local
 from jabascli.profiler.common import Reporter, pick_server
 from jabascli.profiler.lbsplan import device_speeds, lbs_plan
 from jabascli.profiles.formats import comm_profile_path
+
+if TYPE_CHECKING:
+    from jabascli.elastic.remote import SshOptions
 
 INTER_PORT = 29510
 
@@ -93,6 +99,8 @@ class SuiteRun:
     """The LBS values planned (None: the ``--lbs`` sweep)."""
     expected_s: float = 0.0
     """The time the run was expected to take, said before it started."""
+    bucket_mib: list[float] = field(default_factory=list)
+    """The gradient buckets (MB) measured or found on disk."""
 
     @property
     def failures(self) -> list[StageResult]:
@@ -190,10 +198,13 @@ def profile_all(
     force: bool = False,
     reporter: Reporter | None = None,
     hybrid: bool = False,
+    ssh: SshOptions | None = None,
 ) -> SuiteRun:
-    """Measure every profile the solver needs for ``loaded``'s job on this machine.
+    """Measure every profile the solver needs for ``loaded``'s job.
 
     ``lbs``: sweep N, 2N, 3N ... (the single memory profiler's way) instead of the balanced plan.
+    Servers on other machines (and ``server`` not given): each profiled on its node over SSH
+    (:func:`.remote.profile_cluster`; ``ssh``: how to reach them).
     """
     from jabascli.profiler.bucket import profile_buckets
     from jabascli.profiler.comm import profile_comm
@@ -209,13 +220,7 @@ def profile_all(
     else:
         mine, elsewhere = servers_here(loaded)
         if elsewhere:
-            names = ", ".join(f"{s.name} ({s.host})" for s in elsewhere)
-            raise InputError.at(
-                loaded.path,
-                "cluster.servers",
-                f"servers not on this machine: {names}; on each of them run "
-                f"`jabas profile all -c {loaded.path} --server NAME`",
-            )
+            return _on_cluster(loaded, lbs, gbs_max, gbs_min, iters, sizes, force, reporter, hybrid, ssh)
         many = len(mine) > 1
     bound = gbs_bound(loaded, gbs_max)
     lbs_values = None if lbs is not None else planned_lbs(loaded, mine, gbs_min, bound)
@@ -276,6 +281,7 @@ def profile_all(
     def bucket(sub: Reporter) -> str:
         result = profile_buckets(loaded, force=force, reporter=sub)
         bucket_mib.extend(result.profile.bucket_size_distribution)
+        run.bucket_mib = list(bucket_mib)
         count = f"{len(bucket_mib)} bucket{'s' if len(bucket_mib) != 1 else ''}"
         return f"{count}, {sum(bucket_mib):.3g} MB" + (" (on disk)" if result.skipped else "")
 
@@ -343,6 +349,31 @@ def profile_all(
     if server is not None and many:
         run.commands = inter_commands(loaded)
     return run
+
+
+def _on_cluster(
+    loaded: LoadedConfig,
+    lbs: int | None,
+    gbs_max: int | None,
+    gbs_min: int | None,
+    iters: int,
+    sizes: str | None,
+    force: bool,
+    reporter: Reporter,
+    hybrid: bool,
+    ssh: SshOptions | None,
+) -> SuiteRun:
+    from jabascli.profiler.remote import ClusterOptions, profile_cluster
+
+    if hybrid or loaded.config.parallel is not None:
+        raise InputError.at(
+            None if hybrid else loaded.path,
+            "--hybrid" if hybrid else "parallel",
+            "the hybrid profiles are taken on one machine: run `jabas profile hybrid -c CONFIG` where every "
+            "device type of the job is (an emulated one runs anywhere), then `jabas profile all` here",
+        )
+    options = ClusterOptions(lbs=lbs, gbs_max=gbs_max, gbs_min=gbs_min, iters=iters, sizes=sizes, force=force)
+    return profile_cluster(loaded, options, ssh=ssh, reporter=reporter)
 
 
 def _hybrid(loaded: LoadedConfig, force: bool, reporter: Reporter) -> str:

@@ -1,0 +1,550 @@
+"""``jabas profile all`` on a cluster: every server profiled on its own node, then the all-reduce between nodes.
+
+When servers of the config are on other machines (:func:`jabascli.net.is_local`),
+nothing has to be typed on any node:
+
+1. Every node is connected to and checked first, at once, as ``jabas run``
+   does (:func:`jabascli.elastic.remote.connect_nodes`: host keys, the same jabas
+   version, the config and the working folder at the same paths); each one that
+   fails is named in one line and nothing starts anywhere.
+2. Each server is profiled on its own node, one server after another, by
+   ``jabas profile all -c CONFIG --server NAME --launched`` with this run's GBS
+   range, LBS plan and options (a server on this machine by the same command, a
+   child process here). One after another: on an emulated cluster the nodes
+   share one machine's cores, and servers profiled at once would measure each
+   other. ``--launched`` makes the command print its progress as JSON lines
+   (:func:`event_line`), shown here with the server's name, and end as Ctrl-C
+   would (measuring processes killed, no partial file) when its standard input
+   closes: this process keeps it open, so Ctrl-C here, or a lost connection,
+   ends it on its node.
+3. With several servers, ``jabas profile comm --rank R --world W --master
+   HOST:PORT --launched`` runs on every node at the same time, rank R on the
+   R-th server of the config, rank 0's node the master at its ``host`` from the
+   config, one process per device: every node's gloo (NCCL on GPUs) listens on
+   its interface towards the master and the all-reduces cross the links between
+   the nodes. The profile records every rank's address (``hosts``).
+
+The nodes read the job from the same paths (a shared file system), so every
+profile lands in the folders of the config's ``[profiles]``, which the solver
+and ``jabas run`` read. Environment variables ``jabas run`` passes on to its
+agents (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, ``JABAS_*``) go to every
+profiling command too, so each server is measured with the threads its
+trainers will have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import queue
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from paramiko.ssh_exception import SSHException
+
+from jabascli.children import PREEXEC
+from jabascli.config.loader import LoadedConfig
+from jabascli.config.models import ServerConfig
+from jabascli.elastic.lifeline import passed_on
+from jabascli.elastic.remote import Node, RemoteAgent, SshOptions, connect_nodes, python_of
+from jabascli.elastic.token import TOKEN_ENV
+from jabascli.errors import InputError, Problem, RuntimeFailure
+from jabascli.net import is_local
+from jabascli.profiler.common import Reporter
+from jabascli.profiler.suite import (
+    FIXED_S,
+    INTER_PORT,
+    StageResult,
+    SuiteRun,
+    comm_sizes,
+    expected_seconds,
+    gbs_bound,
+    planned_lbs,
+)
+
+EVENT = "jabas-profile"
+"""The key of every line a ``--launched`` profiler prints for its launcher; its value is the event's kind."""
+START_S = 5.0
+"""Seconds a profiling command takes to start on a node (SSH session, the interpreter importing jabas)."""
+END_GRACE_S = 15.0
+"""How long a profiling command has to stop once its standard input closed, before it is killed by its pid."""
+PORT_ATTEMPTS = 3
+POLL_S = 0.1
+
+
+def event_line(kind: str, **fields: Any) -> str:
+    """One line of a ``--launched`` profiler's output: ``{"jabas-profile": KIND, ...fields}``."""
+    return json.dumps({EVENT: kind, **fields})
+
+
+def parse_event(line: str) -> dict[str, Any] | None:
+    """The event a line carries, or None for any other output (a warning, a traceback)."""
+    if not line.startswith("{"):
+        return None
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) and isinstance(event.get(EVENT), str) else None
+
+
+class LineReporter(Reporter):
+    """A profiler's progress and notes as event lines, handed to ``write`` (``--launched``)."""
+
+    def __init__(self, write: Callable[[str], None]) -> None:
+        self._write = write
+
+    def progress(self, completed: float, total: float | None, what: str) -> None:
+        self._write(event_line("progress", completed=completed, total=total, what=what))
+
+    def note(self, message: str) -> None:
+        self._write(event_line("note", message=message))
+
+
+class _NodeReporter(Reporter):
+    """One node's progress as its share of the whole run's, its lines prefixed with the server's name."""
+
+    def __init__(self, outer: Reporter, before: float, weight: float, total: float, name: str) -> None:
+        self.outer, self.before, self.weight, self.total, self.name = outer, before, weight, total, name
+
+    def progress(self, completed: float, total: float | None, what: str) -> None:
+        share = min(completed / total, 1.0) if total else 0.0
+        self.outer.progress(self.before + self.weight * share, self.total, f"[{self.name}] {what}")
+
+    def note(self, message: str) -> None:
+        self.outer.note(f"[{self.name}] {message}")
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """What ``jabas profile all`` measures, handed to every node's command."""
+
+    lbs: int | None = None
+    gbs_max: int | None = None
+    gbs_min: int | None = None
+    iters: int = 20
+    sizes: str | None = None
+    force: bool = False
+
+
+class _Run(Protocol):
+    """A profiling command running for one server, on its node or here."""
+
+    name: str
+    pid: int | None
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def end(self, grace_s: float = END_GRACE_S) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def profile_cluster(
+    loaded: LoadedConfig,
+    options: ClusterOptions,
+    ssh: SshOptions | None = None,
+    reporter: Reporter | None = None,
+    port: int = INTER_PORT,
+) -> SuiteRun:
+    """Profile every server of ``loaded`` on its own node, then the all-reduce between the nodes.
+
+    ``ssh``: how to reach the nodes (:class:`jabascli.elastic.remote.SshOptions`; default: ``~/.ssh``'s
+    known_hosts and config). ``port``: where rank 0's node hosts the inter-node rendezvous (the next
+    ports are tried when it is taken). InputError (exit 2) for bad input, before anything starts;
+    RuntimeFailure (exit 1) naming each server that cannot be reached. A server whose profile fails
+    does not stop the others: its stage is failed in the returned run.
+    """
+    from jabascli.profiler.comm import parse_sizes
+
+    reporter = reporter or Reporter()
+    servers = loaded.config.available()
+    if not servers:
+        raise InputError.at(loaded.path, "cluster.servers", "no servers: add a [[cluster.servers]] entry per node")
+    _check_reachable(loaded, servers)
+    if options.sizes is not None:
+        parse_sizes(options.sizes)
+    bound = gbs_bound(loaded, options.gbs_max)
+    lbs_values = None if options.lbs is not None else planned_lbs(loaded, servers, options.gbs_min, bound)
+    start = options.lbs if options.lbs is not None else 32
+    sweep = lbs_values or [start * k for k in range(1, 17) if bound is None or start * k <= max(start, bound)]
+    index = {s.name: i for i, s in enumerate(loaded.config.cluster.servers)}
+    remote = [index[s.name] for s in servers if not is_local(s.host)]
+    nodes = {node.server.name: node for node in connect_nodes(loaded, remote, ssh or SshOptions())}
+    try:
+        weights = {
+            s.name: START_S + expected_seconds(sweep, bound, 1, FIXED_S["intra"] * (s.devices > 1))["total"]
+            for s in servers
+        }
+        inter_s = (START_S + FIXED_S["inter"]) * (len(servers) > 1)
+        run = SuiteRun(gbs_max=bound, lbs_values=lbs_values, expected_s=sum(weights.values()) + inter_s)
+        planned = f"LBS {', '.join(map(str, lbs_values))}" if lbs_values else f"LBS from {start} in steps of {start}"
+        reporter.note(
+            f"plan: {planned} on {', '.join(s.name for s in servers)}, each on its node, one after another"
+            + (f" (GBS up to {bound})" if bound else "")
+            + (", then the all-reduce between them" if len(servers) > 1 else "")
+            + f"; expected to take about {_minutes(run.expected_s)}"
+        )
+        done = 0.0
+        for server in servers:
+            sub = _NodeReporter(reporter, done, weights[server.name], run.expected_s, server.name)
+            argv = _profile_argv(loaded, server, options, bound, lbs_values)
+            began = time.monotonic()
+            stages, buckets = _profile_server(server, nodes.get(server.name), argv, sub)
+            for stage in stages:
+                stage.seconds = stage.seconds or time.monotonic() - began
+            run.stages.extend(stages)
+            run.bucket_mib = run.bucket_mib or buckets
+            done += weights[server.name]
+            reporter.progress(done, run.expected_s, f"[{server.name}] done")
+        if len(servers) > 1:
+            sizes = options.sizes or comm_sizes(run.bucket_mib)
+            sub = _NodeReporter(reporter, done, inter_s, run.expected_s, servers[0].name)
+            began = time.monotonic()
+            stage = _inter(loaded, servers, nodes, sizes, options.force, port, sub)
+            stage.seconds = time.monotonic() - began
+            run.stages.append(stage)
+            reporter.progress(run.expected_s, run.expected_s, "inter: done")
+        return run
+    finally:
+        for node in nodes.values():
+            node.client.close()
+
+
+def _check_reachable(loaded: LoadedConfig, servers: Sequence[ServerConfig]) -> None:
+    """Every server's ``host`` must reach the others: a loopback address here cannot be the cluster's."""
+    elsewhere = [s for s in servers if not is_local(s.host)]
+    for server in servers:
+        if is_local(server.host) and _is_loopback(server.host) and elsewhere:
+            other = ", ".join(f"{s.name} ({s.host})" for s in elsewhere)
+            raise InputError.at(
+                loaded.path,
+                f"cluster.servers.{server.name}.host",
+                f"{server.host} cannot be reached from the other servers, {other}: give this machine's "
+                "address on the cluster network, or profile each server on its node with "
+                f"`jabas profile all -c {loaded.path} --server NAME`",
+            )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        address = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+        return ipaddress.ip_address(address).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _jabas(server: ServerConfig, here: bool) -> list[str]:
+    """How to run jabas for ``server``: this interpreter here; on a node, the server's ``python``, with the
+    environment ``jabas run`` passes on to its agents (never a secret: the token's variable is left out)."""
+    if here:
+        return [sys.executable, "-m", "jabascli"]
+    env = [f"{name}={value}" for name, value in sorted(passed_on(dict(os.environ), TOKEN_ENV).items())]
+    return [*(["env", *env] if env else []), python_of(server), "-m", "jabascli"]
+
+
+def _profile_argv(
+    loaded: LoadedConfig,
+    server: ServerConfig,
+    options: ClusterOptions,
+    bound: int | None,
+    lbs_values: list[int] | None,
+) -> list[str]:
+    argv = [*_jabas(server, is_local(server.host)), "profile", "all", "-c", str(loaded.path), "--server", server.name]
+    argv += ["--iters", str(options.iters), "--launched"]
+    if bound is not None:
+        argv += ["--gbs-max", str(bound)]
+    if options.gbs_min is not None:
+        argv += ["--gbs-min", str(options.gbs_min)]
+    if options.lbs is not None:
+        argv += ["--lbs", str(options.lbs)]
+    if options.sizes is not None:
+        argv += ["--sizes", options.sizes]
+    if options.force:
+        argv.append("--force")
+    return argv
+
+
+def _profile_server(
+    server: ServerConfig, node: Node | None, argv: list[str], reporter: Reporter
+) -> tuple[list[StageResult], list[float]]:
+    """Run ``jabas profile all --server NAME`` for one server and follow it to its end; its stages, and the
+    gradient buckets (MB) it measured or found."""
+    result: dict[str, Any] = {}
+    error: dict[str, Any] = {}
+    raw: list[str] = []
+
+    def handle(run: _Run, line: str) -> None:
+        event = parse_event(line)
+        if event is None:
+            if line.strip():
+                raw.append(line)
+                reporter.note(line)
+            return
+        kind = event[EVENT]
+        if kind == "pid":
+            run.pid = int(event["pid"])
+        elif kind == "progress":
+            reporter.progress(float(event["completed"]), event.get("total"), str(event["what"]))
+        elif kind == "note":
+            reporter.note(str(event["message"]))
+        elif kind == "result":
+            result.update(event)
+        elif kind == "error":
+            error.update(event)
+
+    lines: Lines = queue.Queue()
+    code = _follow([_start(server, node, argv, lines)], lines, handle)[server.name]
+    name = server.name
+    if code == 0 and result:
+        buckets = [float(b) for b in result.get("bucket_mib") or []]
+        return [_stage(name, s) for s in result.get("stages", [])], buckets
+    said = [str(x) for x in error.get("lines", [])] or raw[-3:] or [_exit_reason(code)]
+    if error.get("code") == 2:
+        raise InputError([Problem(f"server {name!r}", None, line) for line in said])
+    return [StageResult(f"profile {name}", False, "; ".join(said))], []
+
+
+def _stage(server: str, record: dict[str, Any]) -> StageResult:
+    """A node's stage under a name that says whose it is (``bucket`` measured for ``fast``: ``bucket fast``)."""
+    name = str(record.get("name", "?"))
+    if server not in name.split():
+        name = f"{name} {server}"
+    return StageResult(name, bool(record.get("ok")), str(record.get("detail", "")), float(record.get("seconds", 0)))
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None or code < 0:
+        return "the connection was lost before it ended"
+    if code == 130:
+        return "interrupted"
+    return f"exited with code {code} and said nothing"
+
+
+def _inter(
+    loaded: LoadedConfig,
+    servers: Sequence[ServerConfig],
+    nodes: dict[str, Node],
+    sizes: str,
+    force: bool,
+    port: int,
+    reporter: _NodeReporter,
+) -> StageResult:
+    """The all-reduce between the nodes: ``jabas profile comm --rank R`` on every node at once; ``reporter``
+    shows rank 0's progress and notes, and any other line of a node under that node's name."""
+    from jabascli.profiler.comm import profile_hosts
+    from jabascli.profiles.formats import comm_profile_path, read_comm_profile
+
+    folder = loaded.profile_dirs().communication
+    if not force and comm_profile_path(folder, "inter").is_file():
+        existing = read_comm_profile(folder, "inter")
+        assert existing is not None
+        hosts = profile_hosts(existing)
+        between = f" between {', '.join(hosts)}" if hosts else ""
+        return StageResult("inter", True, f"{len(existing.measured_ms)} sizes{between} (on disk)")
+    world = len(servers)
+    for attempt in range(PORT_ATTEMPTS):
+        master = f"{servers[0].host}:{port + attempt}"
+        reporter.note(f"{world} nodes meeting at {master}")
+        outcome = _inter_once(loaded, servers, nodes, sizes, master, reporter)
+        if isinstance(outcome, StageResult):
+            return outcome
+        if attempt == PORT_ATTEMPTS - 1:
+            return StageResult("inter", False, outcome)
+        reporter.note(f"port {port + attempt} is in use on {servers[0].name}: trying {port + attempt + 1}")
+    raise AssertionError("unreachable")
+
+
+def _inter_once(
+    loaded: LoadedConfig,
+    servers: Sequence[ServerConfig],
+    nodes: dict[str, Node],
+    sizes: str,
+    master: str,
+    reporter: _NodeReporter,
+) -> StageResult | str:
+    """One try of the inter-node profile; a string when rank 0's port was taken (the caller tries another)."""
+    results: dict[str, dict[str, Any]] = {}
+    errors: dict[str, list[str]] = {}
+    raw: dict[str, list[str]] = {s.name: [] for s in servers}
+    first = servers[0].name
+
+    def handle(run: _Run, line: str) -> None:
+        event = parse_event(line)
+        if event is None:
+            if line.strip():
+                raw[run.name].append(line)
+                _NodeReporter(reporter.outer, reporter.before, reporter.weight, reporter.total, run.name).note(line)
+            return
+        kind = event[EVENT]
+        if kind == "pid":
+            run.pid = int(event["pid"])
+        elif kind == "progress" and run.name == first:
+            reporter.progress(float(event["completed"]), event.get("total"), str(event["what"]))
+        elif kind == "note" and run.name == first:
+            reporter.note(str(event["message"]))
+        elif kind == "result":
+            results[run.name] = event
+        elif kind == "error":
+            errors[run.name] = [str(x) for x in event.get("lines", [])]
+
+    world = len(servers)
+    lines: Lines = queue.Queue()
+    runs: list[_Run] = []
+    try:
+        for rank, server in enumerate(servers):
+            argv = [*_jabas(server, is_local(server.host)), "profile", "comm", "-c", str(loaded.path)]
+            argv += ["--server", server.name, "--nprocs", str(server.devices), "--rank", str(rank)]
+            argv += ["--world", str(world), "--master", master, "--sizes", sizes, "--force", "--launched"]
+            runs.append(_start(server, nodes.get(server.name), argv, lines))
+    except BaseException:
+        for run in runs:
+            run.end()
+        raise
+    codes = _follow(runs, lines, handle, end_all_on_failure=True)
+    if all(code == 0 for code in codes.values()) and first in results:
+        record = results[first]
+        hosts = record.get("hosts") or []
+        between = f" between {', '.join(hosts)}" if hosts else ""
+        return StageResult("inter", True, f"{record.get('world_size')} processes{between}, {record.get('sizes')} sizes")
+    if any("in use" in line for line in errors.get(first, [])):
+        return "; ".join(errors[first])
+    failed = [
+        f"{name}: {'; '.join(errors.get(name) or raw[name][-2:] or [_exit_reason(code)])}"
+        for name, code in codes.items()
+        if code != 0 and (name in errors or code not in (130, 143) or not errors)
+    ]
+    return StageResult("inter", False, "; ".join(failed) or "no result from rank 0")
+
+
+# --- running a command for a server: on its node over SSH, or here ----------------------------------------
+
+Lines = queue.Queue[tuple[str, str]]
+"""(server, line): what every running command printed, in the order it arrived."""
+
+
+def _start(server: ServerConfig, node: Node | None, argv: list[str], lines: Lines) -> _Run:
+    return _RemoteRun.begin(node, argv, lines) if node is not None else _LocalRun(server.name, argv, lines)
+
+
+def _follow(
+    runs: list[_Run], lines: Lines, handle: Callable[[_Run, str], None], end_all_on_failure: bool = False
+) -> dict[str, int]:
+    """Hand every line of ``runs`` to ``handle`` (in this thread) until all have exited; their exit codes
+    (-1: the connection was lost).
+
+    ``end_all_on_failure``: once one fails, end the others (the inter-node profile: they would wait for it
+    until the rendezvous times out). Ctrl-C (or any error) here ends every run first.
+    """
+    by_name = {run.name: run for run in runs}
+    try:
+        ending = False
+        while True:
+            with contextlib.suppress(queue.Empty):
+                name, line = lines.get(timeout=POLL_S)
+                handle(by_name[name], line)
+                continue
+            codes = [run.poll() for run in runs]
+            if all(code is not None for code in codes):
+                break
+            if end_all_on_failure and not ending and any(code not in (None, 0) for code in codes):
+                ending = True
+                for run in runs:
+                    if run.poll() is None:
+                        run.end()
+    except BaseException:
+        for run in runs:
+            with contextlib.suppress(Exception):
+                run.end()
+        raise
+    for run in runs:
+        run.close()  # its output read to the end
+    while not lines.empty():
+        name, line = lines.get()
+        handle(by_name[name], line)
+    return {run.name: run.returncode if run.returncode is not None else -1 for run in runs}
+
+
+class _RemoteRun(RemoteAgent):
+    """A command on a node over its checked SSH connection, which stays open for the next command.
+
+    Its output is read as an agent's is; its standard input stays open until :meth:`end` closes it (the
+    command then stops as Ctrl-C would stop it), and one still running :data:`END_GRACE_S` later is
+    killed by the pid it printed.
+    """
+
+    @classmethod
+    def begin(cls, node: Node, argv: list[str], lines: Lines) -> _RemoteRun:
+        command = f"cd {shlex.quote(str(Path.cwd()))} && exec {shlex.join(argv)}"
+        try:
+            channel = node.client.get_transport().open_session()  # type: ignore[union-attr]
+            channel.set_combine_stderr(True)
+            channel.exec_command(command)
+        except (SSHException, OSError, EOFError) as exc:
+            raise RuntimeFailure.at(f"server {node.server.name!r}", None, f"cannot start a command: {exc}") from None
+        return cls(node, channel, lambda server, line: lines.put((server, line)))
+
+    def close(self) -> None:
+        self._reader.join(END_GRACE_S)  # its output, read to the end
+        self.channel.close()
+
+
+class _LocalRun:
+    """A command for a server on this machine: a child process that dies with this one, and ends as Ctrl-C
+    would end it when its standard input closes."""
+
+    def __init__(self, name: str, argv: list[str], lines: Lines) -> None:
+        self.name = name
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self._process = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches this process, which ends it
+            preexec_fn=PREEXEC,
+        )
+        assert self._process.stdout is not None
+        self._reader = threading.Thread(target=self._read, args=(self._process.stdout, lines), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: IO[bytes], lines: Lines) -> None:
+        for raw in stream:
+            lines.put((self.name, raw.decode(errors="replace").rstrip("\r\n")))
+
+    def poll(self) -> int | None:
+        self.returncode = self._process.poll()
+        return self.returncode
+
+    def end(self, grace_s: float = END_GRACE_S) -> None:
+        with contextlib.suppress(OSError):
+            assert self._process.stdin is not None
+            self._process.stdin.close()
+        try:
+            self._process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self.poll()
+
+    def close(self) -> None:
+        self._reader.join(END_GRACE_S)
+        with contextlib.suppress(OSError):
+            assert self._process.stdin is not None
+            self._process.stdin.close()
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
