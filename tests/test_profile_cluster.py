@@ -1,0 +1,107 @@
+"""`jabas profile all` on an emulated cluster of two nodes, each a network namespace with its own address,
+a shaped link and its own sshd: every server is profiled on its node over SSH, then the all-reduce between
+the nodes, with nothing typed on any node.
+
+Digits on a plain CPU server and an emulated 2x slower one, one LBS (``--lbs 32 --gbs-max 32``) so that
+each server is one memory trial and one computation point. Runs as root only (network namespaces), and
+where sshd is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from jabascli.config import load_config
+from jabascli.profiler.comm import profile_hosts
+from jabascli.profiles import load_profile_set
+from tests.cluster import EmulatedCluster, NodeSpec, cluster_factory  # noqa: F401 (the fixture)
+from tests.elastic_support import TRAINER_ENV
+from tests.sshd import require_sshd, write_key
+
+
+def _config(folder: Path, servers: list[tuple[str, str]], key: Path) -> Path:
+    """A digits job on ``servers`` ((name, host) pairs; the second and later emulated 2x slower)."""
+    entries = []
+    for i, (name, host) in enumerate(servers):
+        entry = {"name": name, "host": host, "device_type": "cpu" if i == 0 else f"cpu-slow{i}"}
+        if i > 0:
+            entry["emulate"] = {"slowdown": 2.0, "memory_bytes": 2_000_000_000}
+        entries.append({**entry, "ssh_user": "root", "ssh_key": str(key)})
+    config = {
+        "job": {"name": "digits", "workload": "digits", "epochs": 1, "lbs": 32, "options": {"width": 8}},
+        "batching": {"metric": "fixed", "initial_gbs": 64},
+        "profiles": {"dir": str(folder / "profiles")},
+        "cluster": {"servers": entries},
+        "storage": {"checkpoint_dir": str(folder / "checkpoints"), "run_dir": str(folder / "runs")},
+    }
+    path = folder / "job.toml"
+    path.write_bytes(tomli_w.dumps(config).encode())
+    return path
+
+
+def _jabas(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **TRAINER_ENV}
+    return subprocess.run(
+        [sys.executable, "-m", "jabascli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _jabas_left(cluster: EmulatedCluster, timeout: float = 20.0) -> dict[str, list[int]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {node.name: cluster.jabas_pids_in(node) for node in cluster.nodes}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return {name: pids for name, pids in left.items() if pids}
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_profile_all_profiles_each_server_on_its_node_and_the_link_between(
+    cluster_factory,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    require_sshd()
+    cluster: EmulatedCluster = cluster_factory([NodeSpec("fast", "1gbit"), NodeSpec("slow", "1gbit")])
+    key = tmp_path / "id_ed25519"
+    (tmp_path / "authorized_keys").write_text(write_key(key) + "\n")
+    sshds = [cluster.start_sshd(node, tmp_path / "authorized_keys") for node in cluster.nodes]
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("".join(s.known_hosts_line() for s in sshds))
+    fast, slow = cluster.nodes
+    ssh = ["--known-hosts", str(known_hosts)]
+
+    # A server no node answers for: one line naming it, exit 1, and nothing measured or written.
+    unreachable = f"{fast.address.rsplit('.', 1)[0]}.250"
+    config = _config(tmp_path, [("fast", fast.address), ("slow", slow.address), ("gone", unreachable)], key)
+    result = _jabas(["profile", "all", "-c", str(config), *ssh], tmp_path, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert len(lines) == 1 and "'gone'" in lines[0] and unreachable in lines[0], lines
+    assert not (tmp_path / "profiles").exists()
+    assert _jabas_left(cluster) == {}
+
+    config = _config(tmp_path, [("fast", fast.address), ("slow", slow.address)], key)
+    args = ["profile", "all", "-c", str(config), "--lbs", "32", "--gbs-max", "32", "--iters", "5", *ssh]
+    result = _jabas(args, tmp_path, timeout=400)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "[fast]" in output and "[slow]" in output, output[-4000:]  # each node's progress, with its name
+    assert _jabas_left(cluster) == {}, output[-4000:]
+
+    dirs = load_config(config).profile_dirs()
+    profiles = load_profile_set(dirs.memory, dirs.computation, dirs.communication, dirs.bucket)
+    assert profiles.servers() == ["fast", "slow"]
+    assert {server for server, _ in profiles.memory} == {server for server, _, _ in profiles.comp} == {"fast", "slow"}
+    assert {p.gpu_type for p in profiles.comp.values()} == {"cpu", "cpu-slow1"}
+    assert {p.device for p in profiles.comp.values()} == {"cpu", "emulated"}
+    inter = profiles.comm["inter"]
+    assert inter.meta is not None and inter.meta.world_size == 2
+    assert profile_hosts(inter) == [fast.address, slow.address]  # measured between the nodes, not on loopback
+    assert len(inter.measured_ms) >= 2 and all(ms > 0 for ms in inter.measured_ms)
