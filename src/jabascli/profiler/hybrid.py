@@ -16,7 +16,10 @@ Writes ``<profiles>/hybrid/<workload>/blocks.json``, ``device-<type>.json`` per 
   as measured (``network.json``: ``collectives``); the bandwidth fit of every device type (``intra`` and ``inter``,
   2 devices) is the all-reduce's bus bandwidth ``2 (n-1)/n S / t`` fitted as ``polyval(c, log2(S / 1e6))`` GB/s
   (degree 2) under the largest measured. Servers on one machine reach each other over loopback: ``inter`` is the
-  same fit.
+  same fit;
+* **the link between two nodes** (:func:`measure_link`, run on each of the two, one rank each): the same
+  collectives across the link; :func:`write_link` makes them the profiles' ``inter`` link (rows and fits), so that
+  the planner prices what crosses between servers on the real link.
 
 TP degree 2, where the workload declares a TP plan that splits its blocks in two, is **measured**: two processes of a
 gloo (NCCL on two GPUs) group on this machine run the same timed iterations with every block split across them, so
