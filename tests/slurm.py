@@ -174,12 +174,12 @@ class SlurmCluster:
             "SelectTypeParameters=CR_CPU",
             "SlurmdParameters=config_overrides",
             "ReturnToService=2",
-            "KillWait=10",
+            "KillWait=30",  # Slurm's default: SIGTERM, then SIGKILL 30 s later
             "InactiveLimit=0",
             "MinJobAge=2",
             "SlurmctldTimeout=30",
             "SlurmdTimeout=30",
-            "SchedulerParameters=sched_interval=1",
+            "SchedulerParameters=sched_interval=1,bf_interval=1",  # a het job is scheduled by the backfill pass only
         ]
         for spec in self.specs:
             node = self.cluster.node(spec.node)

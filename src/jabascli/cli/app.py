@@ -5,7 +5,20 @@ from __future__ import annotations
 import typer
 
 from jabascli import __version__
-from jabascli.cli import checkpoint, cluster, elastic, init, profile, report, simulate, solve, sync, train, validate
+from jabascli.cli import (
+    checkpoint,
+    cluster,
+    elastic,
+    init,
+    profile,
+    report,
+    simulate,
+    slurm,
+    solve,
+    sync,
+    train,
+    validate,
+)
 
 app = typer.Typer(
     name="jabas",
@@ -43,6 +56,7 @@ app.command("schedule")(elastic.schedule)
 app.command("worker")(elastic.worker)
 app.command("token")(elastic.token)
 app.add_typer(elastic.job_app, name="job")
+app.add_typer(slurm.app, name="slurm")
 app.command("train")(train.train)
 app.command("run")(train.run)
 app.command("simulate")(simulate.simulate)

@@ -88,7 +88,13 @@ def schedule(
 @cli_command
 def worker(
     config: ConfigOption,
-    rank: Annotated[int, typer.Option(min=0, help="This node's rank: its server's index in \\[\\[cluster.servers]].")],
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="This node's rank: its server's index in \\[\\[cluster.servers]] (inside a Slurm job: from Slurm).",
+        ),
+    ] = None,
     scheduler: SchedulerOption = None,
     stdin: Annotated[
         bool,
@@ -98,16 +104,26 @@ def worker(
             "input closes: how `jabas run` starts agents on other machines over SSH.",
         ),
     ] = False,
+    slurm: Annotated[
+        bool,
+        typer.Option(
+            "--slurm",
+            help="Inside a Slurm job (started by srun): this node's server, the scheduler and the token from "
+            "Slurm's environment and the job's folder (the default when --rank is not given and SLURM_JOB_ID is set).",
+        ),
+    ] = False,
 ) -> None:
     """Run the agent of one node: register with the scheduler, start and stop trainers.
 
     Retries an unreachable scheduler for \\[scheduler] connect_timeout_s, then exits 1.
     With --stdin, SIGTERM or the end of standard input ends its trainers (SIGTERM,
-    then SIGKILL) before it exits.
+    then SIGKILL) before it exits. With --slurm, SIGTERM (scancel) is left to the
+    scheduler, which stops the job at the next iteration with a checkpoint.
 
     Example:
 
         jabas worker -c jabas.toml --rank 1 --scheduler 10.0.0.1:40000
+        srun jabas worker -c jabas.toml --slurm     # one per node of a Slurm job
     """
     import os
     import sys
@@ -123,8 +139,17 @@ def worker(
         exit_on_sigterm()
         end_when_closed(sys.stdin.fileno())
     loaded = load_config(config)
-    token = order.token if stdin else load_token(loaded)
-    address = _address(loaded, scheduler)
+    if rank is None or slurm:
+        from jabascli.elastic.slurm import hold_sigterm, in_allocation, worker_place
+
+        if not (slurm or in_allocation()):
+            raise InputError.at(None, "--rank", "is needed outside a Slurm job")
+        place = worker_place(loaded, scheduler)
+        rank, token, address = place.rank, place.token, place.scheduler
+        hold_sigterm(lambda: err_console.print("SIGTERM: the scheduler stops the job", highlight=False, markup=False))
+    else:
+        token = order.token if stdin else load_token(loaded)
+        address = _address(loaded, scheduler)
     if stdin:  # the launcher reads the pid, to kill this agent should its lifeline not end it
         err_console.print(f"worker rank {rank}, pid {os.getpid()}, scheduler {address}", highlight=False, markup=False)
     with SchedulerClient(address, token) as client:

@@ -227,6 +227,21 @@ class StorageConfig(Section):
     """Metrics (CSV, JSONL, TensorBoard) go to ``run_dir/<job name>``."""
 
 
+class SlurmConfig(Section):
+    """``jabas slurm submit``: the batch job it writes, one heterogeneous component per device type (docs/slurm.md)."""
+
+    partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.,-]+$")
+    """``--partition`` of every component; None: the cluster's default partition."""
+    time: str | None = Field(None, pattern=r"^[0-9:-]+$")
+    """``--time`` (Slurm's forms: ``MM``, ``HH:MM:SS``, ``D-HH``, ...); None: the partition's default."""
+    account: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    select: Literal["constraint", "gres"] = "constraint"
+    """How a component asks for its device type: ``--constraint=<device_type>`` (the nodes' Feature), or
+    ``--gres=gpu:<device_type>:<devices>`` (the nodes' Gres)."""
+    options: list[str] = Field(default_factory=list)
+    """More ``#SBATCH`` options for every component, e.g. ``["--qos=high"]``: each ``--name`` or ``--name=value``."""
+
+
 class JabasConfig(Section):
     """A whole ``jabas.toml``."""
 
@@ -237,6 +252,7 @@ class JabasConfig(Section):
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     parallel: ParallelConfig | None = None
     """Hybrid parallelism (docs/hybrid.md); None: every rank holds a whole replica (plain IIDP)."""
 
