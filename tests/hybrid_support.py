@@ -33,10 +33,11 @@ from jabascli.engine.checkpoint import (
 )
 from jabascli.engine.checkpoint_store import CheckpointStore
 from jabascli.engine.data import BatchLoader, seed_worker
-from jabascli.engine.parallel.dcp import load_sharded, save_sharded
+from jabascli.engine.parallel.dcp import save_sharded
 from jabascli.engine.parallel.layout import Layout, resolve_layout
 from jabascli.engine.parallel.pipeline import PipelineMicroBatches
 from jabascli.engine.parallel.replica import build_replica, replica_micro_batches
+from jabascli.engine.parallel.runner import restore_layout_checkpoint
 from jabascli.engine.parallel.sharding import ShardedMicroBatches
 from jabascli.engine.plan import load_plan
 from jabascli.engine.sampler import IIDPSampler, MicroBatch
@@ -133,7 +134,8 @@ def _restore(path: Path, whole_model: bool, model: torch.nn.Module, optimizer: t
     found = resolve_checkpoint(path).path  # a store's folder: its newest intact checkpoint
     if whole_model:
         return restore_checkpoint(read_checkpoint(found), found, model=model, optimizer=optimizer, scheduler=None)
-    return Progress(**load_sharded(found, model, optimizer)["progress"])
+    _, progress = restore_layout_checkpoint(found, model=model, optimizer=optimizer, scheduler=None)
+    return progress  # as a trainer under a layout resumes
 
 
 if __name__ == "__main__":

@@ -157,8 +157,8 @@ def test_a_killed_trainer_is_restarted_from_the_last_checkpoint(cluster_factory)
     cluster: Cluster = cluster_factory(**kwargs)
     status = cluster.wait(lambda s: len(s["trainers"]) == 2 and (s["checkpoint_step"] or 0) >= every + 1)
     victim = status["trainers"][1]["pid"]
-    # The agents' warm spares became the trainers (elastic/spare.py).
-    assert b"jabascli.elastic.spare" in Path(f"/proc/{victim}/cmdline").read_bytes()
+    # The agents' warm spares became the trainers (cli/spare.py).
+    assert b"jabascli.cli.spare" in Path(f"/proc/{victim}/cmdline").read_bytes()
     os.kill(victim, signal.SIGKILL)  # rank 1, on B, mid-job
     status = cluster.finish()
 

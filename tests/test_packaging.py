@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import tomllib
 
 from tests.conftest import REPO
@@ -28,15 +31,28 @@ def test_solver_and_perfmodel_do_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_engine_does_not_import_cli_or_elastic() -> None:
-    import ast
+def _imports(path: Path) -> list[str]:
+    """Every module ``path`` imports, at its top or inside a function (absolute names, as jabas writes them)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+    return names
 
+
+def test_engine_does_not_import_cli_or_elastic() -> None:
     for path in (REPO / "src" / "jabascli" / "engine").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            for name in names:
-                assert not name.startswith(("jabascli.cli", "jabascli.elastic")), f"{path}: imports {name}"
+        for name in _imports(path):
+            assert not name.startswith(("jabascli.cli", "jabascli.elastic")), f"{path}: imports {name}"
+
+
+def test_nothing_imports_cli() -> None:
+    """The command line is the top floor: only it (and ``python -m jabascli``) may import it."""
+    src = REPO / "src" / "jabascli"
+    for path in src.rglob("*.py"):
+        if path.is_relative_to(src / "cli") or path == src / "__main__.py":
+            continue
+        for name in _imports(path):
+            assert not name.startswith("jabascli.cli"), f"{path.relative_to(REPO)}: imports {name}"

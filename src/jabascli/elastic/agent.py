@@ -9,7 +9,7 @@ exited) send a :class:`Heartbeat`; its reply's commands are applied:
   (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
   in a session of its own, killed by the kernel if this agent dies
   (``PR_SET_PDEATHSIG``), and without the token in its environment. A warm
-  spare (:mod:`jabascli.elastic.spare`, one per device, started a few seconds
+  spare (:mod:`jabascli.cli.spare`, one per device, started a few seconds
   after each generation) becomes the trainer when there is one, so a move does
   not wait for a new interpreter to import torch;
 * ``stop`` ``epoch``/``now``: write the request into rank 0's control file
@@ -294,12 +294,12 @@ class WorkerAgent:
         return Process(proc, read_fd, write_fd)
 
     def _keep_spares(self) -> None:
-        """Keep one warm spare per device of this node (:mod:`jabascli.elastic.spare`)."""
+        """Keep one warm spare per device of this node (:mod:`jabascli.cli.spare`)."""
         self.spares = [p for p in self.spares if p.proc.poll() is None or _close(p)]
         if self.clock() - self.last_start < SPARE_DELAY_S:
             return
         while len(self.spares) < self.devices:
-            args = [sys.executable, "-m", "jabascli.elastic.spare", str(self.loaded.path)]
+            args = [sys.executable, "-m", "jabascli.cli.spare", str(self.loaded.path)]
             if self.cpu or self.loaded.config.cluster.servers[self.rank].emulate is not None:
                 args.append("cpu")
             self.spares.append(self._spawn(args, _environment(), None))

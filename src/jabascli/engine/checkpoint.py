@@ -194,7 +194,7 @@ def load_found(found: Found, *, tensors: bool = True) -> dict[str, Any]:
     ``tensors=False``: of a ``.dcp`` checkpoint, all but model and optimizer (the fingerprint from its metadata)."""
     if not is_sharded(found.path):
         return load_payload(found.path, found.data)
-    from jabascli.engine.parallel.dcp import read_fingerprint, read_sharded  # it imports this module
+    from jabascli.engine.parallel.dcp import read_fingerprint, read_sharded  # torch.distributed.checkpoint: late
 
     try:
         payload = read_sharded(found.path) if tensors else read_fingerprint(found.path)

@@ -227,7 +227,7 @@ def _job_key(loaded: LoadedConfig) -> tuple[str, ...]:
 def prepare_inputs(loaded: LoadedConfig) -> None:
     """Load the job's workload and datasets now, for the trainer this process becomes later.
 
-    A warm spare (:mod:`jabascli.elastic.spare`) calls it, so that a rank started for a
+    A warm spare (:mod:`jabascli.cli.spare`) calls it, so that a rank started for a
     move has its data before the move happens rather than during it.
     """
     global _prepared

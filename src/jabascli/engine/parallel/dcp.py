@@ -29,8 +29,10 @@ must see the same checkpoint folder (a shared file system across servers).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,17 +94,28 @@ def save_sharded(
     return path
 
 
-def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Collective: restore ``model`` and ``optimizer`` under this rank's layout from ``path`` (a ``.dcp`` folder of
-    any layout and world size, or a plain ``checkpoint-<step>.pt``); returns the payload without model and
-    optimizer. The caller resolves and verifies ``path`` first (engine/checkpoint.py: resolve_checkpoint)."""
-    try:
-        if not path.is_dir():
-            from jabascli.engine.checkpoint import read_checkpoint  # it reads .dcp folders with this module
+def load_whole(path: Path, payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Restore ``model`` and ``optimizer`` under this rank's layout from a plain checkpoint's payload (read from
+    ``path``, named in errors): each rank keeps its slice of the whole model's tensors."""
+    with _fitting(path):
+        _restore_whole(path, payload, model, optimizer)
 
-            payload = read_checkpoint(path)
-            _restore_whole(path, payload, model, optimizer)
-            return {k: v for k, v in payload.items() if k not in ("model", "optimizer")}
+
+@contextlib.contextmanager
+def _fitting(path: Path) -> Iterator[None]:
+    """What restoring raises when a checkpoint's tensors do not fit the model: one InputError naming ``path``."""
+    try:
+        yield
+    except (RuntimeError, KeyError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InputError.at(path, None, f"does not fit this model and optimizer: {reason}") from None
+
+
+def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: restore ``model`` and ``optimizer`` under this rank's layout from ``path``, a ``.dcp`` folder of
+    any layout and world size; returns the payload without model and optimizer. The caller resolves and verifies
+    ``path`` first (engine/checkpoint.py: resolve_checkpoint)."""
+    with _fitting(path):
         keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         if any(key.startswith("optim.state.") for key in keys):
             model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
@@ -114,9 +127,6 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
             dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
             set_model_state_dict(model, state["model"])
             _set_hyperparameters(model, optimizer, state["optim"])
-    except (RuntimeError, KeyError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise InputError.at(path, None, f"does not fit this model and optimizer: {reason}") from None
     return torch.load(path / EXTRA, map_location="cpu", weights_only=True)
 
 

@@ -44,10 +44,17 @@ from torch.distributed.tensor import DTensor
 from jabascli.config import LoadedConfig
 from jabascli.config.models import ParallelConfig
 from jabascli.engine.buffers import BufferSync, norm_layers
-from jabascli.engine.checkpoint import Progress, extra_payload, resolve_checkpoint, set_rng_states
+from jabascli.engine.checkpoint import (
+    Progress,
+    extra_payload,
+    is_sharded,
+    load_found,
+    resolve_checkpoint,
+    set_rng_states,
+)
 from jabascli.engine.checkpoint_store import CheckpointStore
 from jabascli.engine.parallel.checkpointing import checkpoint_blocks
-from jabascli.engine.parallel.dcp import load_sharded, save_sharded
+from jabascli.engine.parallel.dcp import load_sharded, load_whole, save_sharded
 from jabascli.engine.parallel.layout import Layout, resolve_layout
 from jabascli.engine.parallel.pipeline import PipelineMicroBatches
 from jabascli.engine.parallel.replica import Replica, build_replica, local_part
@@ -319,7 +326,13 @@ def restore_layout_checkpoint(
 ) -> tuple[dict[str, Any], Progress]:
     """Collective: resume ``path`` (a checkpoint, or a job's folder: its newest intact one) of any layout, plain
     IIDP's included, resharded to this rank's part; the payload without model and optimizer, and the progress."""
-    payload = load_sharded(resolve_checkpoint(path).path, model, optimizer)
+    found = resolve_checkpoint(path)
+    if is_sharded(found.path):
+        payload = load_sharded(found.path, model, optimizer)
+    else:  # a plain IIDP checkpoint, of the whole model
+        payload = load_found(found)
+        load_whole(found.path, payload, model, optimizer)
+        payload = {k: v for k, v in payload.items() if k not in ("model", "optimizer")}
     if scheduler is not None and payload.get("lr_scheduler") is not None:
         scheduler.load_state_dict(payload["lr_scheduler"])
     set_rng_states(payload["rng"])

@@ -1,5 +1,8 @@
 """A warm trainer process: imports torch, jabas and the job's workload ahead of time, then waits.
 
+It lives with the command line because what it becomes is a ``jabas train`` command, run in this process
+(the worker agent starts it by module name, importing nothing of ``cli``).
+
 A worker agent keeps one spare per device of its node. When the scheduler
 starts a generation, the agent hands each spare what a fresh ``jabas train``
 process would get, as one JSON line on its stdin (from the agent only: a pipe
@@ -11,7 +14,7 @@ and the spare becomes that trainer: output to the log, the environment
 replaced, the CPU thread count applied, then the ``jabas`` command line runs in
 this process. What a move then waits for is the job's own start (rendezvous,
 data, checkpoint), not a new interpreter importing torch. Run as
-``python -m jabascli.elastic.spare CONFIG [cpu]``.
+``python -m jabascli.cli.spare CONFIG [cpu]``.
 """
 
 from __future__ import annotations
