@@ -42,10 +42,12 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
-def test_engine_does_not_import_cli_or_elastic() -> None:
+def test_engine_does_not_import_cli_or_elastic_and_reaches_adaptive_through_one_hook() -> None:
     for path in (REPO / "src" / "jabascli" / "engine").rglob("*.py"):
         for name in _imports(path):
             assert not name.startswith(("jabascli.cli", "jabascli.elastic")), f"{path}: imports {name}"
+            if name.startswith("jabascli.adaptive"):
+                assert name == "jabascli.adaptive.batching", f"{path}: imports {name}, not the hook"
 
 
 def test_nothing_imports_cli() -> None:

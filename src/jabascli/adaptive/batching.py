@@ -37,7 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# The engine's one hook into adaptive batching is this module: what it builds per trainer (``build``), what it
+# checks before training, and what the one-process reference follows, re-exported here.
+from jabascli.adaptive.checks import check_batching as check_batching
 from jabascli.adaptive.estimators import HalfGradients
+from jabascli.adaptive.estimators import half_split as half_split
 from jabascli.adaptive.layout_measure import LayoutFirstHalf
 from jabascli.adaptive.lr_scaling import ScaledLr, lr_factor
 from jabascli.adaptive.measure import FirstHalf

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jabascli.adaptive.checks import check_batching
+from jabascli.adaptive.batching import check_batching
 from jabascli.config import LoadedConfig
 from jabascli.devices import trainer_threads
 from jabascli.engine.events import EVENT_FD_ENV

@@ -30,8 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from jabascli.adaptive.estimators import HalfGradients, half_split
-from jabascli.adaptive.lr_scaling import ScaledLr
+from jabascli.adaptive.batching import HalfGradients, ScaledLr, half_split
 from jabascli.config import LoadedConfig
 from jabascli.engine.data import BatchLoader, seed_worker
 from jabascli.engine.plan import TrainingPlan

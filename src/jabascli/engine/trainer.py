@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from jabascli.adaptive.batching import build as build_adaptive
-from jabascli.adaptive.checks import check_batching
+from jabascli.adaptive.batching import check_batching
 from jabascli.config import LoadedConfig
 from jabascli.engine.buffers import BufferSync, allreduce_sum
 from jabascli.engine.checkpoint import Progress, read_checkpoint, restore_checkpoint, save_checkpoint
