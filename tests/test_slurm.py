@@ -51,7 +51,14 @@ def test_slurm_runs_tasks_in_each_nodes_namespace(cluster_factory, slurm_factory
     (rank0, fast, fast_ip), (rank1, slow, slow_ip) = (line.split() for line in lines)
     assert (rank0, rank1, slow, slow_ip) == ("0", "1", "n2", address["n2"]), result.stdout
     assert fast in ("n0", "n1") and fast_ip == address[fast], result.stdout
+
+    # sbatch reads a quoted value with a space in an #SBATCH line (as jabas writes --output for such a folder).
+    (tmp_path / "out dir").mkdir()
+    script = tmp_path / "job.sh"
+    script.write_text(f'#!/bin/sh\n#SBATCH --output="{tmp_path}/out dir/o-%j.out"\necho "$SLURMD_NODENAME"\n')
+    job = slurm.run(["sbatch", "--parsable", str(script)]).stdout.strip()
     assert slurm.wait_queue_empty() == []
+    assert (tmp_path / "out dir" / f"o-{job}.out").read_text() == "n0\n"
 
 
 # -- jabas jobs submitted to it ----------------------------------------------------------------------------
@@ -260,6 +267,7 @@ def test_submit_dry_run_writes_one_component_per_device_type(tmp_path: Path) -> 
     script = (tmp_path / "runs" / "my job" / "slurm" / "my job.sbatch").read_text()
     assert result.stdout == script
     sbatch = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert sbatch[1] == f'#SBATCH --output="{tmp_path}/runs/my job/slurm/slurm-%j.out"'  # sbatch reads quotes
     assert sbatch[2:] == [
         "#SBATCH --nodes=2 --ntasks-per-node=1 --exclusive --gres=gpu:v100:4 --partition=gpu --time=2:00:00 --qos=high",
         "#SBATCH hetjob",

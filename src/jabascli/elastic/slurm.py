@@ -422,10 +422,13 @@ def batch_script(loaded: LoadedConfig, python: str) -> str:
     parts = components(loaded)
     folder = run_folder(loaded) / "slurm"
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", loaded.config.job.name)
+    output = f"{folder}/slurm-%j.out"
+    if any(char in output for char in '"\n\r\t'):
+        raise InputError.at(loaded.path, "storage.run_dir", f"{folder}: an #SBATCH line cannot hold this folder's name")
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name=jabas-{name}",
-        f"#SBATCH --output={folder}/slurm-%j.out",
+        f'#SBATCH --output="{output}"' if " " in output else f"#SBATCH --output={output}",
     ]
     for i, part in enumerate(parts):
         if i:
@@ -437,9 +440,12 @@ def batch_script(loaded: LoadedConfig, python: str) -> str:
     het = f" --het-group={groups}" if len(parts) > 1 else ""
     lines += [
         "#",
-        f"# jabas job {loaded.config.job.name!r}, written by `jabas slurm submit -c {config}`;",
+        f"# jabas job {loaded.config.job.name!r}, written by `jabas slurm submit -c {_printable(config)}`;",
         "# submit it again with `sbatch` and this file: a job that has a checkpoint continues from it.",
-        *(f"# Component {i}: {part.device_type}, servers {', '.join(part.servers)}." for i, part in enumerate(parts)),
+        *(
+            f"# Component {i}: {part.device_type}, servers {_printable(', '.join(part.servers))}."
+            for i, part in enumerate(parts)
+        ),
         "set -u",
         f"jabas=({jabas})",
         f"config={config}",
@@ -463,6 +469,11 @@ def batch_script(loaded: LoadedConfig, python: str) -> str:
         'exit "$code"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _printable(text: str) -> str:
+    """``text`` for a comment line of the script: what is not printable (a line break) becomes '?'."""
+    return "".join(char if char.isprintable() else "?" for char in text)
 
 
 def submit(script: Path, environ: Mapping[str, str] | None = None) -> str:
