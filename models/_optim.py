@@ -26,3 +26,8 @@ def warmup(optimizer: torch.optim.Optimizer, iterations: int) -> torch.optim.lr_
     if iterations <= 0:
         return None
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / iterations))
+
+
+def adamw(params: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW with weight decay on the weights only (:func:`decay_groups`): the transformers' optimizer."""
+    return torch.optim.AdamW(decay_groups(params, weight_decay), lr=lr, weight_decay=weight_decay)

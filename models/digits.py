@@ -24,6 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from jabascli.builtin_models._classify import count_correct as count_correct
+from jabascli.builtin_models._classify import loss as loss
+
 NAME = "digits"
 NUM_CLASSES = 10
 VAL_FRACTION = 0.2
@@ -68,14 +71,6 @@ def train_dataset(options: dict[str, Any]) -> TensorDataset:
 
 def val_dataset(options: dict[str, Any]) -> TensorDataset:
     return _split()[1]
-
-
-def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output, target)
-
-
-def count_correct(output: torch.Tensor, target: torch.Tensor) -> int:
-    return int((output.argmax(dim=1) == target).sum())
 
 
 def optimizer(params: Any, options: dict[str, Any]) -> torch.optim.Optimizer:

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jabascli.builtin_models._optim import decay_groups, warmup
+from jabascli.builtin_models._optim import adamw, warmup
 from jabascli.builtin_models._options import Spec, resolve
 from jabascli.errors import InputError
 
@@ -271,7 +271,7 @@ def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def optimizer(params: Any, options: dict[str, Any]) -> torch.optim.Optimizer:
     s = settings(options)
-    return torch.optim.AdamW(decay_groups(params, s.weight_decay), lr=s.lr, weight_decay=s.weight_decay)
+    return adamw(params, s.lr, s.weight_decay)
 
 
 def lr_scheduler(opt: torch.optim.Optimizer, options: dict[str, Any]) -> Any:

@@ -70,6 +70,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from jabascli.atomic import atomic_write
+from jabascli.builtin_models._classify import count_correct as count_correct
+from jabascli.builtin_models._classify import loss as loss
 from jabascli.builtin_models._options import Spec, resolve
 from jabascli.errors import InputError
 
@@ -217,14 +219,6 @@ def train_dataset(options: dict[str, Any]) -> TensorDataset:
 
 def val_dataset(options: dict[str, Any]) -> TensorDataset | None:
     return _split(options)[1]
-
-
-def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output, target)
-
-
-def count_correct(output: torch.Tensor, target: torch.Tensor) -> int:
-    return int((output.argmax(dim=1) == target).sum())
 
 
 def optimizer(params: Any, options: dict[str, Any]) -> torch.optim.Optimizer:

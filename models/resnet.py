@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from jabascli.builtin_models import _images
+from jabascli.builtin_models._classify import count_correct as count_correct
+from jabascli.builtin_models._classify import loss as loss
 from jabascli.builtin_models._optim import decay_groups, warmup
 from jabascli.builtin_models._options import Spec, resolve
 
@@ -233,14 +235,6 @@ def val_dataset(options: dict[str, Any]) -> torch.utils.data.Dataset | None:
     if s.data is None:
         return _images.SyntheticImages(SYNTHETIC_VAL_SIZE[s.variant], num_classes(s), s.image_size, seed=1)
     return _images.image_folder(s.data, "val", s.image_size, verify=s.verify_images)
-
-
-def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output, target)
-
-
-def count_correct(output: torch.Tensor, target: torch.Tensor) -> int:
-    return int((output.argmax(dim=1) == target).sum())
 
 
 def optimizer(params: Any, options: dict[str, Any]) -> torch.optim.Optimizer:

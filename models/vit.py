@@ -68,7 +68,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from jabascli.builtin_models import _images
-from jabascli.builtin_models._optim import decay_groups, warmup
+from jabascli.builtin_models._classify import count_correct as count_correct
+from jabascli.builtin_models._classify import loss as loss
+from jabascli.builtin_models._optim import adamw, warmup
 from jabascli.builtin_models._options import Spec, resolve
 from jabascli.errors import InputError
 
@@ -290,17 +292,9 @@ def val_dataset(options: dict[str, Any]) -> torch.utils.data.Dataset | None:
     return _images.image_folder(s.data, "val", s.image_size, verify=s.verify_images)
 
 
-def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output, target)
-
-
-def count_correct(output: torch.Tensor, target: torch.Tensor) -> int:
-    return int((output.argmax(dim=1) == target).sum())
-
-
 def optimizer(params: Any, options: dict[str, Any]) -> torch.optim.Optimizer:
     s = settings(options)
-    return torch.optim.AdamW(decay_groups(params, s.weight_decay), lr=s.lr, weight_decay=s.weight_decay)
+    return adamw(params, s.lr, s.weight_decay)
 
 
 def lr_scheduler(opt: torch.optim.Optimizer, options: dict[str, Any]) -> Any:
