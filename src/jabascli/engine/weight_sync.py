@@ -138,7 +138,8 @@ class GradientSync:
         ddp.register_comm_hook(None, self.hook)
 
     def attach(self, vsw: Any, buffers: BufferSync, plan: Any) -> None:
-        """Under a (new) plan: add the VSW replicas' gradients, and carry the buffers' sums on the last bucket."""
+        """For the VSWs of the plan that starts now: add their replicas' gradients, and carry the buffers' sums on
+        the last bucket (``plan``: unused here; a layout's workers, called the same way, need it)."""
         self.replicas = [list(r) for r in vsw.replica_params()]
         self.riders = buffers.take_riders
         buffers.carried = True

@@ -22,7 +22,7 @@ this gives ``[7.82, 30.04, 25.04, 25.32, 9.27]``, the seed's published
 ``[7.81, 30.04, 25.04, 25.25, 9.2]``.
 
 Writes ``<out>/<model>_bucket_size_profile.json`` with
-``bucket_size_distribution`` and (new) ``bucket_cap_mb``.
+``bucket_size_distribution`` (the seed's field) and ``bucket_cap_mb`` (jabas's own).
 """
 
 from __future__ import annotations

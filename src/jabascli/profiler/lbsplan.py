@@ -35,7 +35,7 @@ from jabascli.config.models import ServerConfig
 
 MIN_LBS = 1
 MAX_FIRST_LBS = 32
-"""The plan never starts above LBS 32 (where the profilers' sweep used to start): GBS values in steps
+"""The plan never starts above LBS 32 (the single profilers' default first LBS): GBS values in steps
 of 32 stay reachable, whatever the cluster (one server alone would otherwise start at ``gbs_min``)."""
 BALANCE = 0.9
 """The smallest LBS planned splits the smallest GBS within 10% of the perfect balance."""

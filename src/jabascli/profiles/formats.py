@@ -5,7 +5,7 @@ Layout (folder names come from the config, see ``ProfileDirs``)::
     <memory>/<LBS>/<server>/max_memory_profile_info.json
     <computation>/<LBS>/<server>/<server>_<model>_<LBS>_<VSW>_comp_profile.json
     <communication>/{intra,inter}_comm_profile_data.txt       lines "ideal_ms,measured_ms"
-    <communication>/{intra,inter}_comm_profile_meta.json      bandwidth and world size (new)
+    <communication>/{intra,inter}_comm_profile_meta.json      bandwidth and world size (jabas's own; the seed had none)
     <bucket>/<model>_bucket_size_profile.json
 
 The seed names computation files ``<model>_<LBS>_<VSW>_comp_profile.json``;

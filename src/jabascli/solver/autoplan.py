@@ -9,7 +9,7 @@ the servers ``--servers`` selects (default ``auto``: a server that would make
 the job slower is left out, :mod:`jabascli.solver.choice`). The solver needs profiles for every
 available server; a missing one is bad input naming the command that makes
 it (``jabas profile all``). Without a GBS, or without any profiles, the
-config's plan is trained as before.
+config's own plan is trained (the plan file, else each server's VSW and GA).
 
 A job with ``[parallel] plan = "auto"`` gets the hybrid planner's plan instead
 (:func:`jabascli.hybrid.job.plan_for_run`: ``jabas solve --hybrid`` for that

@@ -66,8 +66,7 @@ def servers_argument(servers: str | None) -> str | None:
 
 def solver_for(loaded: LoadedConfig, servers: str | None = None, weight_sync: str | None = None) -> Solver:
     """The solver ``--servers`` asks for; by default ``auto``, or every server where ``auto`` would have
-    too many allocations to compare (a large cluster of many server types: as before ``auto`` was the
-    default)."""
+    too many allocations to compare (a large cluster of many server types), where every server is used."""
     chosen = servers_argument(servers)
     try:
         return solver_from_config(loaded, chosen, weight_sync)
