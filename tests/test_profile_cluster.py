@@ -10,6 +10,7 @@ where sshd is installed.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -87,9 +88,32 @@ def test_profile_all_profiles_each_server_on_its_node_and_the_link_between(
     assert not (tmp_path / "profiles").exists()
     assert _jabas_left(cluster) == {}
 
+    # Ctrl-C while a node profiles: exit 130, no jabas process left on any node, no partial file.
     config = _config(tmp_path, [("fast", fast.address), ("slow", slow.address)], key)
     args = ["profile", "all", "-c", str(config), "--lbs", "32", "--gbs-max", "32", "--iters", "5", *ssh]
-    result = _jabas(args, tmp_path, timeout=400)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jabascli", *args],
+        cwd=tmp_path,
+        env={**os.environ, **TRAINER_ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(cluster.jabas_pids_in(fast)) < 2:  # the profiler and a measuring process of its own
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-3000:]
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGINT)
+        output = launcher.communicate(timeout=60)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, output[-3000:]
+    assert _jabas_left(cluster) == {}, output[-3000:]
+    assert not list((tmp_path / "profiles").rglob("*.tmp")), output[-3000:]
+
+    result = _jabas(args, tmp_path, timeout=400)  # measures what the interrupted run left out
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "[fast]" in output and "[slow]" in output, output[-4000:]  # each node's progress, with its name
