@@ -420,12 +420,13 @@ def _inter_once(
         return StageResult("inter", True, f"{record.get('world_size')} processes{between}, {record.get('sizes')} sizes")
     if any("in use" in line for line in errors.get(first, [])):
         return "; ".join(errors[first])
-    failed = [
-        f"{name}: {'; '.join(errors.get(name) or raw[name][-2:] or [_exit_reason(code)])}"
-        for name, code in codes.items()
-        if code != 0 and (name in errors or code not in (130, 143) or not errors)
+    # The nodes that failed of themselves, not those ended here because another had (exit 130, as Ctrl-C).
+    failed = {name: code for name, code in codes.items() if code != 0}
+    own = {name: code for name, code in failed.items() if name in errors or code != 130} or failed
+    said = [
+        f"{name}: {'; '.join(errors.get(name) or raw[name][-2:] or [_exit_reason(code)])}" for name, code in own.items()
     ]
-    return StageResult("inter", False, "; ".join(failed) or "no result from rank 0")
+    return StageResult("inter", False, "; ".join(said) or f"no result from {first}")
 
 
 # --- running a command for a server: on its node over SSH, or here ----------------------------------------
