@@ -53,7 +53,7 @@ from typing import Any
 
 from jabascli.config import load_config
 from jabascli.engine.metrics import median_iteration_s
-from jabascli.engine.trainer import LOG_INTERVAL_S
+from jabascli.engine.steplog import LOG_INTERVAL_S
 from jabascli.errors import InputError
 from jabascli.solver import read_plan, solver_from_config, write_plan
 from jabascli.solver.plan import Assignment, Plan

@@ -203,7 +203,7 @@ def _plain_and_back(rank: int, world: int, port: int, config: str, out: str) -> 
 
     from jabascli.adaptive.batching import AdaptiveBatching
     from jabascli.config.models import ParallelConfig
-    from jabascli.engine.trainer import run_trainer
+    from jabascli.engine.process import run_trainer
 
     torch.set_num_threads(1)
     changes = {3: (3, ParallelConfig(sharding="full")), 6: (2, None)}  # step: (LBS, layout)

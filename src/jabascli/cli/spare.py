@@ -33,14 +33,14 @@ def warm_up(config: str, cpu: bool) -> None:
     lazily imported modules loaded (a first optimizer alone costs over a second).
     On a CPU node (``cpu``: trainers compute on the CPU, as emulated servers do)
     also load the datasets, kept for the trainer this spare becomes
-    (:func:`~jabascli.engine.trainer.prepare_inputs`), and run one forward and
+    (:func:`~jabascli.engine.inputs.prepare_inputs`), and run one forward and
     backward at the job's LBS, for the CPU kernels' first-call set-up; on a GPU
     node that would only take CPU time and I/O from the trainers running beside it.
     """
     import torch
 
     import jabascli.cli.app
-    import jabascli.engine.trainer  # noqa: F401
+    import jabascli.engine.process  # noqa: F401
     from jabascli.config import load_config
     from jabascli.workload import workload_of
 
@@ -60,7 +60,7 @@ def warm_up(config: str, cpu: bool) -> None:
         model.load_state_dict(states["model"])
         optimizer.load_state_dict(states["optimizer"])
         if cpu:
-            from jabascli.engine.trainer import prepare_inputs
+            from jabascli.engine.inputs import prepare_inputs
 
             prepare_inputs(loaded)  # the trainer this spare becomes takes them
             # The trainer seeds every generator itself, so these random numbers change nothing.

@@ -62,7 +62,7 @@ def train(
         torchrun --nproc-per-node 2 -m jabascli train -c jabas.toml
     """
     from jabascli.engine.events import events_from_environment
-    from jabascli.engine.trainer import run_trainer
+    from jabascli.engine.process import run_trainer
 
     loaded = load_config(config)
     options = TrainOptions(

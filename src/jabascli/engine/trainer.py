@@ -26,43 +26,26 @@ strategy's calls (docs/hybrid.md).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import gc
-import json
 import os
-import signal
-import statistics
-import threading
 import time
-import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from datetime import timedelta
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from jabascli.adaptive.batching import build as build_adaptive
-from jabascli.adaptive.batching import check_batching
 from jabascli.config import LoadedConfig
-from jabascli.engine.buffers import BufferSync, allreduce_sum
+from jabascli.engine.buffers import BufferSync
 from jabascli.engine.checkpoint import Progress, read_checkpoint, restore_checkpoint, save_checkpoint
 from jabascli.engine.control import StopControl
-from jabascli.engine.data import BatchLoader, batch_len
+from jabascli.engine.data import BatchLoader
 from jabascli.engine.distributed import (
-    DistEnv,
-    choose_device,
-    init_process_group,
-    rejoin,
-    release_retired,
-    wait_for_generation,
     wrap_ddp,
 )
 from jabascli.engine.events import EventSink
 from jabascli.engine.faults import FaultInjector
-from jabascli.engine.layout import checkpoint_folder, checkpoint_store, run_folder
+from jabascli.engine.inputs import Inputs
+from jabascli.engine.layout import checkpoint_store, run_folder
 from jabascli.engine.loader import MicroBatchFeed, default_loader_workers
 from jabascli.engine.memory_limit import MemoryLimit
 from jabascli.engine.metrics import MetricsWriter
@@ -77,24 +60,24 @@ from jabascli.engine.parallel.runner import (
     save_layout_checkpoint,
     trainer_layout,
 )
-from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_dict
+from jabascli.engine.plan import TrainingPlan
 from jabascli.engine.relayout import changes_layout
 from jabascli.engine.sampler import IIDPSampler, Iteration
-from jabascli.engine.step_policy import StepPolicy, check_job_precision_inputs, check_precision, step_settings
+from jabascli.engine.step_policy import StepPolicy, check_precision, step_settings
+from jabascli.engine.steplog import StepLog
 from jabascli.engine.timing import PhaseTimer
+from jabascli.engine.validate import validate
 from jabascli.engine.vsw import Emulation, WorkerStep, build_vsw_strategy, choose_vsw_strategy, make_replicas
 from jabascli.engine.weight_sync import (
     BucketOptimizer,
     GradientSync,
     bucket_sizes,
+    choose_weight_sync,
     read_bucket_profile,
-    recommend_weight_sync,
-    supports_overlap,
 )
-from jabascli.errors import InputError, JabasError
+from jabascli.errors import InputError
 from jabascli.workload import Workload, workload_of
 
-LOG_INTERVAL_S = 0.25
 """Rank 0 reports (and reads the loss from the device) at most this often, and at every epoch end."""
 
 
@@ -107,138 +90,6 @@ class EpochResult:
     val_accuracy: float | None
     samples_per_s: float
     time_s: float
-
-
-def run_trainer(
-    loaded: LoadedConfig,
-    options: TrainOptions | None = None,
-    on_event: EventSink | None = None,
-    environ: dict[str, str] | None = None,
-) -> list[EpochResult]:
-    """Run this process's rank of the job to its end; the entry point of ``jabas train``.
-
-    Joins the process group from the environment (see
-    :mod:`jabascli.engine.distributed`), trains, and leaves it. When a stop
-    hands the job over to a next generation that keeps this rank
-    (:mod:`jabascli.engine.handoff`), it trains on there, resumed from the
-    checkpoint just written. Any failure is also sent as an ``error`` event
-    before it propagates.
-    """
-    options = options or TrainOptions()
-    env = DistEnv.from_environ(environ)
-    created = False
-    trainer: Trainer | None = None
-    metrics: MetricsWriter | None = None
-    results: list[EpochResult] = []
-    try:
-        with _sigterm_raises():
-            plan = load_plan(loaded, options.plan)
-            device = choose_device(plan, env)
-            inputs = _take_prepared(loaded)
-            switching = False  # after a handoff: this process leaves its group for the next generation's
-            written: dict | None = None  # after a handoff: the checkpoint as rank 0 just wrote it
-            while True:
-                plan.check_world_size(env.world_size)
-                check_job_precision_inputs(loaded, plan)  # every rank, so that all of them stop
-                check_batching(loaded, plan)  # `jabas run` did already; not plain torchrun
-                trainer = Trainer(loaded, plan, env.rank, device, options, on_event, inputs, connect=False)
-                if on_event is not None and env.generation is not None and env.rank != 0:
-                    # Built: a rank started ahead of a move says so; the move's stop waits for it.
-                    on_event({"event": "ready", "generation": env.generation, "rank": env.rank})
-                wait_for_generation(env)  # a rank started for a move waits here for the checkpoint ...
-                trainer.restore(written)  # ... which every rank of the generation reads before the group forms
-                written = None
-                timeout = timedelta(seconds=loaded.config.scheduler.collective_timeout_s)
-                if switching:
-                    rejoin(env, device, timeout)
-                else:
-                    created = init_process_group(env, device, timeout) or created
-                trainer.connect()
-                if metrics is None:
-                    metrics = trainer.open_metrics()  # rank 0's, kept across moves in place
-                results += trainer.fit(metrics)
-                unfinished = trainer.progress.epoch < trainer.epochs
-                if trainer.goes_on_under_another_layout():
-                    # Another layout (engine/relayout.py): the same ranks and group, resumed from the checkpoint.
-                    assert trainer.relayout is not None
-                    plan, inputs, trainer = trainer.relayout, trainer.inputs(), None
-                    gc.collect()  # the old layout's model and optimizer go before the new ones are built
-                    if env.world_size > 1:
-                        dist.barrier()  # rank 0 alone writes a plain trainer's checkpoint: read it once written
-                    options = dataclasses.replace(options, resume=checkpoint_folder(loaded))
-                    switching = False  # in the group it is in
-                    continue
-                handoff = trainer.control.handoff() if trainer.control.stop and unfinished else None
-                following = handoff.env_for(env) if handoff is not None else None
-                if handoff is None or following is None:
-                    return results
-                # A move in place: the same process, the next generation's rank, resumed from the checkpoint.
-                inputs, old_model = trainer.inputs(), weakref.ref(trainer.model)
-                # Rank 0 resumes from what it has just written, without reading it back (2-3 ms of a move).
-                # Not on a GPU: the old model would still hold its memory while the new one is built.
-                written = trainer.saved if device.type == "cpu" else None
-                trainer = None
-                if old_model() is not None:
-                    gc.collect()  # a reference cycle holds the old model: free it before the new one is built
-                env, plan = following, plan_from_dict(handoff.plan, loaded, "handoff")
-                options = dataclasses.replace(options, resume=checkpoint_folder(loaded))
-                if on_event is not None:
-                    on_event({"event": "handoff", "generation": env.generation, "rank": env.rank})
-                wait_for_generation(env)  # rank 0 opens it: the new ranks read the checkpoint meanwhile
-                switching = True
-    except Exception as exc:
-        if on_event is not None:
-            kind = "input" if isinstance(exc, InputError) else "runtime"
-            message = str(exc) if isinstance(exc, JabasError) else f"{type(exc).__name__}: {exc}"
-            with contextlib.suppress(OSError):
-                on_event({"event": "error", "rank": env.rank, "kind": kind, "message": message})
-        raise
-    finally:
-        # Free DDP (it holds the process group) before the group goes: left to the interpreter's
-        # exit, gloo's threads may be torn down out of order and abort the process.
-        trainer = None
-        if metrics is not None:
-            metrics.close()
-        gc.collect()
-        release_retired()
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """What a trainer's process keeps across a move in place: none of it depends on the plan or the world."""
-
-    workload: Workload
-    train_set: Any
-    val_set: Any
-    feed: MicroBatchFeed | None
-    """The loader workers (persistent processes), or None when loading in the trainer."""
-
-
-_prepared: tuple[tuple[str, ...], Inputs] | None = None
-
-
-def _job_key(loaded: LoadedConfig) -> tuple[str, ...]:
-    job = loaded.config.job
-    return (str(job.workload), json.dumps(job.options, sort_keys=True, default=str), str(job.data))
-
-
-def prepare_inputs(loaded: LoadedConfig) -> None:
-    """Load the job's workload and datasets now, for the trainer this process becomes later.
-
-    A warm spare (:mod:`jabascli.cli.spare`) calls it, so that a rank started for a
-    move has its data before the move happens rather than during it.
-    """
-    global _prepared
-    workload = workload_of(loaded)
-    _prepared = (_job_key(loaded), Inputs(workload, workload.train_dataset(), workload.val_dataset(), None))
-
-
-def _take_prepared(loaded: LoadedConfig) -> Inputs | None:
-    global _prepared
-    prepared, _prepared = _prepared, None
-    return prepared[1] if prepared is not None and prepared[0] == _job_key(loaded) else None
 
 
 class Trainer:
@@ -408,7 +259,16 @@ class Trainer:
     def _plain_workers(self, same_start: bool) -> None:
         """Plain IIDP: VSW replicas of the model, DDP over replica 0, and its communication hook."""
         cfg, model, device = self.loaded.config, self.model, self.device
-        self.weight_sync, self.weight_sync_reason = self._choose_weight_sync(self.plan.weight_sync)
+        self.weight_sync, self.weight_sync_reason = choose_weight_sync(
+            self.plan,
+            self.optimizer,
+            forced=self.step_policy.settings.sequential_reason(),
+            where=self.loaded.path,
+            buckets_mb=lambda: (
+                read_bucket_profile(self.loaded.profile_dirs().bucket, self.workload.name)
+                or [size / 1e6 for size in bucket_sizes(self.model, self.options.bucket_cap_mb)]
+            ),
+        )
         self.vsw_name, self.vsw_reason = choose_vsw_strategy(cfg.job.vsw_strategy, self.me.vsw, model, device)
         replicas = make_replicas(model, self.me.vsw if self.vsw_name == "streams" else 1)
         # Broadcasts rank 0's parameters, unless every rank has just loaded them from one checkpoint.
@@ -466,7 +326,7 @@ class Trainer:
     def _train_epoch(self, metrics: MetricsWriter | None) -> EpochResult | None:
         """Train from the current position to the end of the epoch; None when ``max_steps`` stops it first."""
         epoch = self.progress.epoch
-        log = _StepLog(self, metrics, self.sampler.iterations_per_epoch(self.plan.gbs))
+        log = StepLog(self, metrics, self.sampler.iterations_per_epoch(self.plan.gbs))
         start = time.perf_counter()
         steps = samples = 0
         epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -608,60 +468,13 @@ class Trainer:
     # -- validation ----------------------------------------------------------------------------
 
     def validate(self) -> tuple[float | None, float | None]:
-        """Loss and accuracy over the validation set, each rank taking a share proportional to its workers."""
+        """Loss and accuracy over the validation set (:func:`jabascli.engine.validate.validate`)."""
         if self.val_set is None:
             return None, None
-        n = len(self.val_set)
-        offset, workers = self.vsw.share(self.plan, self.rank)  # a layout's replica: its ranks together
-        lo = n * offset // self.plan.workers
-        hi = n * (offset + workers) // self.plan.workers
-        batch = self.plan.lbs * self.plan.rank(self.replica_ranks[0]).vsw  # the same on every rank of a replica
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, samples
-        has_accuracy = callable(getattr(self.workload.module, "count_correct", None))
-        load = BatchLoader(self.val_set, self.device, self.workload.collate)
-        model = self.model
-        model.eval()
-        try:
-            with torch.no_grad(), self.vsw.evaluating():
-                for start in range(lo, hi, batch):
-                    inputs, target = load(range(start, min(start + batch, hi)))
-                    output = self.vsw.forward(inputs)
-                    if output is None:  # counted where the replica's output is (a layout's last stage)
-                        continue
-                    count = batch_len(target)
-                    totals[0] += float(self.workload.loss(output, target)) * count
-                    if has_accuracy:
-                        totals[1] += self.workload.count_correct(output, target) or 0
-                    totals[2] += count
-        finally:
-            model.train()
-        allreduce_sum([totals])
-        loss_sum, correct, seen = totals.tolist()
-        if seen == 0:
-            return None, None
-        return loss_sum / seen, (correct / seen if has_accuracy else None)
+        where = (self.vsw, self.plan, self.rank, self.replica_ranks, self.device)
+        return validate(self.model, self.val_set, self.workload, *where)
 
     # -- decisions, checkpoints, reports ---------------------------------------------------------
-
-    def _choose_weight_sync(self, requested: str) -> tuple[str, str]:
-        forced = self.step_policy.settings.sequential_reason()
-        if forced is not None:
-            return "sequential", forced if requested != "overlap" else f"overlap asked for, but {forced}"
-        if requested == "overlap" and not supports_overlap(self.optimizer):
-            name = type(self.optimizer).__name__
-            raise InputError.at(
-                self.loaded.path,
-                "job.weight_sync",
-                f"overlap applies the optimizer per gradient bucket, which {name} does not allow "
-                "(it needs an optimizer that updates each parameter on its own: SGD, Adam, AdamW ...)",
-            )
-        if requested != "recommend":
-            return requested, "set in the plan file" if self.plan.from_plan_file else "set in [job] weight_sync"
-        profile = read_bucket_profile(self.loaded.profile_dirs().bucket, self.workload.name)
-        if profile is None:
-            profile = [size / 1e6 for size in bucket_sizes(self.model, self.options.bucket_cap_mb)]
-        choice = recommend_weight_sync(profile, self.plan.world_size, self.optimizer)
-        return choice.method, f"recommended: {choice.reason}"
 
     def goes_on_under_another_layout(self) -> bool:
         """After :meth:`fit`: whether this process trains on under :attr:`relayout` (not when the job is done or
@@ -745,82 +558,3 @@ class Trainer:
         groups = self.optimizer.param_groups
         lr = groups[0].get("lr") if groups else None
         return float(lr) if isinstance(lr, int | float | torch.Tensor) else None
-
-
-class _StepLog:
-    """Rank 0's step reports: averaged over the steps since the last one, at most every LOG_INTERVAL_S.
-
-    Also the median duration of those steps, each timed from the end of the one before
-    (the first of an epoch from the epoch's start).
-    """
-
-    def __init__(self, trainer: Trainer, metrics: MetricsWriter | None, epoch_steps: int) -> None:
-        self.trainer, self.metrics, self.epoch_steps = trainer, metrics, epoch_steps
-        self.active = trainer.rank == 0 and (metrics is not None or trainer.emit is not None)
-        self.loss = torch.zeros((), dtype=torch.float64, device=trainer.device)
-        self.steps = 0
-        self.durations: list[float] = []
-        self.since = self.last = self.step_end = time.perf_counter()
-
-    def settings(self) -> None:
-        """Record the GBS and LR of the iteration about to run (``changes.csv`` keeps only changes)."""
-        if self.metrics is not None:
-            t = self.trainer
-            self.metrics.settings(step=t.progress.step + 1, gbs=t.plan.gbs, lr=t.current_lr())
-
-    def step(self, loss: torch.Tensor) -> None:
-        if not self.active:
-            return
-        now = time.perf_counter()
-        self.durations.append(now - self.step_end)
-        self.step_end = now
-        self.loss += loss
-        self.steps += 1
-        if now - self.last >= LOG_INTERVAL_S:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.active or self.steps == 0:
-            return
-        t, now = self.trainer, time.perf_counter()
-        loss = float(self.loss) / self.steps
-        rate = self.steps * t.plan.gbs / max(now - self.since, 1e-9)
-        p = t.progress
-        epoch_step, lr = p.position // t.plan.gbs, t.current_lr()
-        self.epoch_steps = epoch_step + t.sampler.iterations_left(p.position, t.plan.gbs)  # the GBS may change
-        if self.metrics is not None:
-            iteration_s = statistics.median(self.durations)
-            self.metrics.step(
-                epoch=p.epoch,
-                step=p.step,
-                gbs=t.plan.gbs,
-                loss=loss,
-                samples_per_s=rate,
-                lr=lr,
-                iteration_s=iteration_s,
-            )
-        if t.emit:
-            event = {"event": "step", "epoch": p.epoch, "step": p.step, "epoch_step": epoch_step}
-            event.update(epoch_steps=self.epoch_steps, gbs=t.plan.gbs, loss=loss, samples_per_s=rate, lr=lr)
-            t.emit(event)
-        self.loss.zero_()
-        self.steps = 0
-        self.durations = []
-        self.since = self.last = now
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """Turn SIGTERM (how ``jabas run`` stops trainers) into SystemExit, so cleanups run."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

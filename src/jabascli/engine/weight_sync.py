@@ -37,6 +37,7 @@ from torch import nn
 
 from jabascli.engine.buffers import BufferSync
 from jabascli.engine.options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB
+from jabascli.errors import InputError
 
 # Optimizers whose step updates every parameter from its own gradient and state
 # alone, so stepping a subset of parameters equals their part of a full step.
@@ -259,3 +260,32 @@ def recommend_weight_sync(
     if len(buckets) < 2:
         return WeightSyncChoice("sequential", "one gradient bucket: nothing to overlap")
     return WeightSyncChoice("overlap", f"{len(buckets)} gradient buckets: updates overlap later all-reduces")
+
+
+def choose_weight_sync(
+    plan: Any,
+    optimizer: torch.optim.Optimizer,
+    *,
+    forced: str | None,
+    where: Path | None,
+    buckets_mb: Callable[[], list[float]],
+) -> tuple[str, str]:
+    """The weight sync a plain IIDP trainer runs, and why: the plan's (``recommend``: :func:`recommend_weight_sync`
+    over the bucket sizes ``buckets_mb`` gives, the profile's or the model's own), unless ``forced`` names why it
+    must be sequential (mixed precision's loss scaling, gradient clipping). ``where``: the config, named in errors.
+    """
+    requested = plan.weight_sync
+    if forced is not None:
+        return "sequential", forced if requested != "overlap" else f"overlap asked for, but {forced}"
+    if requested == "overlap" and not supports_overlap(optimizer):
+        name = type(optimizer).__name__
+        raise InputError.at(
+            where,
+            "job.weight_sync",
+            f"overlap applies the optimizer per gradient bucket, which {name} does not allow "
+            "(it needs an optimizer that updates each parameter on its own: SGD, Adam, AdamW ...)",
+        )
+    if requested != "recommend":
+        return requested, "set in the plan file" if plan.from_plan_file else "set in [job] weight_sync"
+    choice = recommend_weight_sync(buckets_mb(), plan.world_size, optimizer)
+    return choice.method, f"recommended: {choice.reason}"

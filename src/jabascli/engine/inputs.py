@@ -1,0 +1,52 @@
+"""What a trainer's process keeps across a move in place: the workload, its datasets and loader workers.
+
+None of it depends on the plan or the world. A warm spare (:mod:`jabascli.cli.spare`) prepares them
+before it becomes a trainer (:func:`prepare_inputs`), so that a rank started for a move has its data
+before the move happens rather than during it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from jabascli.config import LoadedConfig
+from jabascli.engine.loader import MicroBatchFeed
+from jabascli.workload import Workload, workload_of
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a trainer's process keeps across a move in place: none of it depends on the plan or the world."""
+
+    workload: Workload
+    train_set: Any
+    val_set: Any
+    feed: MicroBatchFeed | None
+    """The loader workers (persistent processes), or None when loading in the trainer."""
+
+
+_prepared: tuple[tuple[str, ...], Inputs] | None = None
+
+
+def _job_key(loaded: LoadedConfig) -> tuple[str, ...]:
+    job = loaded.config.job
+    return (str(job.workload), json.dumps(job.options, sort_keys=True, default=str), str(job.data))
+
+
+def prepare_inputs(loaded: LoadedConfig) -> None:
+    """Load the job's workload and datasets now, for the trainer this process becomes later.
+
+    A warm spare (:mod:`jabascli.cli.spare`) calls it, so that a rank started for a
+    move has its data before the move happens rather than during it.
+    """
+    global _prepared
+    workload = workload_of(loaded)
+    _prepared = (_job_key(loaded), Inputs(workload, workload.train_dataset(), workload.val_dataset(), None))
+
+
+def take_prepared(loaded: LoadedConfig) -> Inputs | None:
+    global _prepared
+    prepared, _prepared = _prepared, None
+    return prepared[1] if prepared is not None and prepared[0] == _job_key(loaded) else None

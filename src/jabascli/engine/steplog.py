@@ -1,0 +1,96 @@
+"""Rank 0's step reports: the loss, throughput and iteration time of the steps since the last report.
+
+At most every :data:`LOG_INTERVAL_S` a report goes to the metrics files (``steps.csv``) and as a
+``step`` event to whoever launched the trainer (the progress bar of ``jabas run``, a worker agent).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from jabascli.engine.checkpoint import Progress
+from jabascli.engine.events import EventSink
+from jabascli.engine.metrics import MetricsWriter
+from jabascli.engine.plan import TrainingPlan
+from jabascli.engine.sampler import IIDPSampler
+
+LOG_INTERVAL_S = 0.25
+
+
+class Loop(Protocol):
+    """What the step log reads of the training loop (a :class:`~jabascli.engine.trainer.Trainer`)."""
+
+    rank: int
+    emit: EventSink | None
+    device: torch.device
+    plan: TrainingPlan
+    progress: Progress
+    sampler: IIDPSampler
+    current_lr: Callable[[], float | None]
+
+
+class StepLog:
+    """Rank 0's step reports: averaged over the steps since the last one, at most every LOG_INTERVAL_S.
+
+    Also the median duration of those steps, each timed from the end of the one before
+    (the first of an epoch from the epoch's start).
+    """
+
+    def __init__(self, trainer: Loop, metrics: MetricsWriter | None, epoch_steps: int) -> None:
+        self.trainer, self.metrics, self.epoch_steps = trainer, metrics, epoch_steps
+        self.active = trainer.rank == 0 and (metrics is not None or trainer.emit is not None)
+        self.loss = torch.zeros((), dtype=torch.float64, device=trainer.device)
+        self.steps = 0
+        self.durations: list[float] = []
+        self.since = self.last = self.step_end = time.perf_counter()
+
+    def settings(self) -> None:
+        """Record the GBS and LR of the iteration about to run (``changes.csv`` keeps only changes)."""
+        if self.metrics is not None:
+            t = self.trainer
+            self.metrics.settings(step=t.progress.step + 1, gbs=t.plan.gbs, lr=t.current_lr())
+
+    def step(self, loss: torch.Tensor) -> None:
+        if not self.active:
+            return
+        now = time.perf_counter()
+        self.durations.append(now - self.step_end)
+        self.step_end = now
+        self.loss += loss
+        self.steps += 1
+        if now - self.last >= LOG_INTERVAL_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.active or self.steps == 0:
+            return
+        t, now = self.trainer, time.perf_counter()
+        loss = float(self.loss) / self.steps
+        rate = self.steps * t.plan.gbs / max(now - self.since, 1e-9)
+        p = t.progress
+        epoch_step, lr = p.position // t.plan.gbs, t.current_lr()
+        self.epoch_steps = epoch_step + t.sampler.iterations_left(p.position, t.plan.gbs)  # the GBS may change
+        if self.metrics is not None:
+            iteration_s = statistics.median(self.durations)
+            self.metrics.step(
+                epoch=p.epoch,
+                step=p.step,
+                gbs=t.plan.gbs,
+                loss=loss,
+                samples_per_s=rate,
+                lr=lr,
+                iteration_s=iteration_s,
+            )
+        if t.emit:
+            event = {"event": "step", "epoch": p.epoch, "step": p.step, "epoch_step": epoch_step}
+            event.update(epoch_steps=self.epoch_steps, gbs=t.plan.gbs, loss=loss, samples_per_s=rate, lr=lr)
+            t.emit(event)
+        self.loss.zero_()
+        self.steps = 0
+        self.durations = []
+        self.since = self.last = now
