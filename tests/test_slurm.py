@@ -67,7 +67,7 @@ N = 1438  # digits' training samples (sklearn's 1797, less the 20 % validation s
 EPOCHS = 2
 
 
-def _config(folder: Path, cluster: EmulatedCluster, epochs: int = EPOCHS) -> Path:
+def _config(folder: Path, cluster: EmulatedCluster, epochs: int = EPOCHS, release_idle: bool = False) -> Path:
     (folder / "samples").mkdir(parents=True, exist_ok=True)
     (folder / "recorded_digits.py").write_text(RECORDED_DIGITS)
     # device type, VSW, emulated slowdown: slow enough that a scancel lands while it trains
@@ -94,7 +94,7 @@ def _config(folder: Path, cluster: EmulatedCluster, epochs: int = EPOCHS) -> Pat
         "cluster": {"servers": servers},
         "scheduler": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 30.0, "connect_timeout_s": 30.0},
         "storage": {"checkpoint_dir": str(folder / "checkpoints"), "run_dir": str(folder / "runs")},
-        "slurm": {"time": "10:00"},
+        "slurm": {"time": "10:00", "release_idle": release_idle},
     }
     path = folder / "job.toml"
     path.write_bytes(tomli_w.dumps(config).encode())
@@ -151,8 +151,13 @@ def _exact(config: Path, folder: Path) -> None:
     counts = used_samples(folder, N, EPOCHS)
     for epoch in range(EPOCHS):
         assert max(counts[epoch].values()) == 1, f"epoch {epoch}: a sample was used twice"
-        gbs = [h for h in history if h["epoch"] <= epoch][-1]["gbs"]
-        assert sum(counts[epoch].values()) == N - N % gbs, (epoch, history)
+        sizes = [h["gbs"] for h in history if h["epoch"] == epoch] or [
+            [h for h in history if h["epoch"] < epoch][-1]["gbs"]
+        ]
+        if len(sizes) == 1:
+            assert sum(counts[epoch].values()) == N - N % sizes[0], (epoch, history)
+        else:  # the GBS changed within the epoch (a move): what is left at its end, less than one GBS, is dropped
+            assert N - max(sizes) < sum(counts[epoch].values()) <= N, (epoch, history)
     reference, _ = reference_run(loaded, load_plan(loaded), steps=final["progress"]["step"], schedule=history)
     diffs = max_abs_diff(final["model"], reference.state_dict())
     assert max(diffs.values()) <= 1e-9, diffs
@@ -191,14 +196,18 @@ def test_slurm_submit_trains_exactly_and_scancel_checkpoints(cluster_factory, sl
     _exact(config, tmp_path)
 
 
+def _api(folder: Path, method: str, route: str, body: dict[str, object] | None = None) -> httpx.Response:
+    """A request to the running job's scheduler, found as `jabas job` finds it (its run folder's scheduler.json)."""
+    steering = json.loads((folder / "runs" / "digits" / "scheduler.json").read_text())
+    token = Path(steering["token_file"]).read_text().strip()
+    headers = {"Authorization": f"Bearer {token}"}
+    return httpx.request(method, f"http://{steering['address']}{route}", headers=headers, json=body, timeout=5)
+
+
 def _step(folder: Path) -> int:
-    """The running job's step from its scheduler, found as `jabas job status` finds it (-1: no scheduler yet)."""
+    """The running job's step from its scheduler (-1: no scheduler yet)."""
     try:
-        steering = json.loads((folder / "runs" / "digits" / "scheduler.json").read_text())
-        token = Path(steering["token_file"]).read_text().strip()
-        answer = httpx.get(
-            f"http://{steering['address']}/v1/job", headers={"Authorization": f"Bearer {token}"}, timeout=5
-        )
+        answer = _api(folder, "GET", "/v1/job")
         return int(answer.json()["step"]) if answer.status_code == 200 else -1
     except (OSError, ValueError, KeyError, httpx.TransportError):
         return -1
@@ -292,3 +301,34 @@ def test_worker_outside_slurm_needs_a_rank(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 2 and "--rank" in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_release_idle_gives_a_het_component_back_after_a_move(cluster_factory, slurm_factory, tmp_path: Path) -> None:  # noqa: F811
+    cluster: EmulatedCluster = cluster_factory(NODES)
+    slurm: SlurmCluster = slurm_factory(cluster, SLURM_NODES)
+    config = _config(tmp_path, cluster, release_idle=True)
+    job = _submit(slurm, config, tmp_path)
+    deadline = time.monotonic() + 180
+    while _step(tmp_path) < 3:
+        assert slurm.queue(), _output(tmp_path, job)
+        assert time.monotonic() < deadline, _output(tmp_path, job)
+        time.sleep(0.2)
+
+    # The job moves off n2 (the slow component, 1), early in the first epoch (the scheduler's API, as `jabas job
+    # move --now` calls it, without the CLI's start-up): its component is given back while the job trains on.
+    moved = _api(tmp_path, "POST", "/v1/job/move", {"servers": ["n0", "n1"], "when": "now"})
+    assert moved.status_code == 200, moved.text
+    deadline = time.monotonic() + 120
+    while (queue := slurm.queue()) != [f"{job}+0 RUNNING"] or slurm.states()["n2"] != "idle":
+        assert time.monotonic() < deadline, (queue, slurm.states(), _output(tmp_path, job))
+        time.sleep(0.2)
+    shown = slurm.run(["scontrol", "show", "job", job]).stdout
+    assert re.search(r"HetJobOffset=0 .*?JobState=RUNNING .*?\n   NodeList=n\[0-1\]", shown, re.S), shown
+    assert re.search(r"HetJobOffset=1 .*?JobState=CANCELLED", shown, re.S), shown
+
+    assert _wait_done(slurm, job, tmp_path) == "COMPLETED", _output(tmp_path, job)
+    assert _no_jabas_left(cluster) == {}, _output(tmp_path, job)
+    output = _output(tmp_path, job)
+    assert f"gave back n2 (servers n2) to Slurm: scancel {job}+1" in output and "succeeded" in output, output
+    _exact(config, tmp_path)

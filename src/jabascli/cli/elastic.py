@@ -128,6 +128,12 @@ def worker(
     import os
     import sys
 
+    agents: list[WorkerAgent] = []
+    if rank is None or slurm:  # inside a Slurm job: SIGTERM held from here on, before torch starts threads
+        from jabascli.elastic.slurm import hold_sigterm, leave_if_idle
+
+        hold_sigterm(lambda: leave_if_idle(agents))  # trainers inherit SIGTERM blocked: the scheduler stops them
+
     from jabascli.elastic.agent import WorkerAgent
     from jabascli.elastic.client import SchedulerClient
     from jabascli.elastic.lifeline import end_when_closed, exit_on_sigterm, read_order
@@ -140,20 +146,20 @@ def worker(
         end_when_closed(sys.stdin.fileno())
     loaded = load_config(config)
     if rank is None or slurm:
-        from jabascli.elastic.slurm import hold_sigterm, in_allocation, worker_place
+        from jabascli.elastic.slurm import in_allocation, worker_place
 
         if not (slurm or in_allocation()):
             raise InputError.at(None, "--rank", "is needed outside a Slurm job")
         place = worker_place(loaded, scheduler)
         rank, token, address = place.rank, place.token, place.scheduler
-        hold_sigterm(lambda: err_console.print("SIGTERM: the scheduler stops the job", highlight=False, markup=False))
     else:
         token = order.token if stdin else load_token(loaded)
         address = _address(loaded, scheduler)
     if stdin:  # the launcher reads the pid, to kill this agent should its lifeline not end it
         err_console.print(f"worker rank {rank}, pid {os.getpid()}, scheduler {address}", highlight=False, markup=False)
     with SchedulerClient(address, token) as client:
-        WorkerAgent(loaded, rank, client).run()
+        agents.append(WorkerAgent(loaded, rank, client))
+        agents[0].run()
 
 
 @cli_command

@@ -69,7 +69,8 @@ def schedule(config: ConfigOption) -> None:
     The job's servers are the allocation's nodes, each matched to its \\[\\[cluster.servers]]
     entry by name or host (Slurm's NodeName or NodeAddr); it listens on the host of the
     first node's server at \\[scheduler] port, resumes from the job's newest checkpoint if
-    there is one, and stops the job with a checkpoint on SIGTERM.
+    there is one, and stops the job with a checkpoint on SIGTERM. With \\[slurm]
+    release_idle, it gives Slurm back the nodes of servers the job moves off.
 
     Example:
 
@@ -84,7 +85,10 @@ def schedule(config: ConfigOption) -> None:
         line = f"scheduler of {loaded.config.job.name!r} on {address}, servers {', '.join(servers)}, {how}"
         err_console.print(line, highlight=False, markup=False)
 
-    status = serve_allocation(loaded, on_start=started)
+    def said(line: str) -> None:
+        err_console.print(line, highlight=False, markup=False)
+
+    status = serve_allocation(loaded, on_start=started, on_line=said)
     console.print(f"job {status.job}: {status.state}: {status.message}", highlight=False, markup=False)
     for move in status.moves:
         where = f"{','.join(move.from_servers)} -> {','.join(move.to_servers)}"

@@ -240,6 +240,9 @@ class SlurmConfig(Section):
     ``--gres=gpu:<device_type>:<devices>`` (the nodes' Gres)."""
     options: list[str] = Field(default_factory=list)
     """More ``#SBATCH`` options for every component, e.g. ``["--qos=high"]``: each ``--name`` or ``--name=value``."""
+    release_idle: bool = False
+    """Give Slurm back the nodes of servers the job has moved off (a move of the auto-scaling planner or of
+    ``jabas job move``): a heterogeneous component once all its nodes are idle, else the idle nodes."""
 
 
 class JabasConfig(Section):

@@ -27,6 +27,7 @@ agent sends :data:`jabascli.engine.launch.GRACE_S` after its SIGTERM when it kil
 
 from __future__ import annotations
 
+import _thread
 import ipaddress
 import os
 import re
@@ -35,7 +36,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,8 @@ from jabascli.errors import InputError, Problem, RuntimeFailure
 from jabascli.net import interface_of
 
 if TYPE_CHECKING:
+    from jabascli.elastic.agent import WorkerAgent
+    from jabascli.elastic.job import Scheduler
     from jabascli.elastic.protocol import JobStatus
 
 JOB_ID = "SLURM_JOB_ID"
@@ -53,6 +56,8 @@ HET_SIZE = "SLURM_HET_SIZE"
 NODELIST = "SLURM_JOB_NODELIST"
 TOKEN_NAME = "token"
 SCONTROL_TIMEOUT_S = 30.0
+RELEASE_POLL_S = 1.0
+"""How often, with ``[slurm] release_idle``, the scheduler looks for servers the job no longer uses."""
 
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
@@ -115,6 +120,12 @@ class Allocation:
     """Every node of the allocation: the first heterogeneous component's first, in Slurm's order."""
     node: str | None
     """This node's NodeName (``SLURMD_NODENAME``; None outside a task or batch script)."""
+    components: list[list[str]] = field(default_factory=list)
+    """The nodes of each heterogeneous component (one list for a job that is not heterogeneous)."""
+
+    @property
+    def heterogeneous(self) -> bool:
+        return len(self.components) > 1
 
     @property
     def first(self) -> str:
@@ -133,11 +144,12 @@ def allocation(environ: Mapping[str, str] | None = None) -> Allocation:
     else:
         lists = [env.get(NODELIST, "")]
     nodes: list[str] = []
-    for text in lists:
-        nodes += [name for name in expand_hostlist(text) if name not in nodes]
+    components = [expand_hostlist(text) for text in lists]
+    for part in components:
+        nodes += [name for name in part if name not in nodes]
     if not nodes:
         raise InputError.at(None, NODELIST, "Slurm's environment names no node of the job")
-    return Allocation(job_id, nodes, env.get(NODE_NAME) or None)
+    return Allocation(job_id, nodes, env.get(NODE_NAME) or None, components)
 
 
 def node_addresses(names: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -270,6 +282,16 @@ def job_token(loaded: LoadedConfig, job_id: str, environ: Mapping[str, str]) -> 
     return read_token_file(path) if not environ.get(TOKEN_ENV) and path.exists() else load_token(loaded, environ)
 
 
+def leave_if_idle(agents: list[WorkerAgent]) -> bool:
+    """On SIGTERM in ``jabas worker --slurm``: an agent running no trainer (its node given back, or nothing
+    started yet; ``agents`` holds it once made) ends at once (KeyboardInterrupt in its main thread); one with
+    trainers carries on until the scheduler, which stops the job, says it is over. True if it ends."""
+    if any(t.proc.poll() is None for agent in agents for run in list(agent.runs) for t in run.trainers):
+        return False
+    _thread.interrupt_main()
+    return True
+
+
 def hold_sigterm(on_sigterm: Callable[[], None]) -> threading.Thread:
     """Block SIGTERM in this thread (call it from the main thread, before any child or thread is started: both
     inherit the mask) and call ``on_sigterm()`` from a watcher thread each time it arrives."""
@@ -293,6 +315,7 @@ def serve_allocation(
     loaded: LoadedConfig,
     environ: Mapping[str, str] | None = None,
     on_start: Callable[[str, list[str], bool], None] | None = None,
+    on_line: Callable[[str], None] | None = None,
 ) -> JobStatus:
     """``jabas slurm schedule``: the job's scheduler on this node (the allocation's first), until the job is over.
 
@@ -300,8 +323,20 @@ def serve_allocation(
     there is one (a resubmitted job continues). While it runs, the run folder's ``scheduler.json`` names its
     address and token file, so ``jabas job status -c CONFIG`` finds it from any machine that shares the
     folder. SIGTERM (``scancel``) stops the job at the next iteration: the trainers checkpoint.
-    ``on_start(address, servers, resuming)`` is called before it serves.
+    ``on_start(address, servers, resuming)`` is called before it serves; ``on_line(text)`` with each node
+    given back to Slurm (``[slurm] release_idle``, :class:`Releaser`).
     """
+    made: list[Scheduler] = []
+    asked = threading.Event()
+
+    def stop() -> None:
+        asked.set()
+        for scheduler in made:
+            with scheduler.lock:
+                scheduler.stop("now")
+
+    # First: a thread started before this (numpy's BLAS pool, at import) would take SIGTERM itself, and die of it.
+    hold_sigterm(stop)
     from jabascli.elastic.agent import check_writable
     from jabascli.elastic.job import Scheduler
     from jabascli.elastic.local import Steering
@@ -328,19 +363,30 @@ def serve_allocation(
 
         planner = AutoScaler(loaded)
     scheduler = Scheduler(loaded, resume=resume, planner=planner)
-
-    def stop() -> None:
-        with scheduler.lock:
-            scheduler.stop("now")
-
-    hold_sigterm(stop)
+    made.append(scheduler)
+    if asked.is_set():
+        stop()
     if on_start is not None:
         on_start(f"{host}:{port}", list(cluster.available_servers), resume)
     steering = Steering(f"{host}:{port}", path if path.exists() else loaded.config.scheduler.token_file or path)
     steering_file = steering.write(run_folder(loaded))
+    done = threading.Event()
+    if loaded.config.slurm.release_idle:
+        releaser = Releaser(loaded, where, matched, env)
+
+        def release() -> None:
+            while not done.wait(RELEASE_POLL_S):
+                with scheduler.lock:
+                    status = scheduler.status()
+                for line in releaser.check(status):
+                    if on_line is not None:
+                        on_line(line)
+
+        threading.Thread(target=release, name="release-idle", daemon=True).start()
     try:
         return serve(scheduler, token, host, port)
     finally:
+        done.set()
         steering_file.unlink(missing_ok=True)
 
 
@@ -355,6 +401,56 @@ def clear_stale_stops(loaded: LoadedConfig) -> list[Path]:
     for path in stale:
         path.unlink(missing_ok=True)
     return stale
+
+
+class Releaser:
+    """``[slurm] release_idle``: give back to Slurm the nodes of servers the job has moved off.
+
+    Once the job runs on an allocation that leaves out servers of the Slurm job (a move, the auto-scaling
+    planner's or ``jabas job move``'s), their nodes are released: in a heterogeneous job, each component
+    whose nodes all went idle is cancelled (``scancel JOB+OFFSET``; Slurm 22.05 resizes no component of a
+    heterogeneous job, so a component some of whose nodes still train is kept whole); in a job that is not,
+    the job shrinks to the nodes in use (``scontrol update JobId=JOB NodeList=...``), its first node (where
+    the scheduler runs) always kept. A node given back is not taken again: the job does not move back to it.
+    """
+
+    def __init__(self, loaded: LoadedConfig, where: Allocation, matched: dict[str, int], environ: Mapping[str, str]):
+        self.where, self.environ = where, environ
+        self.server_of = {node: loaded.config.cluster.servers[index].name for node, index in matched.items()}
+        self.held: dict[int, list[str]] = dict(enumerate(where.components or [where.nodes]))
+
+    def check(self, status: JobStatus) -> list[str]:
+        """Release what ``status`` (the scheduler's) no longer uses; a line for each release, or each failure."""
+        if status.state != "running" or not status.allocation:
+            return []
+        used = set(status.allocation)
+        idle = {node for nodes in self.held.values() for node in nodes if self.server_of.get(node) not in used}
+        idle.discard(self.where.first)
+        if not idle:
+            return []
+        if self.where.heterogeneous:
+            lines = []
+            for offset, nodes in sorted(self.held.items()):
+                if nodes and all(node in idle for node in nodes):
+                    lines.append(self._run(["scancel", f"{self.where.job_id}+{offset}"], offset, nodes))
+            return lines
+        kept = [node for node in self.held[0] if node not in idle]
+        gone = [node for node in self.held[0] if node in idle]
+        return [self._run(["scontrol", "update", f"JobId={self.where.job_id}", f"NodeList={','.join(kept)}"], 0, gone)]
+
+    def _run(self, argv: list[str], offset: int, nodes: list[str]) -> str:
+        servers = ", ".join(self.server_of.get(node, node) for node in nodes)
+        try:
+            result = subprocess.run(
+                argv, env=dict(self.environ), capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"could not give back {', '.join(nodes)} (servers {servers}): {exc}"
+        if result.returncode != 0:
+            message = " ".join(result.stderr.split()) or f"exit code {result.returncode}"
+            return f"could not give back {', '.join(nodes)} (servers {servers}): {' '.join(argv)}: {message}"
+        self.held[offset] = [node for node in self.held[offset] if node not in nodes]
+        return f"gave back {', '.join(nodes)} (servers {servers}) to Slurm: {' '.join(argv)}"
 
 
 # -- the batch script --------------------------------------------------------------------------------------
@@ -459,7 +555,8 @@ def batch_script(loaded: LoadedConfig, python: str) -> str:
         '"${jabas[@]}" slurm schedule -c "$config" &',
         "scheduler=$!",
         "# One worker agent on every node of every component; each finds its server from Slurm's environment.",
-        f'srun{het} --ntasks-per-node=1 "${{jabas[@]}}" worker -c "$config" --slurm &',
+        "# --no-kill: a node lost or given back ends its worker only; the scheduler carries on without it.",
+        f'srun{het} --ntasks-per-node=1 --no-kill "${{jabas[@]}}" worker -c "$config" --slurm &',
         "workers=$!",
         "# wait returns early when the trap above runs: wait again until the process has ended.",
         'while kill -0 "$scheduler" 2>/dev/null; do wait "$scheduler"; done',
