@@ -12,12 +12,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import tomli_w
 
-from jabascli.elastic.slurm import allocation, expand_hostlist, match_servers, scheduler_address
+from jabascli.elastic.slurm import (
+    Allocation,
+    Releaser,
+    allocation,
+    expand_hostlist,
+    match_servers,
+    scheduler_address,
+)
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from jabascli.errors import InputError
@@ -59,6 +67,30 @@ def test_slurm_runs_tasks_in_each_nodes_namespace(cluster_factory, slurm_factory
     job = slurm.run(["sbatch", "--parsable", str(script)]).stdout.strip()
     assert slurm.wait_queue_empty() == []
     assert (tmp_path / "out dir" / f"o-{job}.out").read_text() == "n0\n"
+
+
+def test_release_idle_shrinks_a_plain_job_to_the_nodes_in_use(cluster_factory, slurm_factory, tmp_path: Path) -> None:  # noqa: F811
+    cluster: EmulatedCluster = cluster_factory(NODES)
+    slurm: SlurmCluster = slurm_factory(cluster, SLURM_NODES)
+    job = slurm.run(["sbatch", "--parsable", "-N3", "-o", "/dev/null", "--wrap", "srun --no-kill sleep 60"]).stdout
+    job = job.strip()
+    deadline = time.monotonic() + 60
+    while slurm.job_state(job) != "RUNNING":
+        assert time.monotonic() < deadline, slurm.queue()
+        time.sleep(0.2)
+    loaded = load(_servers_config(tmp_path, names=["n0", "n1", "n2"]))
+    where = Allocation(job, ["n0", "n1", "n2"], "n0", [["n0", "n1", "n2"]])
+    releaser = Releaser(loaded, where, {"n0": 0, "n1": 1, "n2": 2}, slurm.env())
+    running = SimpleNamespace(state="running", allocation=["n0", "n1"])  # what the scheduler's status says
+
+    assert releaser.check(SimpleNamespace(state="moving", allocation=["n0", "n1"])) == []  # not while it moves
+    assert releaser.check(running) == [
+        f"gave back n2 (servers n2) to Slurm: scontrol update JobId={job} NodeList=n0,n1"
+    ]
+    shown = slurm.run(["scontrol", "show", "job", job]).stdout
+    assert re.search(r"JobState=RUNNING .*?\n   NodeList=n\[0-1\]", shown, re.S), shown
+    assert slurm.states()["n2"] == "idle"
+    assert releaser.check(running) == []  # given back once
 
 
 # -- jabas jobs submitted to it ----------------------------------------------------------------------------
@@ -228,11 +260,11 @@ def _job_status(config: Path) -> subprocess.CompletedProcess[str]:
 # -- without Slurm: Slurm's environment read, nodes matched, the script written ------------------------------
 
 
-def _servers_config(folder: Path, **slurm: object) -> Path:
+def _servers_config(folder: Path, names: tuple[str, ...] | list[str] = ("a1", "a2", "b1"), **slurm: object) -> Path:
     servers = [
-        {"name": "a1", "host": "10.0.0.1", "device_type": "v100", "devices": 4},
-        {"name": "a2", "host": "10.0.0.2", "device_type": "v100", "devices": 4},
-        {"name": "b1", "host": "gpu-b1", "device_type": "p100", "devices": 2},
+        {"name": names[0], "host": "10.0.0.1", "device_type": "v100", "devices": 4},
+        {"name": names[1], "host": "10.0.0.2", "device_type": "v100", "devices": 4},
+        {"name": names[2], "host": "gpu-b1", "device_type": "p100", "devices": 2},
     ]
     path = folder / "job.toml"
     config = {"job": {"name": "my job", "workload": "digits"}, "cluster": {"servers": servers}, "slurm": slurm}
