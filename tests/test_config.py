@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,44 @@ def test_cli_validate_json_round_trips(tmp_path: Path, cli) -> None:  # type: ig
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert JabasConfig.model_validate(data["config"]).server("a").devices == 2
+
+
+SEED_EXAMPLE = REPO / "examples" / "seed"
+
+
+def test_validate_takes_the_seed_format_for_what_it_is(tmp_path: Path) -> None:
+    """A seed config.json has no workload: validate checks its profiles, GBS range and cluster, and exits 0."""
+    result = run_jabas("validate", "-c", "examples/seed/config.json", cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "(seed-json) is valid" in out and "64 .. 256" in out and "cpu-slow" in out
+    assert "no workload" not in result.stderr + out
+    needs = [line for line in out.splitlines() if line.startswith("a run needs")]
+    assert len(needs) == 1 and "[job] workload" in needs[0], out
+    solved = run_jabas("solve", "-c", "examples/seed/config.json", "--gbs", "256", cwd=REPO)
+    assert solved.returncode == 0, solved.stderr  # the file validate accepts, solve accepts
+
+    # Its profiles are read as the solver reads them: a broken one is one line, exit 2.
+    copy = tmp_path / "seed"
+    shutil.copytree(SEED_EXAMPLE, copy)
+    broken = next((copy / "cluster_comp_profile_data").rglob("*_comp_profile.json"))
+    broken.write_text('{"lbs": ')
+    result = run_jabas("validate", "-c", str(copy / "config.json"))
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and str(broken) in lines[0], result.stderr
+
+    # One without profile folders is valid too, and says it needs profiles as well.
+    config = json.loads((copy / "config.json").read_text())
+    for key in ("memory_profile_dir", "comp_profile_dir", "comm_profile_dir", "bucket_profile_dir"):
+        del config[key]
+    (copy / "config.json").write_text(json.dumps(config))
+    result = run_jabas("validate", "-c", str(copy / "config.json"))
+    assert result.returncode == 0, result.stderr
+    assert "not yet" in result.stdout and "jabas profile all" in result.stdout.splitlines()[-1]
+
+
+def test_readme_validate_examples_name_files_the_repository_holds() -> None:
+    readme = (REPO / "README.md").read_text()
+    named = [line.split()[3] for line in readme.splitlines() if line.startswith("jabas validate -c ")]
+    assert "examples/seed/config.json" in named
+    assert all((REPO / name).is_file() for name in named if name != "jabas.toml"), named

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.table import Table
 
 from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
@@ -13,24 +15,75 @@ def validate(config: ConfigOption, json_out: JsonOption = False) -> None:
     """Check a job config (TOML, or the seed JSON format) and print a summary.
 
     Every problem is printed on its own line with the file and the field path;
-    the exit code is 2 when there is any. The workload is imported, so a name
-    that is no workload, or a file that fails to import, is caught here as
-    `jabas run` would catch it.
+    the exit code is 2 when there is any. A TOML job's workload is imported, so
+    a name that is no workload, or a file that fails to import, is caught here
+    as `jabas run` would catch it. A seed config.json describes profiles, a GBS
+    range and a cluster for solving, and no workload: its profiles are read as
+    `jabas solve` reads them, and a last line says what a run would still need.
 
     Example:
 
         jabas validate -c jabas.toml
 
-        jabas validate -c quickstart/config.json --json
+        jabas validate -c examples/seed/config.json --json
     """
-    from jabascli.workload import workload_of
-
     loaded = load_config(config)
-    workload_of(loaded)  # what `jabas run` checks first: the workload exists and imports
+    if loaded.format == "seed-json":
+        profiled = check_seed_profiles(loaded)
+    else:
+        from jabascli.workload import workload_of
+
+        workload_of(loaded)  # what `jabas run` checks first: the workload exists and imports
     if json_out:
         print_json({"file": str(loaded.path), "format": loaded.format, "config": loaded.config.model_dump(mode="json")})
         return
+    if loaded.format == "seed-json":
+        print_seed_summary(loaded, profiled, config)
+        return
     print_summary(loaded)
+
+
+def check_seed_profiles(loaded: LoadedConfig) -> bool:
+    """Read a seed config's profiles as `jabas solve` does (bad or missing ones raise); False when it names none."""
+    from jabascli.solver import solver_from_config
+
+    if not loaded.profile_dirs().computation.is_dir():
+        return False  # a seed config without profile folders: nothing to read yet
+    solver_from_config(loaded)
+    return True
+
+
+def print_seed_summary(loaded: LoadedConfig, profiled: bool, typed: Path) -> None:
+    """A seed config.json for what it is: a GBS range, a cluster and profiles to solve from."""
+    cfg = loaded.config
+    console.print(f"[green]✓[/green] {loaded.path} (seed-json) is valid")
+    job = Table(title="Solving", show_header=False)
+    b = cfg.batching
+    if b.gbs_min is not None or b.gbs_max is not None:
+        job.add_row(
+            "global batch size", f"{b.gbs_min or '-'} .. {b.gbs_max or '-'} (similarity target {b.similarity_target:g})"
+        )
+    else:
+        job.add_row("global batch size", "(no range: give jabas solve --gbs N)")
+    job.add_row("allocation unit", f"{cfg.scaling.allocation_unit} GPU(s)")
+    job.add_row("cluster info", str(loaded.cluster_info_path))
+    console.print(job)
+    servers = Table(title="Servers")
+    for column in ("name", "device type", "devices", "TFLOPS", "available"):
+        servers.add_column(column)
+    available = {s.name for s in cfg.available()}
+    for s in cfg.cluster.servers:
+        servers.add_row(s.name, s.device_type, str(s.devices), f"{s.tflops:g}", "yes" if s.name in available else "no")
+    console.print(servers)
+    print_profile_folders(loaded, "read" if profiled else "not yet")
+    needs = "a workload, which the seed's format does not hold: a jabas.toml with [job] workload, this cluster"
+    needs += " and these profiles" if profiled else " and its profiles (`jabas profile all`)"
+    console.print(
+        f"a run needs {needs}; `jabas solve -c {typed} --gbs N` and `jabas simulate -c {typed}` take this file"
+        " as it is",
+        highlight=False,
+        markup=False,
+    )
 
 
 def print_summary(loaded: LoadedConfig) -> None:
@@ -72,6 +125,11 @@ def print_summary(loaded: LoadedConfig) -> None:
         )
     console.print(servers)
 
+    print_profile_folders(loaded, "yes")
+
+
+def print_profile_folders(loaded: LoadedConfig, present: str) -> None:
+    """The four profile folders; ``present`` is said of those that exist."""
     dirs = loaded.profile_dirs()
     profiles = Table(title="Profile folders")
     profiles.add_column("profile")
@@ -79,5 +137,5 @@ def print_summary(loaded: LoadedConfig) -> None:
     profiles.add_column("present")
     for name in ("memory", "computation", "communication", "bucket"):
         folder = getattr(dirs, name)
-        profiles.add_row(name, str(folder), "yes" if folder.is_dir() else "not yet")
+        profiles.add_row(name, str(folder), present if folder.is_dir() else "not yet")
     console.print(profiles)
