@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,3 +140,68 @@ def test_a_rerun_after_ctrl_c_or_kill_9_resumes_the_checkpoint_the_run_left(tmp_
         assert read_checkpoint(manifest.parent)["progress"]["step"] == left + 1
     steps = _steps(tmp_path)
     assert steps[0] <= 2 and steps[-1] == left + 1  # every attempt's rows, the first run's included
+
+
+SEED_PROFILES = Path(__file__).resolve().parents[1] / "examples" / "seed"
+
+JOB_WITH_PROFILES = """
+[job]
+name = "two"
+workload = "digits"
+lbs = 32
+
+[batching]
+initial_gbs = 256
+
+[profiles]
+dir = "profiles"
+
+[[cluster.servers]]
+name = "fast"
+device_type = "cpu"
+
+[[cluster.servers]]
+name = "slow"
+device_type = "cpu-slow"
+emulate = { slowdown = 3.0, memory_bytes = 50_000_000 }
+
+[scaling]
+enabled = {scaling}
+
+[storage]
+run_dir = "runs"
+checkpoint_dir = "checkpoints"
+"""
+
+
+def _tree(folder: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def test_rejected_input_leaves_every_file_where_it_was(tmp_path: Path) -> None:
+    """Bad input to a command that moves or writes (run --fresh, schedule --new-token) changes nothing on disk."""
+    for name in ("cluster_mem_profile_data", "cluster_comp_profile_data", "comm_profile_data", "bucket_profile_data"):
+        shutil.copytree(SEED_PROFILES / name, tmp_path / "profiles" / name)
+    config = tmp_path / "two.toml"
+    config.write_text(JOB_WITH_PROFILES.replace("{scaling}", "false"))
+    scaling = tmp_path / "scaling.toml"  # its profile folder is missing: the auto-scaler cannot plan
+    scaling.write_text(JOB_WITH_PROFILES.replace("{scaling}", "true").replace('dir = "profiles"', 'dir = "none"'))
+    for folder in ("checkpoints", "runs"):  # a previous run of the job, which --fresh would move aside
+        (tmp_path / folder / "two").mkdir(parents=True)
+        (tmp_path / folder / "two" / "kept.txt").write_text(folder)
+    before = _tree(tmp_path)
+    rejected = {
+        "a GBS no plan reaches": ["run", "-c", str(config), "--fresh", "--gbs", "100"],
+        "a plan file that is not there": ["run", "-c", str(config), "--fresh", "--plan", str(tmp_path / "nope.json")],
+        "an unknown server": ["run", "-c", str(config), "--fresh", "--servers", "bogus"],
+        "--port without --elastic": ["run", "-c", str(config), "--fresh", "--port", "4567"],
+        "--gbs with --elastic": ["run", "-c", str(config), "--fresh", "--elastic", "--gbs", "64"],
+        "scaling without profiles": ["run", "-c", str(scaling), "--fresh"],
+        "a scheduler without profiles": ["schedule", "-c", str(scaling), "--new-token", str(tmp_path / "token")],
+    }
+    for why, args in rejected.items():
+        result = run_jabas(*args, cwd=tmp_path)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 2 and lines and all(line.startswith("error:") for line in lines), (why, result)
+        assert "moved" not in result.stdout + result.stderr, why
+        assert _tree(tmp_path) == before, why

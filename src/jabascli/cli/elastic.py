@@ -62,21 +62,21 @@ def schedule(
     from jabascli.engine.layout import checkpoint_folder
 
     loaded = load_config(config)
-    if new_token is not None:
-        write_token(new_token)
-        token = read_token_file(new_token)
-    else:
-        token = load_token(loaded)
-    check_writable(checkpoint_folder(loaded))
-    cfg = loaded.config.scheduler
-    host, bind_port = address or cfg.address, port or cfg.port
-    err_console.print(f"scheduler of {loaded.config.job.name!r} listening on {host}:{bind_port}", highlight=False)
+    token = load_token(loaded) if new_token is None else ""  # a new token is written once the inputs are checked
     planner = None
     if loaded.config.scaling.enabled:
         from jabascli.elastic.autoscaling import AutoScaler
 
         planner = AutoScaler(loaded)  # reads the profiles and the training set's size once
     scheduler = Scheduler(loaded, resume=resume, planner=planner)
+    # The inputs are checked: now the folder and the token may be made.
+    check_writable(checkpoint_folder(loaded))
+    if new_token is not None:
+        write_token(new_token)
+        token = read_token_file(new_token)
+    cfg = loaded.config.scheduler
+    host, bind_port = address or cfg.address, port or cfg.port
+    err_console.print(f"scheduler of {loaded.config.job.name!r} listening on {host}:{bind_port}", highlight=False)
     if loopback_trainers:
         scheduler.master_addr = "127.0.0.1"  # every server's agent runs on this machine
     status = serve(scheduler, token, host, bind_port)
@@ -271,6 +271,19 @@ def job_stop(
     console.print(f"{status.state}: {status.message}", highlight=False, markup=False)
 
 
+def check_elastic_inputs(loaded: LoadedConfig, **unsupported: object) -> None:
+    """What ``jabas run --elastic`` refuses before it changes anything: options it does not take, missing profiles."""
+    given = [f"--{name.replace('_', '-')}" for name, value in unsupported.items() if value is not None]
+    if given:
+        raise InputError.at(
+            None, given[0], "is not used with --elastic: the scheduler plans and resumes from [storage] checkpoint_dir"
+        )
+    if loaded.config.scaling.enabled:
+        from jabascli.elastic.autoscaling import scaling_setup
+
+        scaling_setup(loaded)  # missing profiles: one line here, not only in the scheduler's log
+
+
 def run_elastic_here(
     loaded: LoadedConfig,
     json_out: bool,
@@ -279,9 +292,9 @@ def run_elastic_here(
     port: int | None = None,
     token_file: Path | None = None,
     ssh: SshOptions | None = None,
-    **unsupported: object,
 ) -> None:
-    """``jabas run --elastic``: the scheduler and an agent per server on this machine, with a progress bar.
+    """``jabas run --elastic`` and ``jabas run`` on a cluster (its inputs checked by :func:`check_elastic_inputs`):
+    the scheduler here and an agent per server (here, or on its host over SSH), with a progress bar.
 
     ``resuming``: the job's checkpoint folder holds a checkpoint to continue from. Prints where the
     scheduler listens and its token file, and at the end the validation table as ``jabas run`` does.
@@ -293,15 +306,6 @@ def run_elastic_here(
     from jabascli.cli.train import print_results
     from jabascli.elastic.local import Steering, run_elastic
 
-    given = [f"--{name.replace('_', '-')}" for name, value in unsupported.items() if value is not None]
-    if given:
-        raise InputError.at(
-            None, given[0], "is not used with --elastic: the scheduler plans and resumes from [storage] checkpoint_dir"
-        )
-    if loaded.config.scaling.enabled:
-        from jabascli.elastic.autoscaling import scaling_setup
-
-        scaling_setup(loaded)  # missing profiles: one line here, not only in the scheduler's log
     progress = Progress(
         TextColumn("[bold]{task.fields[state]}"),
         BarColumn(),

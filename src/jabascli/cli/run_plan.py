@@ -8,6 +8,7 @@ from typing import Any
 
 from jabascli.cli.common import console
 from jabascli.config import LoadedConfig
+from jabascli.solver.autoplan import RunPlan
 from jabascli.solver.plan import Plan
 
 
@@ -18,18 +19,21 @@ class OwnPlan:
     """Where the plan was written (the run folder), for the trainers and for the record."""
 
 
-def solve_own_plan(
-    loaded: LoadedConfig, gbs: int | None, plan_file: Path | None, quiet: bool, servers: str | None = None
-) -> OwnPlan | None:
-    """The solver's plan for ``jabas run`` (see :mod:`jabascli.solver.autoplan`), written to the run folder."""
-    from jabascli.engine.layout import run_folder
+def plan_own_run(
+    loaded: LoadedConfig, gbs: int | None, plan_file: Path | None, servers: str | None = None
+) -> RunPlan | None:
+    """The solver's plan for ``jabas run`` (see :mod:`jabascli.solver.autoplan`); nothing is written."""
     from jabascli.solver.autoplan import solve_for_run
-    from jabascli.solver.plan import write_plan
 
     has_plan_file = plan_file is not None or loaded.config.job.plan is not None
-    solved = solve_for_run(loaded, gbs, has_plan_file, servers)
-    if solved is None:
-        return None
+    return solve_for_run(loaded, gbs, has_plan_file, servers)
+
+
+def write_own_plan(loaded: LoadedConfig, solved: RunPlan, quiet: bool) -> OwnPlan:
+    """Write ``solved``'s plan to the run folder, for the trainers and for the record, and say what it is."""
+    from jabascli.engine.layout import run_folder
+    from jabascli.solver.plan import write_plan
+
     path = write_plan(run_folder(loaded) / "plan.json", solved.plan)
     if not quiet:
         p = solved.plan

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -12,9 +12,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, err_console, print_json
-from jabascli.config import load_config
+from jabascli.config import LoadedConfig, load_config
 from jabascli.engine.options import TrainOptions
 from jabascli.errors import InputError
+
+if TYPE_CHECKING:
+    from jabascli.engine.plan import TrainingPlan
+    from jabascli.solver.autoplan import RunPlan
 
 PlanOption = Annotated[
     Path | None, typer.Option("--plan", help="A plan from `jabas solve --out` (default: \\[job] plan).")
@@ -202,11 +206,29 @@ def run(
 
         jabas run -c cluster.toml --known-hosts ~/.ssh/known_hosts
     """
-    from jabascli.cli.run_plan import report_predicted, solve_own_plan
-    from jabascli.engine.launch import run_local
+    from jabascli.cli.run_plan import plan_own_run, report_predicted, write_own_plan
+    from jabascli.engine.launch import check_plan_inputs, run_local
     from jabascli.engine.rerun import choose_start
 
     loaded = load_config(config)
+    # Every input is checked before anything on disk changes (--fresh moves the job's folders aside).
+    from jabascli.elastic.local import remote_servers
+
+    on_cluster = bool(remote_servers(loaded))  # servers on other machines: their agents start over SSH
+    on_elastic = elastic or loaded.config.scaling.enabled or on_cluster
+    if not on_cluster and (known_hosts is not None or ssh_config is not None or accept_new_host_keys):
+        raise InputError.at(None, "--known-hosts", "is used on a cluster only (servers on other machines)")
+    solved = None
+    if on_elastic:
+        from jabascli.cli.elastic import check_elastic_inputs
+
+        # No plan solved here: the scheduler plans each generation itself.
+        check_elastic_inputs(loaded, plan=plan, gbs=gbs, resume=resume, max_steps=max_steps, servers=servers)
+    else:
+        if port is not None or token_file is not None:
+            raise InputError.at(None, "--port" if port is not None else "--token-file", "is used with --elastic only")
+        solved = plan_own_run(loaded, gbs, plan, servers)
+        check_plan_inputs(loaded, _training_plan(loaded, solved, plan))
     start = choose_start(loaded, resume=resume, fresh=fresh, max_steps=max_steps)
     for note in start.notes:
         err_console.print(note, highlight=False, markup=False)
@@ -216,25 +238,16 @@ def run(
     if start.resume is not None and resume is None and not json_out:
         where = f"resuming {loaded.config.job.name} from {start.resume} (epoch {start.epoch + 1}, step {start.step})"
         console.print(f"{where}; --fresh starts over", highlight=False, markup=False)
-    from jabascli.elastic.local import remote_servers
-
-    on_cluster = bool(remote_servers(loaded))
-    if elastic or loaded.config.scaling.enabled or on_cluster:
+    if on_elastic:
         from jabascli.cli.elastic import run_elastic_here
         from jabascli.elastic.remote import SshOptions
 
-        # No plan solved here: the scheduler plans each generation itself.
-        given = {"plan": plan, "gbs": gbs, "resume": resume, "max_steps": max_steps}
         steer = {"port": port, "token_file": token_file}
         ssh = SshOptions(known_hosts, ssh_config, accept_new_host_keys)
-        run_elastic_here(loaded, json_out, config, resuming=start.resume is not None, ssh=ssh, **steer, **given)
+        run_elastic_here(loaded, json_out, config, resuming=start.resume is not None, ssh=ssh, **steer)
         return
-    if known_hosts is not None or ssh_config is not None or accept_new_host_keys:
-        raise InputError.at(None, "--known-hosts", "is used on a cluster only (servers on other machines)")
-    own = solve_own_plan(loaded, gbs, plan, quiet=json_out, servers=servers)
+    own = write_own_plan(loaded, solved, quiet=json_out) if solved is not None else None
     plan = own.path if own is not None else plan
-    if port is not None or token_file is not None:
-        raise InputError.at(None, "--port" if port is not None else "--token-file", "is used with --elastic only")
     options = TrainOptions(
         plan=plan,
         resume=start.resume,
@@ -259,6 +272,15 @@ def run(
     print_results(f"{loaded.config.job.name}: {title}", results)
     if own is not None:
         report_predicted(loaded, own, display.start)
+
+
+def _training_plan(loaded: LoadedConfig, solved: RunPlan | None, plan_file: Path | None) -> TrainingPlan:
+    """The plan the trainers will take: the solver's (not written yet), else the plan file's or the config's."""
+    from jabascli.engine.plan import load_plan, plan_from_solver
+
+    if solved is not None:
+        return plan_from_solver(solved.plan, "the solver's plan", loaded)
+    return load_plan(loaded, plan_file)
 
 
 def _rerun_command(config: Path) -> str:

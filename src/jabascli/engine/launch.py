@@ -70,10 +70,7 @@ def run_local(
     """
     options = options or TrainOptions()
     plan = load_plan(loaded, options.plan)
-    check_batching(loaded, plan)
-    from jabascli.engine.step_policy import check_job_precision_inputs
-
-    check_job_precision_inputs(loaded, plan)
+    check_plan_inputs(loaded, plan)
     if options.resume is not None:
         from jabascli.engine.checkpoint import check_resumable
         from jabascli.workload import workload_of
@@ -100,6 +97,14 @@ def run_local(
         return launch_local(loaded.path, plan, opts.train_args(), logs, on_event, env, rank_notes)
 
     return restarting(attempt, checkpoint_folder(loaded), max_restarts, on_event)
+
+
+def check_plan_inputs(loaded: LoadedConfig, plan: TrainingPlan) -> None:
+    """The checks of a job and its plan that come before any trainer starts (bad input raises)."""
+    from jabascli.engine.step_policy import check_job_precision_inputs
+
+    check_batching(loaded, plan)
+    check_job_precision_inputs(loaded, plan)
 
 
 def restarting(
