@@ -235,13 +235,44 @@ def test_jabas_run_elastic_runs_the_scheduler_and_an_agent_per_server_and_can_be
         time.sleep(0.2)
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["allocation"] == ["A", "B"]
+    move = subprocess.run(
+        [sys.executable, "-m", "jabascli", "job", "move", "-c", str(config), "A"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert move.returncode == 0, move.stderr
     stdout, stderr = run.communicate(timeout=300)
     assert run.returncode == 0, stderr
     assert f"token in {token_file} (steer it: `jabas job status -c {config}`)" in stdout
-    assert "digits: succeeded" in stdout
+    assert "digits: succeeded: finished 2 epochs at step" in stdout and f"results in {folder}" in stdout
+    # The move is a line of its own, with its downtime.
+    moves = [line for line in stdout.splitlines() if line.startswith("moved A,B -> A at an epoch end (in place)")]
+    assert len(moves) == 1 and re.search(r"downtime \d+\.\d ms", moves[0]), stdout
     rows = [line for line in stdout.splitlines() if re.match(r"^[│|]\s+[12]\s+[│|]", line)]
     assert len(rows) == 2, stdout  # the validation table, one row per epoch, as `jabas run` ends
     assert stdout.strip().splitlines()[-1].startswith("validation accuracy: ")
     assert not steering.exists() and not token_file.exists()  # gone with the run
     logs = folder / "logs"
     assert {p.name for p in logs.glob("*.log")} >= {"scheduler.log", "worker-A.log", "worker-B.log"}
+    # Once it is over, `jabas job status` says how it ended and where its results are, from the run folder.
+    after = subprocess.run(
+        [sys.executable, "-m", "jabascli", "job", "status", "-c", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert after.returncode == 0, after.stderr
+    assert (
+        after.stdout.startswith("digits ended: succeeded (finished 2 epochs") and f"results in {folder}" in after.stdout
+    )
+    stop = subprocess.run(
+        [sys.executable, "-m", "jabascli", "job", "stop", "-c", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert stop.returncode == 2 and "digits ended: succeeded" in stop.stderr and "nothing to stop" in stop.stderr

@@ -13,7 +13,8 @@ from jabascli.config import LoadedConfig, load_config
 from jabascli.errors import InputError
 
 if TYPE_CHECKING:
-    from jabascli.elastic.protocol import JobStatus
+    from jabascli.elastic.ended import Ended
+    from jabascli.elastic.protocol import JobStatus, MoveRecord
     from jabascli.elastic.remote import SshOptions
 
 SchedulerOption = Annotated[
@@ -56,7 +57,8 @@ def schedule(
         jabas schedule -c jabas.toml --new-token ~/.jabas/token
     """
     from jabascli.elastic.agent import check_writable
-    from jabascli.elastic.job import Scheduler
+    from jabascli.elastic.ended import clear_ended, write_ended
+    from jabascli.elastic.job import TERMINAL, Scheduler
     from jabascli.elastic.service import serve
     from jabascli.elastic.token import load_token, read_token_file, write_token
     from jabascli.engine.layout import checkpoint_folder
@@ -79,7 +81,10 @@ def schedule(
     err_console.print(f"scheduler of {loaded.config.job.name!r} listening on {host}:{bind_port}", highlight=False)
     if loopback_trainers:
         scheduler.master_addr = "127.0.0.1"  # every server's agent runs on this machine
+    clear_ended(loaded)
     status = serve(scheduler, token, host, bind_port)
+    if status.state in TERMINAL:
+        write_ended(loaded, status)  # `jabas job status` answers from it once the scheduler is gone
     console.print(f"job {status.job}: {status.state}: {status.message}", highlight=False, markup=False)
     if status.state == "failed":
         raise typer.Exit(1)
@@ -196,15 +201,49 @@ def _client(config: Path, scheduler: str | None):  # type: ignore[no-untyped-def
     return SchedulerClient(_address(loaded, scheduler), load_token(loaded))
 
 
+def _ended(config: Path, scheduler: str | None) -> Ended | None:
+    """The record of this job's end, when it is over (no scheduler of it runs here); None: ask the scheduler."""
+    from jabascli.elastic.ended import read_ended
+    from jabascli.elastic.local import find_steering
+
+    if scheduler is not None:
+        return None
+    loaded = load_config(config)
+    return read_ended(loaded) if find_steering(loaded) is None else None
+
+
+def _refuse_if_ended(config: Path, scheduler: str | None, what: str) -> None:
+    ended = _ended(config, scheduler)
+    if ended is not None:
+        raise InputError.at(None, None, f"{ended.line()}: nothing to {what}")
+
+
 @job_app.command("status")
 @cli_command
 def job_status(config: ConfigOption, scheduler: SchedulerOption = None, json_out: JsonOption = False) -> None:
     """Show the job: state, allocation, plan, progress, restarts, moves and their downtime.
 
+    Once the job is over (the scheduler wrote ended.json to its run folder), how it
+    ended, when, and where its results are.
+
     Example:
 
         jabas job status -c jabas.toml
     """
+    ended = _ended(config, scheduler)
+    if ended is not None:  # the job is over: its run folder says how
+        if json_out:
+            print_json(
+                {
+                    **ended.status.model_dump(mode="json"),
+                    "ended_at": ended.ended_at,
+                    "run_folder": str(ended.run_folder),
+                }
+            )
+            return
+        console.print(ended.line(), highlight=False, markup=False)
+        _print_moves(ended.status)
+        return
     with _client(config, scheduler) as client:
         status = client.status()
     if json_out:
@@ -223,6 +262,10 @@ def job_status(config: ConfigOption, scheduler: SchedulerOption = None, json_out
         from jabascli.elastic.autoscaling import describe
 
         console.print(f"planner: {describe(status.scaling)}", highlight=False, markup=False)
+    _print_moves(status)
+
+
+def _print_moves(status: JobStatus) -> None:
     if status.moves:
         table = Table(title="moves and restarts")
         for column in ("generation", "why", "from", "to", "downtime ms"):
@@ -248,6 +291,7 @@ def job_move(
 
         jabas job move -c jabas.toml node0 node1
     """
+    _refuse_if_ended(config, scheduler, "move")
     with _client(config, scheduler) as client:
         status = client.move(servers, "now" if now else "epoch")
     console.print(f"{status.state}: {status.message}", highlight=False, markup=False)
@@ -266,6 +310,7 @@ def job_stop(
 
         jabas job stop -c jabas.toml
     """
+    _refuse_if_ended(config, scheduler, "stop")
     with _client(config, scheduler) as client:
         status = client.stop("epoch" if at_epoch_end else "now")
     console.print(f"{status.state}: {status.message}", highlight=False, markup=False)
@@ -305,6 +350,7 @@ def run_elastic_here(
 
     from jabascli.cli.train import print_results
     from jabascli.elastic.local import Steering, run_elastic
+    from jabascli.engine.layout import run_folder
 
     progress = Progress(
         TextColumn("[bold]{task.fields[state]}"),
@@ -318,6 +364,7 @@ def run_elastic_here(
     )
     epochs = loaded.config.job.epochs
     shown: list[object] = []
+    moved: set[int] = set()
     with progress:
         task = progress.add_task("job", total=epochs, state="starting", epoch="-", step=0, servers="-", loss="-")
 
@@ -327,6 +374,10 @@ def run_elastic_here(
 
                 shown.append(status.scaling.get("time"))
                 progress.console.print(f"planner: {describe(status.scaling)}", highlight=False, markup=False)
+            for move in status.moves:  # each once, when its downtime is known
+                if move.generation not in moved and move.downtime_s is not None and not json_out:
+                    moved.add(move.generation)
+                    progress.console.print(move_line(move), highlight=False, markup=False)
             loss = "-" if status.loss is None else f"{status.loss:.4f}"
             progress.update(
                 task,
@@ -360,9 +411,29 @@ def run_elastic_here(
     if json_out:
         print_json(status.model_dump(mode="json"))
         return
-    console.print(f"{status.job}: {status.state}: {status.message}", highlight=False, markup=False)
+    for move in status.moves:
+        if move.generation not in moved:  # no iteration followed it
+            console.print(move_line(move), highlight=False, markup=False)
+    console.print(
+        f"{status.job}: {status.state}: {status.message}; results in {run_folder(loaded)}",
+        highlight=False,
+        markup=False,
+    )
     if status.epoch_history:
         results = [record.model_dump() for record in status.epoch_history]
         print_results(f"{status.job}: GBS {status.gbs or '-'}, {status.plan or ''}", results)
     if status.state == "failed":
         raise typer.Exit(1)
+
+
+def move_line(move: MoveRecord) -> str:
+    """``moved A,B -> A at an epoch end (in place): downtime 12.3 ms, from step 40``: one move or restart."""
+    where = f"{','.join(move.from_servers)} -> {','.join(move.to_servers)}"
+    if move.reason == "restart":
+        head = f"restarted {where} after a failure"
+    else:
+        head = f"moved {where} at {'an epoch end' if move.when == 'epoch' else 'an iteration (--now)'}"
+        head += " (in place)" if move.in_place else " (trainers restarted)"
+    downtime = "-" if move.downtime_s is None else f"{move.downtime_s * 1e3:.1f} ms"
+    step = "" if move.resumed_step is None else f", from step {move.resumed_step}"
+    return f"{head}: downtime {downtime}{step}"
