@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,46 @@ from typer.testing import CliRunner
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO.parent / "shared" / "reference"
 REFERENCE_RUN = REFERENCE / "jabas-resnet50-v100-p100"
+
+
+# Output folders of the examples (examples/*.toml write to ../runs, ../checkpoints, ../profiles): a test
+# must write under its own temporary folder, never into these.
+CHECKOUT_OUTPUTS = ("runs", "checkpoints", "profiles")
+# What running the suite makes by itself.
+TOOL_FOLDERS = ("__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache", ".egg-info")
+
+
+def _checkout_state() -> set[str] | None:
+    """What the checkout holds that git does not track, with the files of its output folders; None without git."""
+    try:
+        listed = subprocess.run(
+            ["git", "status", "--porcelain", "--ignored"], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if listed.returncode != 0:
+        return None
+    state = {line for line in listed.stdout.splitlines() if not any(t in line for t in TOOL_FOLDERS)}
+    for name in CHECKOUT_OUTPUTS:
+        for path in (REPO / name).rglob("*"):
+            if path.is_file():
+                info = path.stat()
+                state.add(f"{path.relative_to(REPO)} {info.st_size} {info.st_mtime_ns}")
+    return state
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkout_stays_clean() -> Iterator[None]:
+    """Fail the session if its tests created or changed files in the checkout (outside git's tracked files)."""
+    before = _checkout_state()
+    yield
+    after = _checkout_state()
+    if before is None or after is None:
+        return
+    changed = sorted(after - before)
+    if changed:
+        listed = "\n  ".join(changed[:20])
+        pytest.fail(f"the tests wrote into the checkout {REPO} (write under tmp_path instead):\n  {listed}")
 
 
 @pytest.fixture

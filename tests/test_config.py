@@ -234,3 +234,18 @@ def test_readme_validate_examples_name_files_the_repository_holds() -> None:
     named = [line.split()[3] for line in readme.splitlines() if line.startswith("jabas validate -c ")]
     assert "examples/seed/config.json" in named
     assert all((REPO / name).is_file() for name in named if name != "jabas.toml"), named
+
+
+def test_the_folders_a_job_writes_to_are_beside_its_config_whatever_the_working_directory_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job, elsewhere = tmp_path / "job", tmp_path / "elsewhere"
+    for name in ("runs", "checkpoints", "profiles"):
+        (elsewhere / name).mkdir(parents=True)  # e.g. a checkout where the examples ran
+    job.mkdir()
+    monkeypatch.chdir(elsewhere)
+    text = GOOD.replace("[cluster]\n", "[profiles]\ndir = 'profiles'\n[storage]\nrun_dir = 'runs'\n")
+    cfg = load_config(write(job, text)).config
+    assert cfg.storage.run_dir == job / "runs"
+    assert cfg.storage.checkpoint_dir == job / "checkpoints"  # the default, "checkpoints"
+    assert cfg.profiles.dir == job / "profiles"

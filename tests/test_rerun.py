@@ -16,6 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+from typer.testing import CliRunner
+
+from jabascli.cli.app import app
 from jabascli.engine.checkpoint import read_checkpoint
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
@@ -178,7 +181,7 @@ def _tree(folder: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
 
 
-def test_rejected_input_leaves_every_file_where_it_was(tmp_path: Path) -> None:
+def test_rejected_input_leaves_every_file_where_it_was(tmp_path: Path, cli: CliRunner) -> None:
     """Bad input to a command that moves or writes (run --fresh, schedule --new-token) changes nothing on disk."""
     for name in ("cluster_mem_profile_data", "cluster_comp_profile_data", "comm_profile_data", "bucket_profile_data"):
         shutil.copytree(SEED_PROFILES / name, tmp_path / "profiles" / name)
@@ -186,6 +189,8 @@ def test_rejected_input_leaves_every_file_where_it_was(tmp_path: Path) -> None:
     config.write_text(JOB_WITH_PROFILES.replace("{scaling}", "false"))
     scaling = tmp_path / "scaling.toml"  # its profile folder is missing: the auto-scaler cannot plan
     scaling.write_text(JOB_WITH_PROFILES.replace("{scaling}", "true").replace('dir = "profiles"', 'dir = "none"'))
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text(JOB_WITH_PROFILES.replace("{scaling}", "false").replace('"digits"', '"no_such_workload"'))
     for folder in ("checkpoints", "runs"):  # a previous run of the job, which --fresh would move aside
         (tmp_path / folder / "two").mkdir(parents=True)
         (tmp_path / folder / "two" / "kept.txt").write_text(folder)
@@ -197,11 +202,17 @@ def test_rejected_input_leaves_every_file_where_it_was(tmp_path: Path) -> None:
         "--port without --elastic": ["run", "-c", str(config), "--fresh", "--port", "4567"],
         "--gbs with --elastic": ["run", "-c", str(config), "--fresh", "--elastic", "--gbs", "64"],
         "scaling without profiles": ["run", "-c", str(scaling), "--fresh"],
+        "a workload that does not exist": ["run", "-c", str(unknown), "--fresh"],
+        "the same, without --fresh": ["run", "-c", str(unknown)],
         "a scheduler without profiles": ["schedule", "-c", str(scaling), "--new-token", str(tmp_path / "token")],
     }
+    # The issue's command as a user types it, then every case through the same CLI in this process.
+    result = run_jabas(*rejected["a GBS no plan reaches"], cwd=tmp_path)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and lines and all(line.startswith("error:") for line in lines), result
+    assert "moved" not in result.stdout + result.stderr and _tree(tmp_path) == before
     for why, args in rejected.items():
-        result = run_jabas(*args, cwd=tmp_path)
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        assert result.returncode == 2 and lines and all(line.startswith("error:") for line in lines), (why, result)
-        assert "moved" not in result.stdout + result.stderr, why
+        invoked = cli.invoke(app, args)
+        assert invoked.exit_code == 2, (why, invoked.output)
+        assert "error:" in invoked.output and "moved" not in invoked.output, (why, invoked.output)
         assert _tree(tmp_path) == before, why

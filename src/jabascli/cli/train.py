@@ -209,9 +209,11 @@ def run(
     from jabascli.cli.run_plan import plan_own_run, report_predicted, write_own_plan
     from jabascli.engine.launch import check_plan_inputs, run_local
     from jabascli.engine.rerun import choose_start
+    from jabascli.workload import workload_of
 
     loaded = load_config(config)
     # Every input is checked before anything on disk changes (--fresh moves the job's folders aside).
+    workload_of(loaded)  # a workload that does not import: one line here, before any trainer starts
     from jabascli.elastic.local import remote_servers
 
     on_cluster = bool(remote_servers(loaded))  # servers on other machines: their agents start over SSH

@@ -3,9 +3,11 @@
 Every problem found is reported at once, one :class:`~jabascli.errors.Problem`
 per line with the file and the field path, as an :class:`InputError`.
 
-Relative paths resolve against the config file's folder, then the working
-directory. Seed JSON files were written relative to the working directory of
-the seed's scripts, which sat above the data folder (``quickstart/...``); so for
+Relative paths of what a job reads resolve against the config file's folder,
+then the working directory; the folders it writes to (``[storage]``,
+``[profiles] dir``) against the config file's folder alone. Seed JSON files
+were written relative to the working directory of the seed's scripts, which sat
+above the data folder (``quickstart/...``); so for
 seed files a path whose first component does not exist is also tried with that
 component dropped, i.e. relative to the config's own folder.
 """
@@ -196,13 +198,23 @@ def _resolve_paths(config: JabasConfig, folder: Path, *, seed: bool) -> None:
     if job.workload is not None and _looks_like_path(job.workload):
         job.workload = str(resolve(Path(job.workload)))
     profiles = config.profiles
-    for name in ("dir", "memory", "computation", "communication", "bucket"):
+    for name in ("memory", "computation", "communication", "bucket"):
         setattr(profiles, name, resolve(getattr(profiles, name)))
     for server in config.cluster.servers:
         server.ssh_key = resolve(server.ssh_key)
     config.scheduler.token_file = resolve(config.scheduler.token_file)
-    config.storage.checkpoint_dir = resolve(config.storage.checkpoint_dir) or folder
-    config.storage.run_dir = resolve(config.storage.run_dir) or folder
+    # The folders a job writes to are the config's own, whatever the working directory holds.
+    profiles.dir = _beside(profiles.dir, folder)
+    config.storage.checkpoint_dir = _beside(config.storage.checkpoint_dir, folder) or folder
+    config.storage.run_dir = _beside(config.storage.run_dir, folder) or folder
+
+
+def _beside(path: Path | None, folder: Path) -> Path | None:
+    """A folder jabas writes to: relative to the config's folder (not the working directory)."""
+    if path is None:
+        return None
+    path = path.expanduser()
+    return (path if path.is_absolute() else folder / path).resolve()
 
 
 def _looks_like_path(workload: str) -> bool:
