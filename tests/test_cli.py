@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from jabascli.cli.app import app
 from jabascli.config import load_config
+from tests.conftest import REPO
 
 COMMANDS = [
     ["init"],
@@ -99,3 +100,26 @@ def test_help_texts_survive_rich_markup(cli: CliRunner) -> None:
                 assert tag in output, f"jabas {' '.join(path)} {param.name}: help lost {tag}"
         for tag in re.findall(r"\[[a-z_.]+\]", (command.help or "").replace("\\[", "[")):  # the description
             assert tag in output, f"jabas {' '.join(path)}: help lost {tag}"
+
+
+def test_init_names_every_builtin_workload_and_refuses_an_unknown_one(cli: CliRunner, tmp_path: Path) -> None:
+    from jabascli.workload import builtin_workloads
+
+    out = tmp_path / "jabas.toml"
+    result = cli.invoke(app, ["init", "--out", str(out), "--workload", "gpt"])
+    assert result.exit_code == 0, result.output
+    [comment] = [line for line in out.read_text().splitlines() if line.startswith("workload = ")]
+    assert all(name in comment for name in builtin_workloads()) and "gpt" in builtin_workloads()
+    refused = tmp_path / "other.toml"
+    result = cli.invoke(app, ["init", "--out", str(refused), "--workload", "no_such_workload"])
+    assert result.exit_code == 2 and "--workload: unknown workload 'no_such_workload'" in result.output
+    assert not refused.exists()
+
+
+def test_profiling_doc_says_which_profile_commands_take_out(cli: CliRunner) -> None:
+    """docs/profiling.md names the commands with --out; each has it, and `profile all` has none."""
+    doc = (REPO / "docs" / "profiling.md").read_text()
+    assert "`mem`, `comp`, `bucket`, `comm` and `hybrid` take `--out" in doc and "`all` has no\n`--out`" in doc
+    for name in ("mem", "comp", "bucket", "comm", "hybrid", "import"):
+        assert "--out" in cli.invoke(app, ["profile", name, "--help"], env={"COLUMNS": "200"}).output, name
+    assert "--out" not in cli.invoke(app, ["profile", "all", "--help"], env={"COLUMNS": "200"}).output

@@ -249,3 +249,19 @@ def test_the_folders_a_job_writes_to_are_beside_its_config_whatever_the_working_
     assert cfg.storage.run_dir == job / "runs"
     assert cfg.storage.checkpoint_dir == job / "checkpoints"  # the default, "checkpoints"
     assert cfg.profiles.dir == job / "profiles"
+
+
+def test_validate_prints_one_gbs_for_a_fixed_gbs_job_and_a_range_for_an_adaptive_one(tmp_path: Path) -> None:
+    def gbs_row(text: str) -> str:
+        result = run_jabas("validate", "-c", str(write(tmp_path, text)))
+        assert result.returncode == 0, result.stderr
+        [row] = [line for line in result.stdout.splitlines() if "global batch size" in line]
+        return row
+
+    # GOOD's bounds are for adaptive jobs; with metric "fixed" (the default) the servers' plan is the GBS.
+    fixed = gbs_row(GOOD)  # LBS 16 x (2 devices + 1), VSW 1, GA 0
+    assert "48, fixed (LBS 16 x 3 workers" in fixed and ".." not in fixed and "target" not in fixed
+    initial = gbs_row(GOOD.replace("similarity_target = 0.1", "initial_gbs = 128"))
+    assert "128, fixed ([batching] initial_gbs" in initial and ".." not in initial
+    adaptive = gbs_row(GOOD.replace("similarity_target = 0.1", 'metric = "similarity"'))
+    assert "64 .. 512 (similarity, target 0.1)" in adaptive

@@ -145,3 +145,22 @@ def test_missing_conditions_are_unknown_and_differences_are_named() -> None:
     assert server_note("a", [measured.model_copy(update={"threads": 1})], running) is None
     on_gpu = Conditions("cuda", 1.0, 8, "fp32", torch.__version__)
     assert differences(on_gpu, Conditions("cuda", 1.0, 1, "fp32", torch.__version__)) == []  # threads: CPU only
+
+
+def test_a_stage_names_itself_once_in_a_note() -> None:
+    """`profile all`'s lines: "intra: 0.0625 MB in ..." from the profiler, not "intra: intra: ..."."""
+    from jabascli.profiler.common import Reporter
+    from jabascli.profiler.suite import _StageReporter
+
+    class Lines(Reporter):
+        def __init__(self) -> None:
+            self.lines: list[str] = []
+
+        def note(self, message: str) -> None:
+            self.lines.append(message)
+
+    outer = Lines()
+    stage = _StageReporter(outer, 0.0, 1.0, 1.0, "intra")
+    stage.note("intra: 0.0625 MB in 0.294 ms")
+    stage.note("port in use")
+    assert outer.lines == ["intra: 0.0625 MB in 0.294 ms", "intra: port in use"]

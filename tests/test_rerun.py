@@ -216,3 +216,18 @@ def test_rejected_input_leaves_every_file_where_it_was(tmp_path: Path, cli: CliR
         assert invoked.exit_code == 2, (why, invoked.output)
         assert "error:" in invoked.output and "moved" not in invoked.output, (why, invoked.output)
         assert _tree(tmp_path) == before, why
+
+
+def test_the_start_line_counts_in_the_singular_and_says_where_weight_sync_came_from(tmp_path: Path) -> None:
+    """One server's one device: "1 trainer", "1 worker"; the run's own plan is where its weight sync is set."""
+    for name in ("cluster_mem_profile_data", "cluster_comp_profile_data", "comm_profile_data", "bucket_profile_data"):
+        shutil.copytree(SEED_PROFILES / name, tmp_path / "profiles" / name)
+    config = tmp_path / "two.toml"
+    config.write_text(JOB_WITH_PROFILES.replace("{scaling}", "false"))
+    result = run_jabas("run", "-c", str(config), "--gbs", "64", "--servers", "fast", "--max-steps", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    start = next(line for line in result.stdout.splitlines() if line.startswith("two: "))
+    assert "two: 1 trainer on cpu, GBS 64 = LBS 64 x 1 worker (fast:1GPU,VSW:1,GA:0)" in start, start
+    assert f"(from the plan in {tmp_path / 'runs' / 'two' / 'plan.json'})" in start, start
+    solved = run_jabas("solve", "-c", str(config), "--gbs", "64", "--servers", "fast")
+    assert "GBS 64 = LBS 64 x 1 worker on 1 GPU," in solved.stdout, solved.stdout

@@ -53,6 +53,11 @@ def cli_command(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def plural(count: int, word: str) -> str:
+    """``1 trainer``, ``2 trainers``."""
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
 def print_json(obj: Any) -> None:
     """JSON on stdout, with nothing else, for scripts."""
     typer.echo(json.dumps(obj, indent=2, default=str))

@@ -11,13 +11,16 @@ from jabascli.atomic import atomic_write_text
 from jabascli.cli.common import cli_command, console
 from jabascli.config.template import render_starting_config, starting_devices
 from jabascli.devices import detect_devices
-from jabascli.errors import InputError
+from jabascli.errors import InputError, Problem
+from jabascli.workload import builtin_workloads, resolve_workload_path
 
 
 @cli_command
 def init(
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the config.")] = Path("jabas.toml"),
-    workload: Annotated[str, typer.Option(help="Built-in workload name or path to a workload file.")] = "digits",
+    workload: Annotated[
+        str, typer.Option(help=f"A built-in workload ({', '.join(builtin_workloads())}) or a workload .py file.")
+    ] = "digits",
     force: Annotated[bool, typer.Option(help="Overwrite an existing file.")] = False,
 ) -> None:
     """Write a commented jabas.toml for this machine, with its devices detected.
@@ -31,6 +34,10 @@ def init(
     """
     if out.exists() and not force:
         raise InputError.at(out, None, "already exists; pass --force to overwrite it")
+    try:
+        resolve_workload_path(workload)  # a built-in name or a workload file: checked before writing
+    except InputError as exc:
+        raise InputError([Problem(None, "--workload", p.message) for p in exc.problems]) from None
     devices = detect_devices()
     atomic_write_text(out, render_starting_config(devices, workload))
     count = starting_devices(devices)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
+from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, plural, print_json
 from jabascli.cli.solve_hybrid import check_hybrid_options, solve_hybrid
 from jabascli.config import load_config
 from jabascli.errors import InputError, Problem
@@ -146,7 +146,7 @@ def print_plan(plan: Plan, out: Path | None) -> None:
         table.add_row(a.server, a.device_type, str(a.gpus), str(a.vsw), str(a.ga), str(a.workers), ms)
     console.print(table)
     console.print(
-        f"GBS {plan.gbs} = LBS {plan.lbs} x {plan.workers} workers on {plan.gpus} GPUs, "
+        f"GBS {plan.gbs} = LBS {plan.lbs} x {plural(plan.workers, 'worker')} on {plural(plan.gpus, 'GPU')}, "
         f"weight sync {plan.weight_sync}: {plan.iteration_time_s * 1e3:.1f} ms per iteration, "
         f"{plan.throughput:.1f} samples/s",
         highlight=False,

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, err_console, print_json
+from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, err_console, plural, print_json
 from jabascli.config import LoadedConfig, load_config
 from jabascli.engine.options import TrainOptions
 from jabascli.errors import InputError
@@ -327,8 +327,9 @@ class _RunDisplay:
             self.start = event
             if not self.disable:
                 details = (
-                    f"{event['world_size']} trainers on {event['device']}, "
-                    f"GBS {event['gbs']} = LBS {event['lbs']} x {event['workers']} workers ({event['plan']}), "
+                    f"{plural(event['world_size'], 'trainer')} on {event['device']}, "
+                    f"GBS {event['gbs']} = LBS {event['lbs']} x {plural(event['workers'], 'worker')} "
+                    f"({event['plan']}), "
                     f"weight sync {event['weight_sync']} ({event['weight_sync_reason']}), "
                     f"VSW strategy {event['vsw_strategy']}, precision {event.get('precision', 'fp32')}, "
                     f"loader workers {event.get('loader_workers', 0)}"

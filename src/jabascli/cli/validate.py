@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
-from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
+from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, plural, print_json
 from jabascli.config import LoadedConfig, load_config
 
 
@@ -100,9 +101,11 @@ def print_summary(loaded: LoadedConfig) -> None:
     workers = cfg.job.loader_workers
     job.add_row("loader workers", "(0 on CPU/emulated, 2 per GPU)" if workers is None else str(workers))
     b = cfg.batching
-    job.add_row(
-        "global batch size", f"{b.gbs_min or '-'} .. {b.gbs_max or '-'} ({b.metric}, target {b.similarity_target})"
-    )
+    if b.metric == "fixed":
+        job.add_row("global batch size", escape(fixed_gbs(loaded)))  # "[batching]" is text, not markup
+    else:
+        target = f", target {b.similarity_target:g}" if b.metric == "similarity" else ""
+        job.add_row("global batch size", f"{b.gbs_min or '-'} .. {b.gbs_max or '-'} ({b.metric}{target})")
     job.add_row("allocation unit", f"{cfg.scaling.allocation_unit} GPU(s)")
     console.print(job)
 
@@ -126,6 +129,23 @@ def print_summary(loaded: LoadedConfig) -> None:
     console.print(servers)
 
     print_profile_folders(loaded, "yes")
+
+
+def fixed_gbs(loaded: LoadedConfig) -> str:
+    """A fixed-GBS job's one GBS, and where it comes from."""
+    from jabascli.engine.plan import plan_from_config
+
+    cfg = loaded.config
+    if cfg.batching.initial_gbs is not None:
+        return (
+            f"{cfg.batching.initial_gbs}, fixed ([batching] initial_gbs: the plan is solved for it from the profiles)"
+        )
+    if cfg.job.plan is not None:
+        return f"fixed, the plan file's ({cfg.job.plan})"
+    if cfg.job.lbs is None:
+        return "fixed, once a run has [job] lbs, [batching] initial_gbs or a plan file"
+    plan = plan_from_config(loaded)
+    return f"{plan.gbs}, fixed (LBS {plan.lbs} x {plural(plan.workers, 'worker')}: the servers' VSW and GA)"
 
 
 def print_profile_folders(loaded: LoadedConfig, present: str) -> None:

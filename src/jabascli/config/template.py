@@ -15,7 +15,7 @@ _TEMPLATE = """\
 
 [job]
 name = "{name}"
-workload = {workload}   # a built-in (digits, mnist1d, resnet, vit, gnmt, faster_rcnn) or a path to a workload .py
+workload = {workload}   # a built-in ({builtins}) or a path to a workload .py
 epochs = 10
 lbs = 32                # local batch size: the same on every device (IIDP)
 
@@ -42,7 +42,10 @@ def starting_devices(devices: NodeDevices) -> int:
 
 def render_starting_config(devices: NodeDevices, workload: str, filename: str = "jabas.toml") -> str:
     on_cpu = devices.backend == "cpu"
+    from jabascli.workload import builtin_workloads
+
     return _TEMPLATE.format(
+        builtins=", ".join(builtin_workloads()),
         filename=filename,
         name=workload.rsplit("/", 1)[-1].removesuffix(".py"),
         workload=json.dumps(workload),

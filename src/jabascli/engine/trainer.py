@@ -263,6 +263,7 @@ class Trainer:
             self.plan,
             self.optimizer,
             forced=self.step_policy.settings.sequential_reason(),
+            configured=self.loaded.config.job.weight_sync,
             where=self.loaded.path,
             buckets_mb=lambda: (
                 read_bucket_profile(self.loaded.profile_dirs().bucket, self.workload.name)

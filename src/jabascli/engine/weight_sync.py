@@ -25,6 +25,7 @@ Methods: ``sequential``, ``overlap``, and ``recommend`` (:func:`recommend_weight
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -267,12 +268,14 @@ def choose_weight_sync(
     optimizer: torch.optim.Optimizer,
     *,
     forced: str | None,
+    configured: str,
     where: Path | None,
     buckets_mb: Callable[[], list[float]],
 ) -> tuple[str, str]:
     """The weight sync a plain IIDP trainer runs, and why: the plan's (``recommend``: :func:`recommend_weight_sync`
     over the bucket sizes ``buckets_mb`` gives, the profile's or the model's own), unless ``forced`` names why it
-    must be sequential (mixed precision's loss scaling, gradient clipping). ``where``: the config, named in errors.
+    must be sequential (mixed precision's loss scaling, gradient clipping). ``configured``: ``[job] weight_sync``;
+    ``where``: the config, named in errors.
     """
     requested = plan.weight_sync
     if forced is not None:
@@ -286,6 +289,9 @@ def choose_weight_sync(
             "(it needs an optimizer that updates each parameter on its own: SGD, Adam, AdamW ...)",
         )
     if requested != "recommend":
-        return requested, "set in the plan file" if plan.from_plan_file else "set in [job] weight_sync"
+        if not plan.from_plan_file or configured == requested:
+            return requested, "set in [job] weight_sync"  # which wins over a plan file's (engine/plan.py)
+        source = plan.file
+        return requested, f"from the plan in {source}" if os.path.isfile(source) else f"from the {source} plan"
     choice = recommend_weight_sync(buckets_mb(), plan.world_size, optimizer)
     return choice.method, f"recommended: {choice.reason}"

@@ -118,7 +118,8 @@ class _StageReporter(Reporter):
         self.outer.progress(self.before + self.weight * share, self.total, f"{self.label}: {what}")
 
     def note(self, message: str) -> None:
-        self.outer.note(f"{self.label}: {message}")
+        # A profiler's own note may already name the stage ("intra: 0.0625 MB in ..."): named once.
+        self.outer.note(message if message.startswith(f"{self.label}: ") else f"{self.label}: {message}")
 
 
 def servers_here(loaded: LoadedConfig) -> tuple[list[ServerConfig], list[ServerConfig]]:
