@@ -265,3 +265,39 @@ def test_validate_prints_one_gbs_for_a_fixed_gbs_job_and_a_range_for_an_adaptive
     assert "128, fixed ([batching] initial_gbs" in initial and ".." not in initial
     adaptive = gbs_row(GOOD.replace("similarity_target = 0.1", 'metric = "similarity"'))
     assert "64 .. 512 (similarity, target 0.1)" in adaptive
+
+
+def test_validate_prints_each_replicas_micro_batches_under_a_layout(tmp_path: Path) -> None:
+    """tp = 2 with ga = 3 on two devices: one replica of 2 x (3 + 1) = 8 micro-batches, GBS 8 x 8 = 64."""
+    text = """
+[job]
+workload = "gpt"
+lbs = 8
+options = { variant = "tiny" }
+
+[parallel]
+tp = 2
+
+[[cluster.servers]]
+name = "a"
+device_type = "cpu"
+devices = 2
+ga = 3
+"""
+    result = run_jabas("validate", "-c", str(write(tmp_path, text)))
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    assert "64, fixed (LBS 8 x 8 micro-batches" in out, result.stdout
+    assert "1 replica of 8 micro-batches (GBS 64)" in out, result.stdout
+    two = text.replace("devices = 2\nga = 3", "devices = 2\nga = 3\n\n[[cluster.servers]]\nname = 'b'\n"
+                       "device_type = 'cpu'\ndevices = 2\nga = 1")  # fmt: skip
+    out = " ".join(run_jabas("validate", "-c", str(write(tmp_path, two))).stdout.split())
+    assert "2 replicas of 8 and 4 micro-batches (GBS 96)" in out, out
+
+
+def test_replica_lines_count_as_they_should() -> None:
+    from jabascli.cli.common import replicas_line
+
+    assert replicas_line([1]) == "1 replica of 1 micro-batch"
+    assert replicas_line([8]) == "1 replica of 8 micro-batches"
+    assert replicas_line([4, 4, 2]) == "3 replicas of 4, 4 and 2 micro-batches"

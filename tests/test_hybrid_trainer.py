@@ -157,6 +157,9 @@ def test_trainer_runs_the_layout_and_equals_the_reference(
     start = next(e for e in events if e["event"] == "start")
     assert start["weight_sync"] == "sequential" and "[parallel] layout" in start["weight_sync_reason"]
     assert start["layout"].startswith(next(iter(parallel)))  # e.g. "sharding full", "tp 2", "pp 2 (blocks ..."
+    # A replica (tp x pp consecutive ranks) runs the micro-batches of all its devices: GA + 1 each.
+    size, per_rank = parallel.get("tp", 1) * parallel.get("pp", 1), [g + 1 for g in ga for _ in range(devices)]
+    assert start["replicas"] == [sum(per_rank[i : i + size]) for i in range(0, len(per_rank), size)]
 
     reference, _ = reference_run(loaded, load_plan(loaded), steps=12)
     diffs = max_abs_diff(trained, reference.state_dict())

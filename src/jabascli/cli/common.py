@@ -53,9 +53,16 @@ def cli_command(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def plural(count: int, word: str) -> str:
-    """``1 trainer``, ``2 trainers``."""
-    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+def plural(count: int, word: str, many: str | None = None) -> str:
+    """``1 trainer``, ``2 trainers``; ``many``: the plural where it is not ``word + "s"``."""
+    return f"{count} {word}" if count == 1 else f"{count} {many or word + 's'}"
+
+
+def replicas_line(micro_batches: list[int]) -> str:
+    """``1 replica of 8 micro-batches``, ``2 replicas of 8 and 4 micro-batches``: a layout's replicas per iteration."""
+    counts = [str(n) for n in micro_batches]
+    listed = counts[0] if len(counts) == 1 else f"{', '.join(counts[:-1])} and {counts[-1]}"
+    return f"{plural(len(counts), 'replica')} of {listed} micro-batch{'' if counts == ['1'] else 'es'}"
 
 
 def print_json(obj: Any) -> None:

@@ -11,7 +11,16 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, err_console, plural, print_json
+from jabascli.cli.common import (
+    ConfigOption,
+    JsonOption,
+    cli_command,
+    console,
+    err_console,
+    plural,
+    print_json,
+    replicas_line,
+)
 from jabascli.config import LoadedConfig, load_config
 from jabascli.engine.options import TrainOptions
 from jabascli.errors import InputError
@@ -336,6 +345,8 @@ class _RunDisplay:
                 )
                 if event.get("layout"):
                     details += f", layout {event['layout']}"
+                if event.get("replicas"):
+                    details += f", {replicas_line(event['replicas'])}"
                 console.print(f"[bold]{escape(event['job'])}[/bold]: {escape(details)}", highlight=False)
                 for note in self.notes:
                     console.print(f"  note: {note}", highlight=False, markup=False)

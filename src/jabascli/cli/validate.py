@@ -7,8 +7,9 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, plural, print_json
+from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, plural, print_json, replicas_line
 from jabascli.config import LoadedConfig, load_config
+from jabascli.config.models import ParallelConfig
 
 
 @cli_command
@@ -106,6 +107,8 @@ def print_summary(loaded: LoadedConfig) -> None:
     else:
         target = f", target {b.similarity_target:g}" if b.metric == "similarity" else ""
         job.add_row("global batch size", f"{b.gbs_min or '-'} .. {b.gbs_max or '-'} ({b.metric}{target})")
+    if cfg.parallel is not None:
+        job.add_row("layout", escape(layout_summary(loaded, cfg.parallel)))
     job.add_row("allocation unit", f"{cfg.scaling.allocation_unit} GPU(s)")
     console.print(job)
 
@@ -145,7 +148,23 @@ def fixed_gbs(loaded: LoadedConfig) -> str:
     if cfg.job.lbs is None:
         return "fixed, once a run has [job] lbs, [batching] initial_gbs or a plan file"
     plan = plan_from_config(loaded)
-    return f"{plan.gbs}, fixed (LBS {plan.lbs} x {plural(plan.workers, 'worker')}: the servers' VSW and GA)"
+    each = plural(plan.workers, "micro-batch", "micro-batches") if cfg.parallel else plural(plan.workers, "worker")
+    return f"{plan.gbs}, fixed (LBS {plan.lbs} x {each}: the servers' VSW and GA)"
+
+
+def layout_summary(loaded: LoadedConfig, lay: ParallelConfig) -> str:
+    """A ``[parallel]`` job's layout and, where the config fixes it, each replica's micro-batches per iteration."""
+    from jabascli.engine.plan import plan_from_config
+
+    cfg = loaded.config
+    if lay.plan == "auto":
+        return "the hybrid planner's, solved for the GBS when the job runs ([parallel] plan = auto)"
+    size = lay.tp * lay.pp
+    text = f"tp {lay.tp}, pp {lay.pp}, sharding {lay.sharding}: replicas of {plural(size, 'device')}"
+    if cfg.job.plan is not None or cfg.job.lbs is None:
+        return text
+    plan = plan_from_config(loaded)
+    return f"{text}, {replicas_line(plan.replica_micro_batches(size))} (GBS {plan.gbs})"
 
 
 def print_profile_folders(loaded: LoadedConfig, present: str) -> None:

@@ -8,7 +8,8 @@ different ranks never interleave.
 
 =============  ================================================================================
 ``start``      ``pid, job, world_size, gbs, lbs, workers, plan, weight_sync, weight_sync_reason,
-               vsw_strategy, layout (``[parallel]``'s, or null), device, epochs, steps_per_epoch, epoch,
+               vsw_strategy, layout (``[parallel]``'s, or null), replicas (each replica's micro-batches under a
+               layout, or null), device, epochs, steps_per_epoch, epoch,
                position, step``
 ``step``       ``epoch, step, epoch_step, epoch_steps, gbs, loss, samples_per_s, lr``
 ``epoch``      ``epoch, step, train_loss, val_loss, val_accuracy, samples_per_s, time_s``

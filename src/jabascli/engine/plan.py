@@ -81,6 +81,11 @@ class TrainingPlan:
     def gbs(self) -> int:
         return self.lbs * self.workers
 
+    def replica_micro_batches(self, size: int) -> list[int]:
+        """Each replica's micro-batches per iteration, replicas being ``size`` consecutive ranks (``tp x pp`` of a
+        ``[parallel]`` layout, the mesh's order): a replica runs those the plan deals to all of its ranks."""
+        return [sum(r.micro_steps for r in self.ranks[i : i + size]) for i in range(0, self.world_size, size)]
+
     def rank(self, rank: int) -> RankPlan:
         return self.ranks[rank]
 

@@ -544,6 +544,9 @@ class Trainer:
                 "weight_sync_reason": self.weight_sync_reason,
                 "vsw_strategy": self.vsw_name,
                 "layout": describe_layout(self.layout),
+                "replicas": None
+                if self.layout is None
+                else plan.replica_micro_batches(self.layout.tp * self.layout.pp),
                 "loader_workers": 0 if self.feed is None else self.feed.workers,
                 "precision": self.step_policy.settings.precision,
                 "device": str(self.device),
