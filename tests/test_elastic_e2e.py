@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import pytest
 from jabascli.elastic.job import TERMINAL
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
+from jabascli.solver.plan import read_plan
 from tests.elastic_support import auth, jabas, load, used_samples, wait_status, write_config
 from tests.engine_support import checkpoint_of, max_abs_diff
 
@@ -276,3 +278,60 @@ def test_jabas_run_elastic_runs_the_scheduler_and_an_agent_per_server_and_can_be
         timeout=60,
     )
     assert stop.returncode == 2 and "digits ended: succeeded" in stop.stderr and "nothing to stop" in stop.stderr
+
+
+SEED_PROFILES = Path(__file__).resolve().parents[1] / "examples" / "seed"
+
+FIXED_GBS_JOB = """
+[job]
+name = "{name}"
+workload = "digits"
+lbs = 8                  # the configured VSW/GA give GBS 16; the solver's plan is for initial_gbs
+options = {{ lr = 0.05 }}
+
+[batching]
+initial_gbs = 64
+
+[profiles]
+dir = "{profiles}"
+
+[[cluster.servers]]
+name = "fast"
+device_type = "cpu"
+
+[[cluster.servers]]
+name = "slow"
+device_type = "cpu-slow"
+emulate = {{ slowdown = 3.0, memory_bytes = 50_000_000 }}
+
+[storage]
+run_dir = "runs"
+checkpoint_dir = "checkpoints"
+"""
+
+
+@pytest.mark.slow
+def test_jabas_run_elastic_trains_the_plan_a_plain_run_of_the_config_trains(tmp_path: Path) -> None:
+    """A fixed-GBS job with profiles: --elastic trains the solver's plan for initial_gbs, as plain `jabas run`."""
+    for name in ("cluster_mem_profile_data", "cluster_comp_profile_data", "comm_profile_data", "bucket_profile_data"):
+        shutil.copytree(SEED_PROFILES / name, tmp_path / "profiles" / name)
+    env = {k: v for k, v in os.environ.items() if k != "JABAS_TOKEN"}
+    env.update(OMP_NUM_THREADS="1", COLUMNS="200")
+    plans = {}
+    for name, extra in (("plain", ["--max-steps", "2"]), ("elastic", ["--elastic", "--json"])):
+        config = tmp_path / f"{name}.toml"
+        config.write_text(FIXED_GBS_JOB.format(name=name, profiles=tmp_path / "profiles"))
+        ran = subprocess.run(
+            [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--servers", "all", *extra],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert ran.returncode == 0, ran.stderr
+        plans[name] = ran.stdout
+    plain = read_plan(tmp_path / "runs" / "plain" / "plan.json")
+    elastic = json.loads(plans["elastic"])
+    assert elastic["state"] == "succeeded" and plain.gbs == 64
+    assert (elastic["gbs"], elastic["plan"]) == (plain.gbs, plain.seed_form())
+    assert elastic["allocation"] == ["fast", "slow"]  # --servers all, as the plain run's

@@ -199,6 +199,7 @@ def test_rejected_input_leaves_every_file_where_it_was(tmp_path: Path, cli: CliR
         "a GBS no plan reaches": ["run", "-c", str(config), "--fresh", "--gbs", "100"],
         "a plan file that is not there": ["run", "-c", str(config), "--fresh", "--plan", str(tmp_path / "nope.json")],
         "an unknown server": ["run", "-c", str(config), "--fresh", "--servers", "bogus"],
+        "an unknown server, --elastic": ["run", "-c", str(config), "--fresh", "--elastic", "--servers", "bogus"],
         "--port without --elastic": ["run", "-c", str(config), "--fresh", "--port", "4567"],
         "--gbs with --elastic": ["run", "-c", str(config), "--fresh", "--elastic", "--gbs", "64"],
         "scaling without profiles": ["run", "-c", str(scaling), "--fresh"],

@@ -44,6 +44,13 @@ def schedule(
     loopback_trainers: Annotated[
         bool, typer.Option("--loopback-trainers", hidden=True, help="Rendezvous on 127.0.0.1 (jabas run --elastic).")
     ] = False,
+    servers: Annotated[
+        str | None,
+        typer.Option(
+            help="Servers of the first plan, as `jabas run --servers`: auto (default: leave out any that slows "
+            "the job), all, or a list: a,b."
+        ),
+    ] = None,
 ) -> None:
     """Run the elastic scheduler on the main node until the job is over.
 
@@ -70,7 +77,7 @@ def schedule(
         from jabascli.elastic.autoscaling import AutoScaler
 
         planner = AutoScaler(loaded)  # reads the profiles and the training set's size once
-    scheduler = Scheduler(loaded, resume=resume, planner=planner)
+    scheduler = Scheduler(loaded, resume=resume, planner=planner, servers=servers)
     # The inputs are checked: now the folder and the token may be made.
     check_writable(checkpoint_folder(loaded))
     if new_token is not None:
@@ -316,8 +323,11 @@ def job_stop(
     console.print(f"{status.state}: {status.message}", highlight=False, markup=False)
 
 
-def check_elastic_inputs(loaded: LoadedConfig, **unsupported: object) -> None:
-    """What ``jabas run --elastic`` refuses before it changes anything: options it does not take, missing profiles."""
+def check_elastic_inputs(loaded: LoadedConfig, servers: str | None, **unsupported: object) -> None:
+    """What ``jabas run --elastic`` refuses before it changes anything: options it does not take, missing profiles,
+    a first plan that cannot be solved (the scheduler plans it as ``jabas run`` does)."""
+    from jabascli.solver.autoplan import solve_for_run
+
     given = [f"--{name.replace('_', '-')}" for name, value in unsupported.items() if value is not None]
     if given:
         raise InputError.at(
@@ -327,6 +337,7 @@ def check_elastic_inputs(loaded: LoadedConfig, **unsupported: object) -> None:
         from jabascli.elastic.autoscaling import scaling_setup
 
         scaling_setup(loaded)  # missing profiles: one line here, not only in the scheduler's log
+    solve_for_run(loaded, None, loaded.config.job.plan is not None, servers)
 
 
 def run_elastic_here(
@@ -337,6 +348,7 @@ def run_elastic_here(
     port: int | None = None,
     token_file: Path | None = None,
     ssh: SshOptions | None = None,
+    servers: str | None = None,
 ) -> None:
     """``jabas run --elastic`` and ``jabas run`` on a cluster (its inputs checked by :func:`check_elastic_inputs`):
     the scheduler here and an agent per server (here, or on its host over SSH), with a progress bar.
@@ -407,6 +419,7 @@ def run_elastic_here(
             on_steering=steering,
             ssh=ssh,
             on_line=node_line,
+            servers=servers,
         )
     if json_out:
         print_json(status.model_dump(mode="json"))

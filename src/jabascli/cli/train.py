@@ -233,8 +233,8 @@ def run(
     if on_elastic:
         from jabascli.cli.elastic import check_elastic_inputs
 
-        # No plan solved here: the scheduler plans each generation itself.
-        check_elastic_inputs(loaded, plan=plan, gbs=gbs, resume=resume, max_steps=max_steps, servers=servers)
+        # No plan solved here: the scheduler plans each generation itself, the first as below.
+        check_elastic_inputs(loaded, servers, plan=plan, gbs=gbs, resume=resume, max_steps=max_steps)
     else:
         if port is not None or token_file is not None:
             raise InputError.at(None, "--port" if port is not None else "--token-file", "is used with --elastic only")
@@ -253,7 +253,7 @@ def run(
         from jabascli.cli.elastic import run_elastic_here
         from jabascli.elastic.remote import SshOptions
 
-        steer = {"port": port, "token_file": token_file}
+        steer = {"port": port, "token_file": token_file, "servers": servers}
         ssh = SshOptions(known_hosts, ssh_config, accept_new_host_keys)
         run_elastic_here(loaded, json_out, config, resuming=start.resume is not None, ssh=ssh, **steer)
         return

@@ -197,8 +197,12 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         planner: Planner | None = None,
         resume: bool = False,
+        servers: str | None = None,
     ) -> None:
-        """``resume``: start from the job's existing checkpoint (after the scheduler itself was lost)."""
+        """``resume``: start from the job's existing checkpoint (after the scheduler itself was lost).
+        ``servers``: the servers of the first plan, as ``jabas run --servers`` (auto, all, or a,b)."""
+        from jabascli.solver.autoplan import solve_for_run
+
         self.loaded, self.clock, self.planner = loaded, clock, planner
         cfg = loaded.config
         self.servers = [s.name for s in cfg.cluster.servers]
@@ -206,6 +210,11 @@ class Scheduler:
         self.workers: dict[int, Worker] = {}
         self.state: JobState = "waiting"
         self.allocation = [s.name for s in cfg.available()]
+        self.first = solve_for_run(loaded, None, cfg.job.plan is not None, servers)
+        """The first generation's plan, planned as ``jabas run`` plans the same config (None: the plan file's, or
+        the configured VSW/GA); its servers are the first allocation."""
+        if self.first is not None:
+            self.allocation = self.first.plan.servers()
         self.pending: list[str] | None = None
         self.pending_when: When = "epoch"
         self.generation: Generation | None = None
@@ -544,6 +553,9 @@ class Scheduler:
         previous = self.generation
         if previous is None and self.loaded.config.job.plan is not None and servers == self.allocation:
             plan, source = load_plan(self.loaded), "the [job] plan file"
+        elif previous is None and self.first is not None and servers == self.first.plan.servers():
+            plan = plan_from_solver(self.first.plan, "solver", self.loaded)
+            source = f"solved for GBS {plan.gbs} ({self.first.source}), as jabas run plans"
         else:
             plan, source = plan_for(self.loaded, servers, self.gbs if previous is not None else None)
         first = self.loaded.config.server(servers[0])

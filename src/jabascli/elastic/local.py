@@ -94,6 +94,7 @@ def run_elastic(
     on_steering: Callable[[Steering], None] | None = None,
     ssh: SshOptions | None = None,
     on_line: Callable[[str, str], None] | None = None,
+    servers: str | None = None,
 ) -> JobStatus:
     """Run the job under a scheduler here and one agent per server until it is over; its last status.
 
@@ -102,7 +103,8 @@ def run_elastic(
     checked before anything starts, and each line it prints goes to ``on_line(server, line)``.
     ``resume``: continue from the job's newest checkpoint (``jabas schedule --resume``).
     ``token_file``: the token's file (default: a fresh token in the run folder); ``on_steering``:
-    called with the scheduler's address and token file once they are written.
+    called with the scheduler's address and token file once they are written; ``servers``: those of the first
+    plan (``jabas schedule --servers``).
     """
     remote = remote_servers(loaded)
     address = scheduler_address(loaded, remote)
@@ -124,6 +126,8 @@ def run_elastic(
         commands["scheduler"].append("--loopback-trainers")
     if resume:
         commands["scheduler"].append("--resume")
+    if servers is not None:
+        commands["scheduler"] += ["--servers", servers]
     for rank, server in enumerate(loaded.config.cluster.servers):
         if rank not in remote:
             commands[f"worker-{server.name}"] = [
