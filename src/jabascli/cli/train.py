@@ -222,7 +222,6 @@ def run(
 
     loaded = load_config(config)
     # Every input is checked before anything on disk changes (--fresh moves the job's folders aside).
-    workload_of(loaded)  # a workload that does not import: one line here, before any trainer starts
     from jabascli.elastic.local import remote_servers
 
     on_cluster = bool(remote_servers(loaded))  # servers on other machines: their agents start over SSH
@@ -240,6 +239,7 @@ def run(
             raise InputError.at(None, "--port" if port is not None else "--token-file", "is used with --elastic only")
         solved = plan_own_run(loaded, gbs, plan, servers)
         check_plan_inputs(loaded, _training_plan(loaded, solved, plan))
+    workload_of(loaded)  # a workload that does not import: one line here, before any trainer starts
     start = choose_start(loaded, resume=resume, fresh=fresh, max_steps=max_steps)
     for note in start.notes:
         err_console.print(note, highlight=False, markup=False)
