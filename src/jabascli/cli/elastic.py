@@ -142,8 +142,10 @@ def worker(
 
     agents: list[WorkerAgent] = []
     if rank is None or slurm:  # inside a Slurm job: SIGTERM held from here on, before torch starts threads
-        from jabascli.elastic.slurm import hold_sigterm, leave_if_idle
+        from jabascli.elastic.slurm import hold_sigterm, in_allocation, leave_if_idle
 
+        if not (slurm or in_allocation()):
+            raise InputError.at(None, "--rank", "is needed outside a Slurm job")
         hold_sigterm(lambda: leave_if_idle(agents))  # trainers inherit SIGTERM blocked: the scheduler stops them
 
     from jabascli.elastic.agent import WorkerAgent
@@ -158,10 +160,8 @@ def worker(
         end_when_closed(sys.stdin.fileno())
     loaded = load_config(config)
     if rank is None or slurm:
-        from jabascli.elastic.slurm import in_allocation, worker_place
+        from jabascli.elastic.slurm import worker_place
 
-        if not (slurm or in_allocation()):
-            raise InputError.at(None, "--rank", "is needed outside a Slurm job")
         place = worker_place(loaded, scheduler)
         rank, token, address = place.rank, place.token, place.scheduler
     else:
