@@ -217,10 +217,11 @@ def toy_device(copy: float = 0.002, bn: float = 0.001) -> DeviceModel:
 def test_iteration_formula(overlapped: float) -> None:
     device = toy_device()
     buckets = BucketTimes((overlapped / 2, overlapped / 2, 0.004), last_share=0.25)
+    b1 = float(device.phases(1)[2])  # the synchronising backward: replica 0's last micro-batch alone
     for v in (1, 2, 3):
         d, f, b = (float(x) for x in device.phases(v))
         for g in (0, 1, 5):
-            exposed = max(b, overlapped) - b + 0.004
+            exposed = max(b1, overlapped) - b1 + 0.004
             update = 0.005 + 0.002 * (v - 1)
             seq = (g + 1) * (d + f + b) + exposed + update + 0.001 * v
             ovl = seq - update + update * 0.25
