@@ -58,3 +58,37 @@ def test_nothing_imports_cli() -> None:
             continue
         for name in _imports(path):
             assert not name.startswith("jabascli.cli"), f"{path.relative_to(REPO)}: imports {name}"
+
+
+def test_no_import_circles() -> None:
+    """No two modules of jabascli import each other, directly or through others (imports inside functions too)."""
+    src = REPO / "src"
+    modules = {
+        ".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__"): p for p in src.rglob("*.py")
+    }
+
+    def targets(path: Path) -> set[str]:
+        """The modules of jabascli ``path`` imports; ``from package import module`` names the module."""
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                submodules = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+                found |= submodules or {node.module}
+        return found & modules.keys()
+
+    graph = {name: targets(path) - {name} for name, path in modules.items()}
+    seen: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        seen[name] = 1
+        for nxt in sorted(graph[name]):
+            assert seen.get(nxt) != 1, "import circle: " + " -> ".join([*path[path.index(nxt) :], nxt])
+            if nxt not in seen:
+                visit(nxt, [*path, nxt])
+        seen[name] = 2
+
+    for name in sorted(graph):
+        if name not in seen:
+            visit(name, [name])

@@ -360,7 +360,7 @@ def run_elastic_here(
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from jabascli.cli.train import print_results
+    from jabascli.cli.display import print_results
     from jabascli.elastic.local import Steering, run_elastic
     from jabascli.engine.layout import run_folder
 

@@ -540,7 +540,8 @@ def all_(
 
         jabas profile all -c jabas.toml --server node1 --gbs-max 1024
     """
-    from jabascli.profiler.suite import failure_error, profile_all, servers_here
+    from jabascli.profiler.common import servers_here
+    from jabascli.profiler.suite import failure_error, profile_all
 
     with _launched_errors(launched):
         loaded = load_config(config, check_profiles=False)
@@ -556,19 +557,24 @@ def all_(
         began = time.monotonic()
         reporting = _launched_reporting() if launched else _reporting("All profiles", json_out)
         with reporting as reporter:
-            run = profile_all(
-                loaded,
-                server=server,
-                lbs=lbs,
-                gbs_max=gbs_max,
-                gbs_min=gbs_min,
-                iters=iters,
-                sizes=sizes,
-                force=force,
-                reporter=reporter,
-                hybrid=hybrid,
-                ssh=ssh,
-            )
+            if server is None and servers_here(loaded)[1]:  # servers on other machines: each on its node
+                from jabascli.profiler.remote import ClusterOptions, profile_cluster
+
+                measure = ClusterOptions(lbs, gbs_max, gbs_min, iters, sizes, force, hybrid)
+                run = profile_cluster(loaded, measure, ssh=ssh, reporter=reporter)
+            else:
+                run = profile_all(
+                    loaded,
+                    server=server,
+                    lbs=lbs,
+                    gbs_max=gbs_max,
+                    gbs_min=gbs_min,
+                    iters=iters,
+                    sizes=sizes,
+                    force=force,
+                    reporter=reporter,
+                    hybrid=hybrid,
+                )
     took = time.monotonic() - began
     stages = [{"name": s.name, "ok": s.ok, "detail": s.detail, "seconds": round(s.seconds, 1)} for s in run.stages]
     if launched:  # failed stages are the launcher's to name

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from jabascli.cli.common import (
     ConfigOption,
@@ -21,6 +20,7 @@ from jabascli.cli.common import (
     print_json,
     replicas_line,
 )
+from jabascli.cli.display import epoch_line, print_results
 from jabascli.config import LoadedConfig, load_config
 from jabascli.engine.options import TrainOptions
 from jabascli.errors import InputError
@@ -95,21 +95,9 @@ def train(
 def _print_epoch(event: dict[str, Any]) -> None:
     """Rank 0's report when no launcher listens: one line per epoch."""
     if event.get("event") == "epoch":
-        console.print(_epoch_line(event), highlight=False, markup=False)
+        console.print(epoch_line(event), highlight=False, markup=False)
     elif event.get("event") == "done" and event["results"] and event["results"][-1]["val_accuracy"] is not None:
         console.print(f"validation accuracy: {event['results'][-1]['val_accuracy']:.4f}")
-
-
-def _epoch_line(e: dict[str, Any]) -> str:
-    parts = [f"epoch {e['epoch'] + 1}", f"train loss {_num(e['train_loss'])}", f"val loss {_num(e['val_loss'])}"]
-    if e.get("val_accuracy") is not None:
-        parts.append(f"val accuracy {e['val_accuracy']:.4f}")
-    parts.append(f"{e['samples_per_s']:.0f} samples/s")
-    return ", ".join(parts)
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
 
 
 @cli_command
@@ -367,7 +355,7 @@ class _RunDisplay:
         elif kind == "note":  # before the trainers start: shown with the start line
             self.notes.append(event["message"])
         elif kind == "epoch" and not self.disable:
-            self.progress.console.print(_epoch_line(event), highlight=False, markup=False)
+            self.progress.console.print(epoch_line(event), highlight=False, markup=False)
         elif kind == "adjustment":
             self.adjustments.append(event)
             if not self.disable and (event["changed"] or event["reason"].startswith("keep: no plan")):
@@ -396,18 +384,3 @@ def _adjustment_line(e: dict[str, Any]) -> str:
         parts.append(f"noise scale {e['noise_scale']:.3g}")
     parts.append(f"LR x{e['lr_factor']:.3g}")
     return ", ".join(parts)
-
-
-def print_results(title: str, results: list[dict[str, Any]]) -> None:
-    """The validation table of a run's epochs, then its last ``validation accuracy: X`` line."""
-    table = Table(title=title)
-    for column in ("epoch", "train loss", "val loss", "val accuracy", "samples/s"):
-        table.add_column(column, justify="right")
-    for r in results:
-        accuracy = "-" if r["val_accuracy"] is None else f"{r['val_accuracy']:.4f}"
-        table.add_row(
-            str(r["epoch"] + 1), _num(r["train_loss"]), _num(r["val_loss"]), accuracy, f"{r['samples_per_s']:.0f}"
-        )
-    console.print(table)
-    if results and results[-1]["val_accuracy"] is not None:
-        console.print(f"validation accuracy: {results[-1]['val_accuracy']:.4f}")

@@ -179,3 +179,9 @@ def job_workload(loaded: LoadedConfig) -> tuple[Workload, dict[str, Any]]:
         "clip_grad_norm": job.clip_grad_norm,
     }
     return workload, spec
+
+
+def servers_here(loaded: LoadedConfig) -> tuple[list[ServerConfig], list[ServerConfig]]:
+    """The job's servers on this machine, and those elsewhere."""
+    servers = loaded.config.available()
+    return [s for s in servers if is_local(s.host)], [s for s in servers if not is_local(s.host)]

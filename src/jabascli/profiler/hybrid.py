@@ -53,8 +53,7 @@ from jabascli.errors import InputError, RuntimeFailure
 from jabascli.inputs import read_json
 from jabascli.net import free_port
 from jabascli.profiler.child import ChildCrashed, run_child, run_children
-from jabascli.profiler.common import Reporter, ensure_writable, job_workload, resolve_target
-from jabascli.profiler.suite import servers_here
+from jabascli.profiler.common import Reporter, ensure_writable, job_workload, resolve_target, servers_here
 from jabascli.profiles.hybrid import (
     BandwidthFit,
     BlockInfo,

@@ -135,6 +135,8 @@ class ClusterOptions:
     iters: int = 20
     sizes: str | None = None
     force: bool = False
+    hybrid: bool = False
+    """``--hybrid`` was asked for: refused on a cluster (the hybrid profiles are taken on one machine)."""
 
 
 class _Run(Protocol):
@@ -172,6 +174,13 @@ def profile_cluster(
     servers = loaded.config.available()
     if not servers:
         raise InputError.at(loaded.path, "cluster.servers", "no servers: add a [[cluster.servers]] entry per node")
+    if options.hybrid or loaded.config.parallel is not None:
+        raise InputError.at(
+            None if options.hybrid else loaded.path,
+            "--hybrid" if options.hybrid else "parallel",
+            "the hybrid profiles are taken on one machine: run `jabas profile hybrid -c CONFIG` where every "
+            "device type of the job is (an emulated one runs anywhere), then `jabas profile all` here",
+        )
     _check_reachable(loaded, servers)
     if options.sizes is not None:
         parse_sizes(options.sizes)

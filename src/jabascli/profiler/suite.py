@@ -43,19 +43,14 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from jabascli.config.loader import LoadedConfig
 from jabascli.config.models import ServerConfig
 from jabascli.devices import detect_devices
 from jabascli.errors import InputError, JabasError, RuntimeFailure
-from jabascli.net import is_local
-from jabascli.profiler.common import Reporter, pick_server
+from jabascli.profiler.common import Reporter, pick_server, servers_here
 from jabascli.profiler.lbsplan import device_speeds, lbs_plan
 from jabascli.profiles.formats import comm_profile_path
-
-if TYPE_CHECKING:
-    from jabascli.elastic.remote import SshOptions
 
 INTER_PORT = 29510
 
@@ -120,12 +115,6 @@ class _StageReporter(Reporter):
     def note(self, message: str) -> None:
         # A profiler's own note may already name the stage ("intra: 0.0625 MB in ..."): named once.
         self.outer.note(message if message.startswith(f"{self.label}: ") else f"{self.label}: {message}")
-
-
-def servers_here(loaded: LoadedConfig) -> tuple[list[ServerConfig], list[ServerConfig]]:
-    """The job's servers on this machine, and those elsewhere."""
-    servers = loaded.config.available()
-    return [s for s in servers if is_local(s.host)], [s for s in servers if not is_local(s.host)]
 
 
 def gbs_bound(loaded: LoadedConfig, gbs_max: int | None) -> int | None:
@@ -199,13 +188,11 @@ def profile_all(
     force: bool = False,
     reporter: Reporter | None = None,
     hybrid: bool = False,
-    ssh: SshOptions | None = None,
 ) -> SuiteRun:
     """Measure every profile the solver needs for ``loaded``'s job.
 
     ``lbs``: sweep N, 2N, 3N ... (the single memory profiler's way) instead of the balanced plan.
-    Servers on other machines (and ``server`` not given): each profiled on its node over SSH
-    (:func:`.remote.profile_cluster`; ``ssh``: how to reach them).
+    Servers on other machines are :func:`.remote.profile_cluster`'s (``server`` not given).
     """
     from jabascli.profiler.bucket import profile_buckets
     from jabascli.profiler.comm import profile_comm
@@ -221,7 +208,12 @@ def profile_all(
     else:
         mine, elsewhere = servers_here(loaded)
         if elsewhere:
-            return _on_cluster(loaded, lbs, gbs_max, gbs_min, iters, sizes, force, reporter, hybrid, ssh)
+            names = ", ".join(f"{s.name} ({s.host})" for s in elsewhere)
+            raise InputError.at(
+                loaded.path,
+                "cluster.servers",
+                f"servers not on this machine: {names}: profile them with profile_cluster (profiler/remote.py)",
+            )
         many = len(mine) > 1
     bound = gbs_bound(loaded, gbs_max)
     lbs_values = None if lbs is not None else planned_lbs(loaded, mine, gbs_min, bound)
@@ -350,31 +342,6 @@ def profile_all(
     if server is not None and many:
         run.commands = inter_commands(loaded)
     return run
-
-
-def _on_cluster(
-    loaded: LoadedConfig,
-    lbs: int | None,
-    gbs_max: int | None,
-    gbs_min: int | None,
-    iters: int,
-    sizes: str | None,
-    force: bool,
-    reporter: Reporter,
-    hybrid: bool,
-    ssh: SshOptions | None,
-) -> SuiteRun:
-    from jabascli.profiler.remote import ClusterOptions, profile_cluster
-
-    if hybrid or loaded.config.parallel is not None:
-        raise InputError.at(
-            None if hybrid else loaded.path,
-            "--hybrid" if hybrid else "parallel",
-            "the hybrid profiles are taken on one machine: run `jabas profile hybrid -c CONFIG` where every "
-            "device type of the job is (an emulated one runs anywhere), then `jabas profile all` here",
-        )
-    options = ClusterOptions(lbs=lbs, gbs_max=gbs_max, gbs_min=gbs_min, iters=iters, sizes=sizes, force=force)
-    return profile_cluster(loaded, options, ssh=ssh, reporter=reporter)
 
 
 def _hybrid(loaded: LoadedConfig, force: bool, reporter: Reporter) -> str:
