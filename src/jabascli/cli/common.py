@@ -30,6 +30,17 @@ ConfigOption = Annotated[
     typer.Option("--config", "-c", help="Job config: jabas.toml, or the seed's config.json.", show_default=False),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+# How `jabas run` and `jabas profile all` reach the servers of a cluster over SSH (docs/cluster.md).
+KnownHostsOption = Annotated[
+    Path | None,
+    typer.Option("--known-hosts", help="On a cluster: host keys to check servers by (default: ~/.ssh/known_hosts)."),
+]
+SshConfigOption = Annotated[
+    Path | None, typer.Option("--ssh-config", help="On a cluster: OpenSSH client config (default: ~/.ssh/config).")
+]
+AcceptNewHostKeysOption = Annotated[
+    bool, typer.Option("--accept-new-host-keys", help="On a cluster: trust and record host keys not yet known.")
+]
 
 
 def cli_command(fn: F) -> F:

@@ -26,7 +26,16 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, print_json
+from jabascli.cli.common import (
+    AcceptNewHostKeysOption,
+    ConfigOption,
+    JsonOption,
+    KnownHostsOption,
+    SshConfigOption,
+    cli_command,
+    console,
+    print_json,
+)
 from jabascli.config import load_config
 from jabascli.errors import InputError, JabasError
 from jabascli.profiler.common import Reporter
@@ -496,20 +505,9 @@ def all_(
             help="Also the hybrid planner's profiles (`jabas profile hybrid`; always when the job has \\[parallel]).",
         ),
     ] = False,
-    known_hosts: Annotated[
-        Path | None,
-        typer.Option(
-            "--known-hosts", help="On a cluster: host keys to check servers against (default: ~/.ssh/known_hosts)."
-        ),
-    ] = None,
-    ssh_config: Annotated[
-        Path | None,
-        typer.Option("--ssh-config", help="On a cluster: OpenSSH client config (default: ~/.ssh/config)."),
-    ] = None,
-    accept_new_host_keys: Annotated[
-        bool,
-        typer.Option("--accept-new-host-keys", help="On a cluster: trust and record host keys not yet known."),
-    ] = False,
+    known_hosts: KnownHostsOption = None,
+    ssh_config: SshConfigOption = None,
+    accept_new_host_keys: AcceptNewHostKeysOption = False,
     launched: LaunchedOption = False,
 ) -> None:
     """Every profile the solver needs, in one command: buckets, memory and computation per server, all-reduce.

@@ -11,8 +11,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jabascli.cli.common import (
+    AcceptNewHostKeysOption,
     ConfigOption,
     JsonOption,
+    KnownHostsOption,
+    SshConfigOption,
     cli_command,
     console,
     err_console,
@@ -156,20 +159,9 @@ def run(
             help="Servers of a solved plan: auto (default: leave out any that slows the job), all, or a list: a,b."
         ),
     ] = None,
-    known_hosts: Annotated[
-        Path | None,
-        typer.Option(
-            "--known-hosts", help="On a cluster: host keys to check servers against (default: ~/.ssh/known_hosts)."
-        ),
-    ] = None,
-    ssh_config: Annotated[
-        Path | None,
-        typer.Option("--ssh-config", help="On a cluster: OpenSSH client config (default: ~/.ssh/config)."),
-    ] = None,
-    accept_new_host_keys: Annotated[
-        bool,
-        typer.Option("--accept-new-host-keys", help="On a cluster: trust and record host keys not yet known."),
-    ] = False,
+    known_hosts: KnownHostsOption = None,
+    ssh_config: SshConfigOption = None,
+    accept_new_host_keys: AcceptNewHostKeysOption = False,
     json_out: JsonOption = False,
 ) -> None:
     """Train the whole job on this machine: one trainer process per device (or emulated device).
