@@ -34,7 +34,9 @@ def _checkout_state() -> set[str] | None:
         return None
     if listed.returncode != 0:
         return None
-    state = {line for line in listed.stdout.splitlines() if not any(t in line for t in TOOL_FOLDERS)}
+    # Untracked and ignored entries only: a tracked file edited while the suite runs is the developer's.
+    lines = [line for line in listed.stdout.splitlines() if line.startswith(("??", "!!"))]
+    state = {line for line in lines if not any(t in line for t in TOOL_FOLDERS)}
     for name in CHECKOUT_OUTPUTS:
         for path in (REPO / name).rglob("*"):
             if path.is_file():

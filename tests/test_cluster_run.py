@@ -149,6 +149,8 @@ def test_jabas_run_trains_three_nodes_exactly_across_a_ctrl_c(cluster_factory, t
     output = (second.stdout + second.stderr).decode()
     assert second.returncode == 0, output[-3000:]
     assert "resuming digits from" in output and f"step {stopped_at})" in output, output[-3000:]
+    # The interrupted run's stop stays in its rank 0's control file: the new generation 1 must not obey it.
+    assert "restarted" not in output, output[-3000:]
     assert _no_jabas_left(cluster) == {}, output[-3000:]
 
     loaded = load(config)

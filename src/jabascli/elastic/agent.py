@@ -234,6 +234,8 @@ class WorkerAgent:
         plan_file = self.folder / f"plan-g{gen}.json"
         atomic_write_json(plan_file, command.plan, indent=2)
         control = self.folder / f"control-g{gen}" if 0 in command.ranks else None
+        if control is not None:  # an earlier scheduler of this job numbered its generations from 1 too: its
+            control.unlink(missing_ok=True)  # last stop stays in the file rank 0 obeyed, and would stop this one
         logs = run_folder(self.loaded) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         argv = ["train", "-c", str(self.loaded.path), "--plan", str(plan_file)]

@@ -355,7 +355,6 @@ def serve_allocation(
     path = token_file(loaded, where.job_id)
     token = job_token(loaded, where.job_id, env)
     check_writable(checkpoint_folder(loaded))
-    clear_stale_stops(loaded)
     resume = newest_checkpoint(checkpoint_folder(loaded)) is not None
     planner = None
     if loaded.config.scaling.enabled:
@@ -388,19 +387,6 @@ def serve_allocation(
     finally:
         done.set()
         steering_file.unlink(missing_ok=True)
-
-
-def clear_stale_stops(loaded: LoadedConfig) -> list[Path]:
-    """Remove the agents' control files left by an earlier scheduler of this job; returns them.
-
-    A plain stop stays in rank 0's control file after the trainers obeyed it (engine/control.py), and a new
-    scheduler numbers its generations from 1 again: its first generation's rank 0 would read the old
-    ``control-g1`` and stop at once. No trainer of the job runs while its scheduler starts.
-    """
-    stale = sorted((run_folder(loaded) / "elastic").glob("worker*/control-g*"))
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return stale
 
 
 class Releaser:
