@@ -73,6 +73,11 @@ def reference_run(
     while done < steps:
         now = [e for e in schedule if e["step"] <= done][-1]
         lbs, gbs = now["lbs"], now["gbs"]
+        if now["step"] == done and (now.get("epoch", epoch), now.get("position", position)) > (epoch, position):
+            # A change recorded at an epoch end starts the next epoch there: the old epoch's remainder, too
+            # short for the old GBS, may hold an iteration of the new one, which the job did not train.
+            epoch, position = now["epoch"], now.get("position", 0)
+            perm = sampler.permutation(epoch)
         if sampler.iterations_left(position, gbs) == 0:
             epoch, position = epoch + 1, 0
             perm = sampler.permutation(epoch)
