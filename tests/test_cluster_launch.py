@@ -116,7 +116,9 @@ def test_a_worker_given_no_launch_order_says_so_in_one_line(tmp_path: Path) -> N
 def test_gloo_and_nccl_are_held_to_the_interface_towards_the_master(monkeypatch: pytest.MonkeyPatch) -> None:
     from jabascli.engine.distributed import bind_gloo_towards
 
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    # Recorded by monkeypatch (empty counts as unset), so what bind_gloo_towards sets is undone after the test:
+    # a GLOO_SOCKET_IFNAME left at lo reaches the trainers of later tests and binds them to loopback.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's choice stands
     bind_gloo_towards("127.0.0.1")
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"

@@ -27,6 +27,7 @@ import tomli_w
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from tests.cluster import EmulatedCluster, NodeSpec, cluster_factory  # noqa: F401 (the fixture)
+from tests.conftest import WITH_SIGINT
 from tests.elastic_support import RECORDED_DIGITS, TRAINER_ENV, load, used_samples
 from tests.engine_support import checkpoint_of, max_abs_diff
 from tests.sshd import require_sshd, write_key
@@ -117,8 +118,9 @@ def test_jabas_run_trains_three_nodes_exactly_across_a_ctrl_c(cluster_factory, t
 
     # 1. Under way, every listening socket of a jabas process in a node is on that node's address;
     #    then Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it).
+    interruptible = [sys.executable, "-c", WITH_SIGINT, *run[3:]]  # Ctrl-C reaches it even if pytest ignores it
     first = subprocess.Popen(
-        run, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        interruptible, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         deadline = time.monotonic() + 180

@@ -120,7 +120,8 @@ def test_doubling_the_gbs_twice_replans_with_the_hybrid_planner_and_stays_exact(
     assert [e["step"] for e in events if e["event"] == "relayout"] == [4]
     lines = rerun.stdout.splitlines()
     layouts = [line.rsplit("layout ", 1)[1] for line in lines if line.startswith("replan: 2 trainers")]
-    assert layouts == [pipeline, sharded], rerun.stdout
+    replicas = ["1 replica of 2 micro-batches", "2 replicas of 1 and 3 micro-batches"]
+    assert layouts == [f"{pipeline}, {replicas[0]}", f"{sharded}, {replicas[1]}"], rerun.stdout
     assert "step 5: GBS 8 runs under another layout: checkpointed, going on" in lines, rerun.stdout
     assert saved["plan"]["parallel"]["sharding"] == "full"
 

@@ -23,6 +23,7 @@ from jabascli.config import load_config
 from jabascli.profiler.comm import profile_hosts
 from jabascli.profiles import load_profile_set
 from tests.cluster import EmulatedCluster, NodeSpec, cluster_factory  # noqa: F401 (the fixture)
+from tests.conftest import WITH_SIGINT
 from tests.elastic_support import TRAINER_ENV
 from tests.sshd import require_sshd, write_key
 
@@ -92,7 +93,7 @@ def test_profile_all_profiles_each_server_on_its_node_and_the_link_between(
     config = _config(tmp_path, [("fast", fast.address), ("slow", slow.address)], key)
     args = ["profile", "all", "-c", str(config), "--lbs", "32", "--gbs-max", "32", "--iters", "5", *ssh]
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "jabascli", *args],
+        [sys.executable, "-c", WITH_SIGINT, *args],  # Ctrl-C reaches it even where pytest ignores SIGINT
         cwd=tmp_path,
         env={**os.environ, **TRAINER_ENV},
         stdout=subprocess.PIPE,
