@@ -18,10 +18,8 @@ namespace torn down at the end (also on failure or Ctrl-C), for each link rate (
    the two nodes, agents over SSH; the median iteration time of its ``steps.csv`` after 5 warm-up iterations
    (and the GBS it trained, which must be the plan's), and the error of the prediction. Each rate's plan is
    trained ``--rounds`` times, the rates in reversed order every other round (B A, A B), since this host's
-   speed drifts with its other work over minutes; the error is that of the runs' mean. The plan file is
-   needed: the elastic scheduler that runs a cluster job plans its first generation from the servers'
-   configured VSW/GA at ``[job] lbs`` (``elastic/job.py:_launch`` passes no GBS to ``plan_for`` then), and
-   solves only the generations after a move.
+   speed drifts with its other work over minutes; the error is that of the runs' mean. The plan file pins
+   the plan that was predicted, whatever the scheduler would solve from the same profiles.
 
 It ends with a table: per rate, the gradient all-reduce, predicted and measured iteration time and the error
 (issue #32's target: within 15% at both rates, and the slower link's all-reduce at least 3x slower). Every
