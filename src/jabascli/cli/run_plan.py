@@ -53,26 +53,61 @@ def write_own_plan(loaded: LoadedConfig, solved: RunPlan, quiet: bool) -> OwnPla
                 highlight=False,
                 markup=False,
             )
+        from jabascli.solver.online import job_refit
+
+        in_use = job_refit(loaded) if p.parallel is None else None
+        if in_use is not None:
+            console.print(in_use.line(), highlight=False, markup=False)
         left_out = solved.choice.line() if solved.choice is not None else None
         if left_out is not None:
             console.print(f"{left_out} (--servers all keeps every server)", highlight=False, markup=False)
     return OwnPlan(solved.plan, path)
 
 
-def report_predicted(loaded: LoadedConfig, own: OwnPlan, start: dict[str, Any]) -> None:
-    """``predicted 23.6 ms, measured 24.1 ms per iteration (+2%)``: the model against the run."""
+def report_predicted(loaded: LoadedConfig, own: OwnPlan, start: dict[str, Any], quiet: bool = False) -> None:
+    """``predicted 23.6 ms, measured 24.1 ms per iteration (+2%)``: the model against the run; then the refit.
+
+    The run's measurement refits the job's performance model (:mod:`jabascli.solver.online`): a new generation
+    in the run folder, which the next run of the job starts from. ``quiet``: refit, print nothing.
+    """
+    import os
+
     from jabascli.engine.layout import run_folder
     from jabascli.engine.metrics import median_iteration_s
+    from jabascli.errors import InputError
+    from jabascli.solver.online import learn_from_run
 
     predicted = own.plan.iteration_time_s
     measured = median_iteration_s(run_folder(loaded) / "steps.csv", first_step=int(start.get("step", 0)))
     if predicted is None or measured is None:
-        console.print("predicted and measured iteration time: too few iterations to compare", highlight=False)
+        if not quiet:
+            console.print("predicted and measured iteration time: too few iterations to compare", highlight=False)
         return
     median, count = measured
     error = (median - predicted) / predicted * 100
+    if not quiet:
+        console.print(
+            f"predicted {predicted * 1e3:.1f} ms, measured {median * 1e3:.1f} ms per iteration ({error:+.0f}%, "
+            f"median of {count} iterations)",
+            highlight=False,
+        )
+    if own.plan.parallel is not None or loaded.config.batching.metric != "fixed":
+        return  # a hybrid layout has its own model; an adaptive run's median spans several plans
+    try:
+        learned = learn_from_run(loaded, own.plan, median, count, load=os.getloadavg()[0], cpus=os.cpu_count() or 1)
+    except InputError as exc:
+        if not quiet:
+            console.print(f"performance model not refit: {exc}", highlight=False, markup=False)
+        return
+    if quiet:
+        return
+    r = learned.record
+    busy = r.observations[-1]
+    note = f"; host busy (load {busy.load:.1f}): weighed as the profile" if busy.disturbed else ""
     console.print(
-        f"predicted {predicted * 1e3:.1f} ms, measured {median * 1e3:.1f} ms per iteration ({error:+.0f}%, "
-        f"median of {count} iterations)",
+        f"performance model refit to {len(r.observations)} {'run' if len(r.observations) == 1 else 'runs'}: "
+        f"predicts {learned.predicted_after_s * 1e3:.1f} ms for this plan ({r.error_after * 100:+.0f}% off, "
+        f"{error:+.0f}% before){note}; generation {r.generation}, {learned.path}, where the next run starts",
         highlight=False,
+        markup=False,
     )

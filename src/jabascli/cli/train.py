@@ -254,6 +254,8 @@ def run(
         raise typer.Exit(130) from None
     results = result.done["results"]
     if json_out:
+        if own is not None:
+            report_predicted(loaded, own, display.start, quiet=True)  # the refit, without a line
         for r in results:  # adaptive jobs: each epoch lists its GBS adjustments
             r["adjustments"] = [a for a in display.adjustments if a["epoch"] == r["epoch"]]
         print_json(results)

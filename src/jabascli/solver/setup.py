@@ -7,13 +7,22 @@ from jabascli.errors import InputError
 from jabascli.perfmodel import PerformanceModel
 from jabascli.profiles import ProfileSet, load_profile_set
 from jabascli.solver.cluster import server_specs
+from jabascli.solver.online import refit_in_use
 from jabascli.solver.solve import Solver
 
 
-def performance_model_from_config(loaded: LoadedConfig) -> tuple[ProfileSet, PerformanceModel]:
-    """The job's four profiles, and the performance model built on them."""
+def performance_model_from_config(loaded: LoadedConfig, online: bool = True) -> tuple[ProfileSet, PerformanceModel]:
+    """The job's four profiles, and the performance model built on them.
+
+    ``online``: the profiles with the job's latest refit applied (:mod:`jabascli.solver.online`), when it has
+    one made on these profiles; else (and with ``online=False``) the profiles as measured.
+    """
     dirs = loaded.profile_dirs()
     profiles = load_profile_set(dirs.memory, dirs.computation, dirs.communication, dirs.bucket)
+    if online:
+        in_use = refit_in_use(loaded, profiles)
+        if in_use is not None:
+            profiles = in_use.refit.apply(profiles)
     folders = {
         "memory": dirs.memory,
         "computation": dirs.computation,

@@ -1,0 +1,173 @@
+"""A job's online performance model: its latest refit applied to the profiles, and a new refit after a run.
+
+:func:`refit_in_use` finds the job's latest refit generation made on the
+measured profiles as they are now (in its run folder, else in the newest run
+folder ``jabas run --fresh`` moved aside: the refit describes the servers, not
+the training state); :func:`~jabascli.solver.setup.performance_model_from_config`
+applies it, so every decision that builds the model from the config (the plan
+``jabas run`` solves, adaptive batching's replans and goodput, the auto-scaler's
+cost model) starts from it. :func:`learn_from_run` adds a run's measurement and
+writes the next generation (the fit: :mod:`jabascli.perfmodel.online`; the
+file: :mod:`jabascli.profiles.refit`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from jabascli.config import LoadedConfig
+from jabascli.errors import InputError
+from jabascli.perfmodel import GroupConfig
+from jabascli.perfmodel.online import PRIOR_ITERATIONS, Observation, Refit, fingerprint, fit, predict
+from jabascli.profiles import ProfileSet, load_profile_set
+from jabascli.profiles.refit import (
+    ObservedAssignment,
+    ObservedPlan,
+    RefitRecord,
+    read_refit,
+    refit_generations,
+    write_refit,
+)
+from jabascli.solver.cluster import server_specs
+from jabascli.solver.plan import Plan
+
+
+@dataclass(frozen=True)
+class InUse:
+    record: RefitRecord
+    path: Path
+
+    @property
+    def refit(self) -> Refit:
+        return Refit(dict(self.record.compute), dict(self.record.comm))
+
+    def line(self) -> str:
+        """``performance model: refit generation 2 (3 runs), runs/job/perfmodel/refit-2.json``."""
+        runs = len(self.record.observations)
+        factors = ", ".join(
+            [f"{s} compute x{a:.2f}" for s, a in sorted(self.record.compute.items())]
+            + [f"{k} all-reduce x{c:.2f}" for k, c in sorted(self.record.comm.items())]
+        )
+        return (
+            f"performance model: refit generation {self.record.generation} from {runs} "
+            f"{'run' if runs == 1 else 'runs'} ({factors}), {self.path}"
+        )
+
+
+def job_run_folder(loaded: LoadedConfig) -> Path:
+    """``[storage] run_dir / <job name>`` (as :func:`jabascli.engine.layout.run_folder`)."""
+    return loaded.config.storage.run_dir / loaded.config.job.name
+
+
+def _candidate_folders(loaded: LoadedConfig) -> list[Path]:
+    """The run folder, then the folders ``--fresh`` moved aside (``<name>.<YYYYmmdd-HHMMSS>``), newest first."""
+    folder = job_run_folder(loaded)
+    aside: list[Path] = []
+    if folder.parent.is_dir():
+        prefix = folder.name + "."
+        aside = sorted((p for p in folder.parent.iterdir() if p.name.startswith(prefix) and p.is_dir()), reverse=True)
+    return [folder, *aside]
+
+
+def refit_in_use(loaded: LoadedConfig, measured: ProfileSet) -> InUse | None:
+    """The job's newest refit made on ``measured`` (the profiles as measured), or None."""
+    digest = None
+    for folder in _candidate_folders(loaded):
+        for _, path in reversed(refit_generations(folder)):
+            try:
+                record = read_refit(path)
+            except InputError:
+                continue  # a damaged refit is passed over: the profiles alone still plan
+            digest = digest or fingerprint(measured)
+            if record.prior == digest:
+                return InUse(record, path)
+    return None
+
+
+def measured_profiles(loaded: LoadedConfig) -> ProfileSet:
+    """The job's profiles as measured (no refit)."""
+    dirs = loaded.profile_dirs()
+    return load_profile_set(dirs.memory, dirs.computation, dirs.communication, dirs.bucket)
+
+
+def job_refit(loaded: LoadedConfig) -> InUse | None:
+    """The refit the job's model starts from (:func:`refit_in_use` on its measured profiles), or None."""
+    return refit_in_use(loaded, measured_profiles(loaded))
+
+
+def host_disturbed(load: float | None, trainers: int, cpus: int) -> bool:
+    """Whether other processes loaded the host: a load average above the job's trainers by half its cores."""
+    return load is not None and load - trainers > cpus / 2
+
+
+def _groups(loaded: LoadedConfig, profiles: ProfileSet, plan: ObservedPlan) -> tuple[GroupConfig, ...] | None:
+    try:
+        specs = {s.name: s for s in server_specs(loaded.config, profiles, [a.server for a in plan.assignments])}
+    except InputError:
+        return None  # a server the config no longer has, or one without profiles
+    return tuple(GroupConfig(specs[a.server], a.gpus, a.vsw, a.ga) for a in plan.assignments)
+
+
+def observations(loaded: LoadedConfig, profiles: ProfileSet, plans: list[ObservedPlan]) -> list[Observation]:
+    out = []
+    for p in plans:
+        groups = _groups(loaded, profiles, p)
+        if groups is not None and p.weight_sync in ("sequential", "overlap"):
+            out.append(Observation(p.lbs, p.weight_sync, groups, p.measured_s, p.iterations, p.disturbed))  # type: ignore[arg-type]
+    return out
+
+
+@dataclass(frozen=True)
+class Learned:
+    record: RefitRecord
+    path: Path
+    predicted_after_s: float
+    """The refit model's prediction of the run's plan."""
+
+
+def learn_from_run(
+    loaded: LoadedConfig,
+    plan: Plan,
+    measured_s: float,
+    iterations: int,
+    *,
+    load: float | None = None,
+    cpus: int = 1,
+    prior_iterations: float = PRIOR_ITERATIONS,
+) -> Learned:
+    """Add a run's measured plan to the job's observations, refit from the measured profiles, write a generation."""
+    measured = measured_profiles(loaded)
+    in_use = refit_in_use(loaded, measured)
+    history = list(in_use.record.observations) if in_use is not None else []
+    this = ObservedPlan(
+        lbs=plan.lbs,
+        weight_sync=plan.weight_sync,
+        assignments=[ObservedAssignment(server=a.server, gpus=a.gpus, vsw=a.vsw, ga=a.ga) for a in plan.assignments],
+        measured_s=measured_s,
+        iterations=iterations,
+        disturbed=host_disturbed(load, plan.gpus, cpus),
+        load=load,
+        predicted_s=plan.iteration_time_s,
+        time=round(time.time(), 3),
+    )
+    history.append(this)
+    refit = fit(measured, observations(loaded, measured, history), prior_iterations)
+    latest = observations(loaded, measured, [this])
+    after = predict(refit.apply(measured), latest[0]) if latest else plan.iteration_time_s or measured_s
+    before = plan.iteration_time_s
+    folder = job_run_folder(loaded)
+    generations = refit_generations(folder)
+    record = RefitRecord(
+        generation=(generations[-1][0] + 1) if generations else 1,
+        prior=fingerprint(measured),
+        prior_iterations=prior_iterations,
+        compute=refit.compute,
+        comm=refit.comm,
+        observations=history,
+        error_before=(measured_s - before) / before if before else None,
+        error_after=(measured_s - after) / after,
+        time=this.time,
+    )
+    return Learned(record, write_refit(folder, record), after)
