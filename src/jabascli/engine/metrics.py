@@ -156,7 +156,9 @@ def median_iteration_s(steps_csv: Path, first_step: int = 0, warmup: int = 5) ->
     The run began after step ``first_step`` (a resumed run appends to the
     file); its first ``warmup`` iterations are left out. Each row's
     ``iteration_s`` (the median of the iterations since the row before)
-    counts once per iteration it covers. None when no row is left.
+    counts once per iteration it covers after the warm-up (a row can cover
+    most of a short run: its median stands for them, warm-up ones among them
+    or not). None when no row is left.
     """
     import statistics
 
@@ -166,9 +168,9 @@ def median_iteration_s(steps_csv: Path, first_step: int = 0, warmup: int = 5) ->
         with steps_csv.open(encoding="utf-8", newline="") as f:
             for row in csv.DictReader(f):
                 step = int(row["step"])
-                covered, first = step - previous, previous + 1
+                covered = step - max(previous, first_step + warmup)
                 previous = step
-                if first > first_step + warmup and covered > 0 and row.get("iteration_s"):
+                if covered > 0 and row.get("iteration_s"):
                     times += [float(row["iteration_s"])] * covered
     except (OSError, ValueError, KeyError):
         return None
