@@ -40,8 +40,8 @@ def submit(
         jabas slurm submit -c jabas.toml
     """
     from jabascli.atomic import atomic_write_text
-    from jabascli.elastic.slurm import batch_script, script_path
-    from jabascli.elastic.slurm import submit as sbatch
+    from jabascli.elastic.slurm_script import batch_script, script_path
+    from jabascli.elastic.slurm_script import submit as sbatch
 
     loaded = load_config(config)
     text = batch_script(loaded, sys.executable)
