@@ -13,7 +13,7 @@ nothing has to be typed on any node:
    child process here). One after another: on an emulated cluster the nodes
    share one machine's cores, and servers profiled at once would measure each
    other. ``--launched`` makes the command print its progress as JSON lines
-   (:func:`event_line`), shown here with the server's name, and end as Ctrl-C
+   (:func:`jabascli.profiler.events.event_line`), shown here with the server's name, and end as Ctrl-C
    would (measuring processes killed, no partial file) when its standard input
    closes: this process keeps it open, so Ctrl-C here, or a lost connection,
    ends it on its node.
@@ -34,33 +34,26 @@ trainers will have.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
-import json
 import os
 import queue
-import shlex
 import socket
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any
 
-from paramiko.ssh_exception import SSHException
-
-from jabascli.children import PREEXEC
 from jabascli.config.loader import LoadedConfig
 from jabascli.config.models import ServerConfig
 from jabascli.elastic.lifeline import passed_on
-from jabascli.elastic.remote import Node, RemoteAgent, SshOptions, connect_nodes, python_of
+from jabascli.elastic.remote import Node, SshOptions, connect_nodes, python_of
 from jabascli.elastic.token import TOKEN_ENV
-from jabascli.errors import InputError, Problem, RuntimeFailure
+from jabascli.errors import InputError, Problem
 from jabascli.net import is_local
 from jabascli.profiler.common import Reporter
+from jabascli.profiler.events import EVENT, parse_event
+from jabascli.profiler.node_run import Lines, NodeRun, follow, start
 from jabascli.profiler.suite import (
     FIXED_S,
     INTER_PORT,
@@ -72,43 +65,9 @@ from jabascli.profiler.suite import (
     planned_lbs,
 )
 
-EVENT = "jabas-profile"
-"""The key of every line a ``--launched`` profiler prints for its launcher; its value is the event's kind."""
 START_S = 5.0
 """Seconds a profiling command takes to start on a node (SSH session, the interpreter importing jabas)."""
-END_GRACE_S = 15.0
-"""How long a profiling command has to stop once its standard input closed, before it is killed by its pid."""
 PORT_ATTEMPTS = 3
-POLL_S = 0.1
-
-
-def event_line(kind: str, **fields: Any) -> str:
-    """One line of a ``--launched`` profiler's output: ``{"jabas-profile": KIND, ...fields}``."""
-    return json.dumps({EVENT: kind, **fields})
-
-
-def parse_event(line: str) -> dict[str, Any] | None:
-    """The event a line carries, or None for any other output (a warning, a traceback)."""
-    if not line.startswith("{"):
-        return None
-    try:
-        event = json.loads(line)
-    except ValueError:
-        return None
-    return event if isinstance(event, dict) and isinstance(event.get(EVENT), str) else None
-
-
-class LineReporter(Reporter):
-    """A profiler's progress and notes as event lines, handed to ``write`` (``--launched``)."""
-
-    def __init__(self, write: Callable[[str], None]) -> None:
-        self._write = write
-
-    def progress(self, completed: float, total: float | None, what: str) -> None:
-        self._write(event_line("progress", completed=completed, total=total, what=what))
-
-    def note(self, message: str) -> None:
-        self._write(event_line("note", message=message))
 
 
 class _NodeReporter(Reporter):
@@ -137,20 +96,6 @@ class ClusterOptions:
     force: bool = False
     hybrid: bool = False
     """``--hybrid`` was asked for: refused on a cluster (the hybrid profiles are taken on one machine)."""
-
-
-class _Run(Protocol):
-    """A profiling command running for one server, on its node or here."""
-
-    name: str
-    pid: int | None
-    returncode: int | None
-
-    def poll(self) -> int | None: ...
-
-    def end(self, grace_s: float = END_GRACE_S) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def profile_cluster(
@@ -294,7 +239,7 @@ def _profile_server(
     error: dict[str, Any] = {}
     raw: list[str] = []
 
-    def handle(run: _Run, line: str) -> None:
+    def handle(run: NodeRun, line: str) -> None:
         event = parse_event(line)
         if event is None:
             if line.strip():
@@ -314,7 +259,7 @@ def _profile_server(
             error.update(event)
 
     lines: Lines = queue.Queue()
-    code = _follow([_start(server, node, argv, lines)], lines, handle)[server.name]
+    code = follow([start(server, node, argv, lines)], lines, handle)[server.name]
     name = server.name
     if code == 0 and result:
         buckets = [float(b) for b in result.get("bucket_mib") or []]
@@ -389,7 +334,7 @@ def _inter_once(
     raw: dict[str, list[str]] = {s.name: [] for s in servers}
     first = servers[0].name
 
-    def handle(run: _Run, line: str) -> None:
+    def handle(run: NodeRun, line: str) -> None:
         event = parse_event(line)
         if event is None:
             if line.strip():
@@ -410,18 +355,18 @@ def _inter_once(
 
     world = len(servers)
     lines: Lines = queue.Queue()
-    runs: list[_Run] = []
+    runs: list[NodeRun] = []
     try:
         for rank, server in enumerate(servers):
             argv = [*_jabas(server, is_local(server.host)), "profile", "comm", "-c", str(loaded.path)]
             argv += ["--server", server.name, "--nprocs", str(server.devices), "--rank", str(rank)]
             argv += ["--world", str(world), "--master", master, "--sizes", sizes, "--force", "--launched"]
-            runs.append(_start(server, nodes.get(server.name), argv, lines))
+            runs.append(start(server, nodes.get(server.name), argv, lines))
     except BaseException:
         for run in runs:
             run.end()
         raise
-    codes = _follow(runs, lines, handle, end_all_on_failure=True)
+    codes = follow(runs, lines, handle, end_all_on_failure=True)
     if all(code == 0 for code in codes.values()) and first in results:
         record = results[first]
         hosts = record.get("hosts") or []
@@ -436,124 +381,6 @@ def _inter_once(
         f"{name}: {'; '.join(errors.get(name) or raw[name][-2:] or [_exit_reason(code)])}" for name, code in own.items()
     ]
     return StageResult("inter", False, "; ".join(said) or f"no result from {first}")
-
-
-# --- running a command for a server: on its node over SSH, or here ----------------------------------------
-
-Lines = queue.Queue[tuple[str, str]]
-"""(server, line): what every running command printed, in the order it arrived."""
-
-
-def _start(server: ServerConfig, node: Node | None, argv: list[str], lines: Lines) -> _Run:
-    return _RemoteRun.begin(node, argv, lines) if node is not None else _LocalRun(server.name, argv, lines)
-
-
-def _follow(
-    runs: list[_Run], lines: Lines, handle: Callable[[_Run, str], None], end_all_on_failure: bool = False
-) -> dict[str, int]:
-    """Hand every line of ``runs`` to ``handle`` (in this thread) until all have exited; their exit codes
-    (-1: the connection was lost).
-
-    ``end_all_on_failure``: once one fails, end the others (the inter-node profile: they would wait for it
-    until the rendezvous times out). Ctrl-C (or any error) here ends every run first.
-    """
-    by_name = {run.name: run for run in runs}
-    try:
-        ending = False
-        while True:
-            with contextlib.suppress(queue.Empty):
-                name, line = lines.get(timeout=POLL_S)
-                handle(by_name[name], line)
-                continue
-            codes = [run.poll() for run in runs]
-            if all(code is not None for code in codes):
-                break
-            if end_all_on_failure and not ending and any(code not in (None, 0) for code in codes):
-                ending = True
-                for run in runs:
-                    if run.poll() is None:
-                        run.end()
-    except BaseException:
-        for run in runs:
-            with contextlib.suppress(Exception):
-                run.end()
-        raise
-    for run in runs:
-        run.close()  # its output read to the end
-    while not lines.empty():
-        name, line = lines.get()
-        handle(by_name[name], line)
-    return {run.name: run.returncode if run.returncode is not None else -1 for run in runs}
-
-
-class _RemoteRun(RemoteAgent):
-    """A command on a node over its checked SSH connection, which stays open for the next command.
-
-    Its output is read as an agent's is; its standard input stays open until :meth:`end` closes it (the
-    command then stops as Ctrl-C would stop it), and one still running :data:`END_GRACE_S` later is
-    killed by the pid it printed.
-    """
-
-    @classmethod
-    def begin(cls, node: Node, argv: list[str], lines: Lines) -> _RemoteRun:
-        command = f"cd {shlex.quote(str(Path.cwd()))} && exec {shlex.join(argv)}"
-        try:
-            channel = node.client.get_transport().open_session()  # type: ignore[union-attr]
-            channel.set_combine_stderr(True)
-            channel.exec_command(command)
-        except (SSHException, OSError, EOFError) as exc:
-            raise RuntimeFailure.at(f"server {node.server.name!r}", None, f"cannot start a command: {exc}") from None
-        return cls(node, channel, lambda server, line: lines.put((server, line)))
-
-    def close(self) -> None:
-        self._reader.join(END_GRACE_S)  # its output, read to the end
-        self.channel.close()
-
-
-class _LocalRun:
-    """A command for a server on this machine: a child process that dies with this one, and ends as Ctrl-C
-    would end it when its standard input closes."""
-
-    def __init__(self, name: str, argv: list[str], lines: Lines) -> None:
-        self.name = name
-        self.pid: int | None = None
-        self.returncode: int | None = None
-        self._process = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C reaches this process, which ends it
-            preexec_fn=PREEXEC,
-        )
-        assert self._process.stdout is not None
-        self._reader = threading.Thread(target=self._read, args=(self._process.stdout, lines), daemon=True)
-        self._reader.start()
-
-    def _read(self, stream: IO[bytes], lines: Lines) -> None:
-        for raw in stream:
-            lines.put((self.name, raw.decode(errors="replace").rstrip("\r\n")))
-
-    def poll(self) -> int | None:
-        self.returncode = self._process.poll()
-        return self.returncode
-
-    def end(self, grace_s: float = END_GRACE_S) -> None:
-        with contextlib.suppress(OSError):
-            assert self._process.stdin is not None
-            self._process.stdin.close()
-        try:
-            self._process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
-        self.poll()
-
-    def close(self) -> None:
-        self._reader.join(END_GRACE_S)
-        with contextlib.suppress(OSError):
-            assert self._process.stdin is not None
-            self._process.stdin.close()
 
 
 def _minutes(seconds: float) -> str:
