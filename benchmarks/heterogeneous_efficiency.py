@@ -12,7 +12,19 @@ GBS (``--gbs``, default 64 and 256), through the commands a user types:
    the default of ``jabas run``), each plan trained with ``jabas run --plan``;
    where ``auto`` left the slow server out, ``--servers all`` too (was
    leaving it out right?);
-3. plain DDP: both servers at LBS ``GBS / 2``, one worker each.
+3. plain DDP: both servers at LBS ``GBS / 2``, one worker each;
+4. uneven-batch DDP (``uneven_ddp.py``): one process per server, the GBS
+   split in proportion to the samples/s each server alone measured in step
+   2 (as a user would tune it: from measured speeds), each rank's loss
+   weighted by its share, so the same SGD; measured after the rounds above;
+5. the online model: every plan measured in the first round (each server
+   alone, jabas's, plain DDP) refits the model (``jabas run`` does this
+   after every solved run; here it is called directly, since these runs
+   train plan files); the plan the refit model then chooses (``refit plan``)
+   is trained too when it differs, and the model's error on jabas's plan is
+   printed before (the offline profiles' prediction against the mean of the
+   rounds) and after the refit (its prediction against the rounds after the
+   first, which it did not see; with one round, the first: in sample).
 
 The runs of a row are measured in ``--rounds`` rounds (default 2), the order
 reversed every other round (A B C, C B A), and each figure is the mean of its
@@ -22,9 +34,10 @@ which is more than some of the gains compared here; reversed rounds cancel a
 drift that is linear over the row, and the per-row line prints every round.
 
 Printed per row: samples/s of each server alone, of jabas's plan and of plain
-DDP on both, the efficiency (jabas over the sum of the two alone; its limit is
-below 1 by the all-reduce), jabas over DDP, and jabas's predicted beside its
-measured iteration time (median of ``steps.csv`` after 5 warm-up iterations).
+DDP on both, of uneven-batch DDP, the efficiency (jabas over the sum of the two
+alone; its limit is below 1 by the all-reduce), jabas over DDP and over uneven
+DDP, and jabas's predicted beside its measured iteration time (median of
+``steps.csv`` after 5 warm-up iterations), before and after the refit.
 Every trainer runs at one thread (``OMP_NUM_THREADS=1``), so that "alone" and
 "together" share the machine alike; the load average is printed before and
 after (on a busy machine, two trainers side by side each lose part of a core).
@@ -39,6 +52,7 @@ It prints figures; it asserts nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -56,7 +70,11 @@ from jabascli.engine.metrics import median_iteration_s
 from jabascli.engine.steplog import LOG_INTERVAL_S
 from jabascli.errors import InputError
 from jabascli.solver import read_plan, solver_from_config, write_plan
+from jabascli.solver.online import learn_from_run
 from jabascli.solver.plan import Assignment, Plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from uneven_ddp import UnevenSpec, median_after_warmup, split_batch, train_uneven
 
 WORKLOADS: dict[str, tuple[str, dict[str, Any]]] = {
     "digits": ("digits", {"width": 16}),
@@ -157,6 +175,9 @@ class Bench:
             "slowdown": slowdown,
         }
         self.config = self.write_config(f"{key}_x{slowdown:g}")
+        # The same job whose model learns from the runs (its refits in its own run folder): self.config's
+        # plans stay the offline profiles' own.
+        self.online = self.write_config(f"{key}_x{slowdown:g}_online")
 
     def write_config(self, name: str) -> Path:
         path = self.root / f"{name}.toml"
@@ -169,10 +190,22 @@ class Bench:
         report["wall_s"] = time.monotonic() - began
         return report
 
-    def solve(self, gbs: int, servers: str) -> Plan:
-        out = self.root / "plans" / f"{self.key}_x{self.slowdown:g}_{gbs}_{servers.replace(',', '+')}.json"
+    def solve(self, gbs: int, servers: str, config: Path | None = None) -> Plan:
+        tag = "" if config is None else f"_{config.stem}"
+        out = self.root / "plans" / f"{self.key}_x{self.slowdown:g}_{gbs}_{servers.replace(',', '+')}{tag}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        jabas("solve", "-c", str(self.config), "--gbs", str(gbs), "--servers", servers, "--out", str(out), "--json")
+        jabas(
+            "solve",
+            "-c",
+            str(config or self.config),
+            "--gbs",
+            str(gbs),
+            "--servers",
+            servers,
+            "--out",
+            str(out),
+            "--json",
+        )
         return read_plan(out)
 
     def ddp(self, gbs: int) -> Plan:
@@ -202,6 +235,37 @@ class Bench:
         if found is None:
             raise RuntimeError(f"{name}: no iterations in steps.csv")
         return Measured(plan, predicted, found[0], found[1])
+
+    def uneven(self, gbs: int, speeds: list[float], args: argparse.Namespace) -> Uneven:
+        """Uneven-batch DDP at ``gbs``, split by ``speeds`` (samples/s of each server alone), ``args.rounds`` times."""
+        workload, options = WORKLOADS[self.key]
+        batches = split_batch(gbs, speeds)
+        guess = gbs / sum(speeds)
+        steps = max(12 if args.quick else 15, min(5000, 5 + math.ceil(max(args.seconds, 1.0) / guess)))
+        spec = UnevenSpec(workload, options, tuple(batches), (1.0, self.slowdown), steps)
+        rounds = []
+        for _ in range(args.rounds):
+            with tempfile.TemporaryDirectory(prefix="uneven-", dir=self.root) as folder:
+                rounds.append(median_after_warmup(train_uneven(spec, Path(folder))))
+        return Uneven(batches, statistics.fmean(rounds), rounds)
+
+    def refit(self, gbs: int, measured: dict[str, Measured], mine: Measured, args: argparse.Namespace) -> Refit:
+        """Refit the model to every plan's first round; predict jabas's plan again; solve and train the refit plan."""
+        loaded = load_config(self.online)
+        for run in measured.values():
+            if run.plan.iteration_time_s is not None:
+                iterations = max(1, run.iterations // max(1, len(run.rounds)))
+                learn_from_run(loaded, run.plan, (run.rounds or [run.measured_s])[0], iterations)
+        predicted = None
+        with contextlib.suppress(InputError):
+            predicted = solver_from_config(load_config(self.online)).predict(mine.plan).time_s
+        later = mine.rounds[1:] or mine.rounds or [mine.measured_s]
+        error = (statistics.fmean(later) - predicted) / predicted if predicted else None
+        plan = self.solve(gbs, "auto", self.online)
+        trained = None
+        if plan.lbs != mine.plan.lbs or shape(plan) != shape(mine.plan):
+            trained = measure_rounds(self, {"refit": plan}, args)["refit"]
+        return Refit(predicted, error, plan, trained)
 
 
 def load() -> str:
@@ -257,8 +321,36 @@ def main() -> None:
     print(f"\nafter: {load()}; {time.monotonic() - began:.0f} s in all")
 
 
+@dataclass
+class Uneven:
+    """Uneven-batch DDP of one row: each server's local batch, and the measured iteration time (mean of rounds)."""
+
+    batches: list[int]
+    measured_s: float
+    rounds: list[float]
+
+    @property
+    def samples_per_s(self) -> float:
+        return sum(self.batches) / self.measured_s
+
+
+@dataclass
+class Refit:
+    """What the online model made of a row's first round: jabas's plan predicted after it, and its own plan."""
+
+    predicted_s: float | None
+    """The refit model's prediction of jabas's (offline) plan."""
+    error_after: float | None
+    """Against the rounds after the first (in sample with one round)."""
+    plan: Plan
+    """The plan the refit model chooses for the row's GBS."""
+    measured: Measured | None
+    """That plan trained, when it differs from jabas's offline one."""
+
+
 def measure_row(bench: Bench, key: str, slowdown: float, gbs: int, args: argparse.Namespace) -> tuple[Any, ...]:
-    """Each server alone, jabas's plan (and both servers' best where it left one out), plain DDP."""
+    """Each server alone, jabas's plan (and both servers' best where it left one out), plain DDP, uneven DDP,
+    and the plan of the model refit to the first round."""
     plans = {"fast": bench.solve(gbs, "fast"), "slow": bench.solve(gbs, bench.slow)}
     own = bench.solve(gbs, "auto")
     if own.lbs != plans["fast"].lbs or shape(own) != shape(plans["fast"]):
@@ -270,7 +362,9 @@ def measure_row(bench: Bench, key: str, slowdown: float, gbs: int, args: argpars
     fast = measured["fast"]
     mine = measured.get("jabas", fast)
     every = measured.get("every", mine)
-    return (key, slowdown, gbs, fast, measured["slow"], mine, every, measured["ddp"])
+    uneven = bench.uneven(gbs, [fast.samples_per_s, measured["slow"].samples_per_s], args)
+    refit = bench.refit(gbs, measured, mine, args)
+    return (key, slowdown, gbs, fast, measured["slow"], mine, every, measured["ddp"], uneven, refit)
 
 
 def measure_rounds(bench: Bench, plans: dict[str, Plan], args: argparse.Namespace) -> dict[str, Measured]:
@@ -289,15 +383,28 @@ def shape(plan: Plan) -> list[tuple[str, int, int, int]]:
 
 
 def row_line(row: tuple[Any, ...]) -> str:
-    key, slowdown, gbs, fast, slow, mine, every, ddp = row
+    key, slowdown, gbs, fast, slow, mine, every, ddp, uneven, refit = row
     both = "" if every is mine else f", both servers' best plan {every.samples_per_s:.0f}/s"
     predicted = f"predicted {mine.predicted_s * 1e3:.1f} ms, " if mine.predicted_s else ""
+    after = f"; after the refit {refit.predicted_s * 1e3:.1f} ms" if refit.predicted_s else ""
     return (
         f"{key} x{slowdown:g} GBS {gbs}: fast {fast.samples_per_s:.0f}/s{fast.per_round()}, "
         f"slow {slow.samples_per_s:.0f}/s, jabas {mine.samples_per_s:.0f}/s{mine.per_round()} "
-        f"({mine.servers}, LBS {mine.plan.lbs}; {predicted}measured {mine.measured_s * 1e3:.1f} ms){both}, "
-        f"DDP {ddp.samples_per_s:.0f}/s"
+        f"({mine.servers}, LBS {mine.plan.lbs}; {predicted}measured {mine.measured_s * 1e3:.1f} ms{after}){both}, "
+        f"DDP {ddp.samples_per_s:.0f}/s, uneven DDP {uneven.samples_per_s:.0f}/s "
+        f"(batches {'+'.join(map(str, uneven.batches))}; rounds "
+        + ", ".join(f"{sum(uneven.batches) / t:.0f}/s" for t in uneven.rounds)
+        + f"), refit plan {refit_cell(refit, mine)}"
     )
+
+
+def refit_cell(refit: Refit, mine: Measured) -> str:
+    """The plan the refit model chose: ``(the same)``, or it and what it measured."""
+    if refit.measured is None:
+        return "(the same)"
+    run = refit.measured
+    gain = run.samples_per_s / mine.samples_per_s
+    return f"{run.samples_per_s:.0f}/s ({run.plan.seed_form()}, LBS {run.plan.lbs}; x{gain:.2f})"
 
 
 def both_cell(every: Measured, mine: Measured) -> str:
@@ -310,11 +417,12 @@ def both_cell(every: Measured, mine: Measured) -> str:
 
 def table(rows: list[tuple[Any, ...]]) -> str:
     head = (
-        "| workload | slow | GBS | fast alone | slow alone | jabas (plan) | both, best plan | plain DDP | efficiency "
-        "| jabas/fast | jabas/DDP | predicted | measured | error |"
+        "| workload | slow | GBS | fast alone | slow alone | jabas (offline plan) | both, best plan | plain DDP "
+        "| uneven DDP (batches) | efficiency | jabas/fast | jabas/DDP | jabas/uneven | predicted | measured | error "
+        "| error after refit | refit plan |"
     )
-    lines = [head, "|" + " --- |" * 14]
-    for key, slowdown, gbs, fast, slow, mine, every, ddp in rows:
+    lines = [head, "|" + " --- |" * 18]
+    for key, slowdown, gbs, fast, slow, mine, every, ddp, uneven, refit in rows:
         efficiency = mine.samples_per_s / (fast.samples_per_s + slow.samples_per_s)
         both = len(mine.plan.assignments) > 1
         if mine.predicted_s and both:
@@ -322,13 +430,15 @@ def table(rows: list[tuple[Any, ...]]) -> str:
             predicted = f"{mine.predicted_s * 1e3:.1f} ms"
         else:
             error, predicted = ("-", f"{mine.predicted_s * 1e3:.1f} ms" if mine.predicted_s else "-")
+        after = f"{refit.error_after:+.0%}" if refit.error_after is not None else "-"
         plan = f"{mine.plan.seed_form()}, LBS {mine.plan.lbs}"
         lines.append(
             f"| {key} | {slowdown:g}x | {gbs} | {fast.samples_per_s:.0f}/s | {slow.samples_per_s:.0f}/s "
             f"| {mine.samples_per_s:.0f}/s ({plan}) | {both_cell(every, mine)} | {ddp.samples_per_s:.0f}/s "
-            f"| {efficiency:.2f} "
+            f"| {uneven.samples_per_s:.0f}/s ({'+'.join(map(str, uneven.batches))}) | {efficiency:.2f} "
             f"| {mine.samples_per_s / fast.samples_per_s:.2f} | {mine.samples_per_s / ddp.samples_per_s:.2f} "
-            f"| {predicted} | {mine.measured_s * 1e3:.1f} ms | {error} |"
+            f"| {mine.samples_per_s / uneven.samples_per_s:.2f} "
+            f"| {predicted} | {mine.measured_s * 1e3:.1f} ms | {error} | {after} | {refit_cell(refit, mine)} |"
         )
     return "\n".join(lines)
 

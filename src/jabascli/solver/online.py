@@ -111,11 +111,19 @@ def _groups(loaded: LoadedConfig, profiles: ProfileSet, plan: ObservedPlan) -> t
 
 
 def observations(loaded: LoadedConfig, profiles: ProfileSet, plans: list[ObservedPlan]) -> list[Observation]:
+    """The plans the model can predict on ``profiles``, as observations (others, e.g. at an LBS that was not
+    profiled, say nothing about its terms)."""
     out = []
     for p in plans:
         groups = _groups(loaded, profiles, p)
-        if groups is not None and p.weight_sync in ("sequential", "overlap"):
-            out.append(Observation(p.lbs, p.weight_sync, groups, p.measured_s, p.iterations, p.disturbed))  # type: ignore[arg-type]
+        if groups is None or p.weight_sync not in ("sequential", "overlap"):
+            continue
+        o = Observation(p.lbs, p.weight_sync, groups, p.measured_s, p.iterations, p.disturbed)  # type: ignore[arg-type]
+        try:
+            predict(profiles, o)
+        except (InputError, ValueError):
+            continue
+        out.append(o)
     return out
 
 
