@@ -46,10 +46,13 @@ def seed_worker(seed: int, device: torch.device) -> None:
 
 
 def to_device(value: Any, device: torch.device) -> Any:
+    """Tensors (also inside tuples, lists and dicts) moved to ``device``; anything else as it is."""
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=True)
     if isinstance(value, tuple | list):
         return type(value)(to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
     return value
 
 

@@ -5,9 +5,9 @@ The parent writes a JSON spec to a private temporary folder and runs
 stderr go to a log file in that folder; the parent follows it for progress
 lines (``PROGRESS_PREFIX`` + JSON; anything else a workload prints is kept
 for the error report) while it waits. The child writes its result as JSON to
-RESULT and exits 0. A child that dies without a result (a segfault, the
-kernel's OOM killer, a timeout) is reported with its exit status and the last
-line of its log.
+RESULT and exits 0, or 1 with the error it reports (:mod:`.worker`). A child
+that dies without a result (a segfault, the kernel's OOM killer, a timeout) is
+reported with its exit status and the last line of its log.
 
 Children are started in one of two ways:
 
@@ -54,13 +54,17 @@ POLL_SECONDS = 0.05
 class ChildCrashed(Exception):
     """The child exited without a result."""
 
-    def __init__(self, returncode: int | None, last_line: str, timed_out: bool = False) -> None:
+    def __init__(self, returncode: int | None, last_line: str, timed_out: bool = False, reported: bool = False) -> None:
         self.returncode = returncode
         self.last_line = last_line
         self.timed_out = timed_out
+        self.reported = reported
+        """The child wrote why it failed (``last_line``) in its result (:mod:`.worker`)."""
         super().__init__(self.describe())
 
     def describe(self) -> str:
+        if self.reported and not self.timed_out:
+            return self.last_line
         if self.timed_out:
             status = "timed out and was killed"
         elif self.returncode is not None and self.returncode < 0:
@@ -115,6 +119,43 @@ def run_children(
     the one that failed first.
     """
     return _run(module, specs, on_progress, timeout, forked=False)
+
+
+PORT_ATTEMPTS = 3
+
+
+def port_taken(crash: ChildCrashed) -> bool:
+    """The group's rendezvous port was in use (taken by another program since it was picked)."""
+    return "address already in use" in crash.describe().lower()
+
+
+def run_group(
+    module: str,
+    specs_at: Callable[[int], Sequence[dict[str, Any]]],
+    port: int | None = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    timeout: float | None = None,
+    on_new_port: Callable[[int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """:func:`run_children` for the processes of one group meeting at ``port`` (None: a free one), their specs
+    ``specs_at(port)``. While the port turns out to be in use, up to :data:`PORT_ATTEMPTS` tries, the group
+    meets at another free port (``on_new_port(port)`` is told which); then :class:`ChildCrashed` of the last try.
+    ``on_new_port`` None and ``port`` given: the port is someone else's choice, and is not changed.
+    """
+    from jabascli.net import free_port
+
+    movable = port is None or on_new_port is not None
+    port = free_port() if port is None else port
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return run_children(module, specs_at(port), on_progress, timeout)
+        except ChildCrashed as crash:
+            if not (movable and port_taken(crash)) or attempt == PORT_ATTEMPTS - 1:
+                raise
+            port = free_port()
+            if on_new_port is not None:
+                on_new_port(port)
+    raise AssertionError("unreachable")
 
 
 def _run(
@@ -216,7 +257,7 @@ def _collect(folder: Path, procs: list[_Process], timed_out: bool) -> list[dict[
         else:
             # A child that failed cleanly says why in its result; one that died, in its log.
             said = result.get("error") if result is not None else None
-            crashes.append(ChildCrashed(code, said or _last_line(folder / f"log{i}"), timed_out))
+            crashes.append(ChildCrashed(code, said or _last_line(folder / f"log{i}"), timed_out, reported=bool(said)))
     if crashes:
         # A child killed because another failed says little; report the one that failed first.
         crashes.sort(key=lambda c: c.returncode == -signal.SIGKILL)

@@ -37,7 +37,7 @@ from typing import Any
 from jabascli.config.loader import LoadedConfig
 from jabascli.errors import InputError, RuntimeFailure
 from jabascli.net import free_port
-from jabascli.profiler.child import ChildCrashed, run_children
+from jabascli.profiler.child import ChildCrashed, port_taken, run_group
 from jabascli.profiler.common import Reporter, Target, ensure_writable, positive, resolve_target
 from jabascli.profiles.formats import (
     BUCKET_MB,
@@ -51,7 +51,6 @@ from jabascli.profiles.formats import (
 )
 
 WORKER_MODULE = "jabascli.profiler.comm_worker"
-PORT_ATTEMPTS = 3
 AFTER_WAIT_MS = 2.0
 """gloo: also time all-reduces that the last rank enters this long after the others, who wait blocked."""
 
@@ -190,22 +189,27 @@ def profile_comm(
         reporter.progress(done, len(sizes_bytes), f"{kind}: {size:g} MB all-reduce took {took:.2f} ms")
 
     reporter.progress(0, len(sizes_bytes), f"{kind}: {world_size} processes ({backend}) meeting at {addr}:{port}")
-    for attempt in range(PORT_ATTEMPTS):
-        try:
-            results = run_children(WORKER_MODULE, specs, on_progress, timeout=timeout)
-            break
-        except ChildCrashed as crash:
-            taken = "address already in use" in crash.describe().lower()
-            ours = addr == "127.0.0.1" and (loopback_nodes is not None or not inter)  # we picked the port
-            if taken and ours and attempt < PORT_ATTEMPTS - 1:
-                port = free_port()  # taken by another program since it was picked: pick another
-                reporter.note(f"{kind}: port in use, meeting at {addr}:{port} instead")
-                specs = [{**spec, "master_port": port} for spec in specs]
-                continue
-            where = f" (port {port} on {addr} is in use: give another with --master)" if taken else ""
-            raise RuntimeFailure(
-                [f"all-reduce measurement ({kind}, {backend}) failed: {crash.describe()}{where}"]
-            ) from None
+    ours = addr == "127.0.0.1" and (loopback_nodes is not None or not inter)  # this process picked the port
+
+    def moved(new: int) -> None:
+        nonlocal port
+        port = new
+        reporter.note(f"{kind}: port in use, meeting at {addr}:{port} instead")
+
+    try:
+        results = run_group(
+            WORKER_MODULE,
+            lambda at: [{**spec, "master_port": at} for spec in specs],
+            port,
+            on_progress,
+            timeout,
+            on_new_port=moved if ours else None,
+        )
+    except ChildCrashed as crash:
+        where = f" (port {port} on {addr} is in use: give another with --master)" if port_taken(crash) else ""
+        raise RuntimeFailure(
+            [f"all-reduce measurement ({kind}, {backend}) failed: {crash.describe()}{where}"]
+        ) from None
     rows = results[0]["rows"]
     ideal = [ring_allreduce_ideal_ms(row["size_bytes"], bandwidth, world_size) for row in rows]
     measured = [row["median"] for row in rows]

@@ -51,8 +51,7 @@ from jabascli.atomic import atomic_write_json
 from jabascli.config import LoadedConfig
 from jabascli.errors import InputError, RuntimeFailure
 from jabascli.inputs import read_json
-from jabascli.net import free_port
-from jabascli.profiler.child import ChildCrashed, run_child, run_children
+from jabascli.profiler.child import ChildCrashed, run_child, run_group
 from jabascli.profiler.common import Reporter, ensure_writable, job_workload, resolve_target, servers_here
 from jabascli.profiles.hybrid import (
     BandwidthFit,
@@ -206,15 +205,7 @@ def _two_ranks(
     def progress(fields: dict[str, Any]) -> None:
         reporter.progress(fields.get("done", 0), len(mbs), f"blocks, {what}: micro-batch size {fields.get('mbs')}")
 
-    for attempt in range(3):
-        port = free_port()
-        try:
-            specs = [{**base, "rank": r, "master_port": port} for r in (0, 1)]
-            results = run_children(WORKER, specs, progress, 600)
-            break
-        except ChildCrashed as crash:
-            if "address already in use" not in crash.describe().lower() or attempt == 2:
-                raise RuntimeFailure([f"hybrid {what} block profile failed: {crash.describe()}"]) from None
+    results = _pair(base, progress, 600, f"hybrid {what} block profile")
     if any(r.get("status") == "skip" for r in results):
         return {"status": "skip"}
     slower: dict[str, Any] = {}
@@ -222,6 +213,16 @@ def _two_ranks(
         other = results[1]["times"][b]
         slower[b] = {k: _max(v, other[k]) for k, v in mine.items()}
     return {"status": "ok", "times": slower}
+
+
+def _pair(base: dict[str, Any], progress: Any, timeout: float, what: str) -> list[dict[str, Any]]:
+    """Ranks 0 and 1 of ``base``'s measurement, two processes meeting on loopback at a free port; their results."""
+    try:
+        return run_group(
+            WORKER, lambda port: [{**base, "rank": r, "master_port": port} for r in (0, 1)], None, progress, timeout
+        )
+    except ChildCrashed as crash:
+        raise RuntimeFailure([f"{what} failed: {crash.describe()}"]) from None
 
 
 def _max(a: Any, b: Any) -> Any:
@@ -255,14 +256,7 @@ def _collectives(types: list[str], reporter: Reporter) -> tuple[Network, Bandwid
     def progress(fields: dict[str, Any]) -> None:
         reporter.progress(fields.get("done", 0), len(SIZES_BYTES), f"collectives: {fields.get('size_bytes')} bytes")
 
-    for attempt in range(3):
-        port = free_port()
-        try:
-            results = run_children(WORKER, [{**base, "rank": r, "master_port": port} for r in (0, 1)], progress, 300)
-            break
-        except ChildCrashed as crash:
-            if "address already in use" not in crash.describe().lower() or attempt == 2:
-                raise RuntimeFailure([f"hybrid collective profile failed: {crash.describe()}"]) from None
+    results = _pair(base, progress, 300, "hybrid collective profile")
     # the servers share this machine: what crosses between them is what was measured here
     rows = [CollectiveTime(devices=2, link=link, **row) for link in ("intra", "inter") for row in results[0]["rows"]]
     ring = [r for r in rows if r.collective == "all_reduce"]

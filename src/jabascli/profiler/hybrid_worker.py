@@ -32,16 +32,13 @@ Two kinds of spec (``kind``):
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-import traceback
-from datetime import timedelta
-from pathlib import Path
 from statistics import median
 from typing import Any
 
 from jabascli.profiler.child import emit_progress
+from jabascli.profiler.worker import group, join_group, time_collective, worker_main
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 IDLE_S = 0.002
@@ -51,7 +48,7 @@ IDLE_S = 0.002
 def measure_blocks(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from jabascli.profiler.step import to_device
+    from jabascli.engine.data import to_device
     from jabascli.workload import load_workload
 
     if spec.get("threads"):
@@ -191,7 +188,7 @@ def _measure_sharded(spec: dict[str, Any], workload: Any, device: Any, units: li
     """Time two micro-batches and the update per iteration on the FSDP2 units (module docstring); medians."""
     import torch.distributed as dist
 
-    from jabascli.profiler.step import to_device
+    from jabascli.engine.data import to_device
 
     def configure(sync: bool, reshard_backward: bool) -> None:
         for unit in units:  # as engine/parallel/sharding.py runs unequal micro-batch counts
@@ -258,27 +255,15 @@ def _join_tp_group(spec: dict[str, Any], device: Any, blocks: list[Any], workloa
 
 def _join_group(spec: dict[str, Any], device: Any, dim: str) -> Any:
     """Join the measurement's process group (gloo on loopback, NCCL on GPUs); a one-dimensional mesh of it."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from jabascli.engine.distributed import bind_gloo_towards, rendezvous_store
-
-    rank, world = int(spec["rank"]), int(spec["world_size"])
-    timeout = timedelta(seconds=float(spec.get("timeout", 120)))
-    bind_gloo_towards(spec["master_addr"])
-    store = rendezvous_store(spec["master_addr"], int(spec["master_port"]), rank == 0, timeout)
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return init_device_mesh(device.type, (world,), mesh_dim_names=(dim,))
+    join_group(spec, "nccl" if device.type == "cuda" else "gloo", device, timeout_s=120)
+    return init_device_mesh(device.type, (int(spec["world_size"]),), mesh_dim_names=(dim,))
 
 
 def _sizes(torch: Any, workload: Any, model: Any, blocks: list[Any], optimizer: Any, b: int, device: Any) -> dict:
     """Parameter, activation and output bytes per block, and optimizer state bytes per parameter byte."""
-    from jabascli.profiler.step import to_device
+    from jabascli.engine.data import to_device
 
     n = len(blocks)
     in_block = {id(m) for blk in blocks for m in blk.modules()}
@@ -368,15 +353,10 @@ def measure_collectives(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from jabascli.engine.distributed import bind_gloo_towards, rendezvous_store
-
     rank, world = int(spec["rank"]), int(spec["world_size"])
     torch.set_num_threads(1)
-    timeout = timedelta(seconds=float(spec.get("timeout", 120)))
-    bind_gloo_towards(spec["master_addr"])
-    store = rendezvous_store(spec["master_addr"], int(spec["master_port"]), rank == 0, timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    try:
+    cpu = torch.device("cpu")
+    with group(spec, "gloo", cpu, timeout_s=120):
         rows = []
         sizes = [int(s) for s in spec["sizes_bytes"]]
         for k, size in enumerate(sizes):
@@ -384,20 +364,15 @@ def measure_collectives(spec: dict[str, Any]) -> dict[str, Any]:
             data = torch.ones(count)
             part = torch.ones(count // world)
             for name in COLLECTIVES:
-                taken = []
-                for _ in range(int(spec.get("reps", 7))):
-                    dist.barrier()
-                    t0 = time.perf_counter()
+
+                def op(name: str = name, data: Any = data, part: Any = part) -> None:
                     _collective(dist, name, data, part, rank)
-                    taken.append(time.perf_counter() - t0)
-                slowest = torch.tensor(taken, dtype=torch.float64)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                rows.append({"collective": name, "size_bytes": count * 4, "seconds": median(slowest.tolist())})
+
+                taken = time_collective(op, cpu, int(spec.get("reps", 7)))
+                rows.append({"collective": name, "size_bytes": count * 4, "seconds": median(taken)})
             if rank == 0:
                 emit_progress(done=k + 1, total=len(sizes), size_bytes=count * 4)
         return {"status": "ok", "rows": rows}
-    finally:
-        dist.destroy_process_group()
 
 
 def _collective(dist: Any, name: str, data: Any, part: Any, rank: int) -> None:
@@ -415,16 +390,12 @@ def _collective(dist: Any, name: str, data: Any, part: Any, rank: int) -> None:
         dist.recv(data, 0)
 
 
+def _measure(spec: dict[str, Any]) -> dict[str, Any]:
+    return measure_blocks(spec) if spec["kind"] == "blocks" else measure_collectives(spec)
+
+
 def main(argv: list[str]) -> int:
-    spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    try:
-        result = measure_blocks(spec) if spec["kind"] == "blocks" else measure_collectives(spec)
-    except Exception as exc:
-        traceback.print_exc()
-        lines = str(exc).strip().splitlines()
-        result = {"status": "error", "error": f"{type(exc).__name__}: {lines[0] if lines else ''}"}
-    Path(argv[1]).write_text(json.dumps(result), encoding="utf-8")
-    return 0 if result["status"] in ("ok", "skip") else 1
+    return worker_main(argv, _measure)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from jabascli.engine.data import to_device
 from jabascli.engine.timing import PHASES as ENGINE_PHASES
 from jabascli.engine.timing import PhaseTimer
 from jabascli.workload import Workload
@@ -73,17 +74,6 @@ class StepTimes:
     @property
     def total(self) -> float:
         return self.data + self.fwd + self.bwd + self.copy + self.update + self.overhead
-
-
-def to_device(obj: Any, device: torch.device) -> Any:
-    """Tensors (also inside tuples, lists and dicts) moved to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    return obj
 
 
 def synthetic_batches(workload: Workload, lbs: int) -> Iterator[Batch]:

@@ -7,7 +7,8 @@ measure; the result says how it went:
 ``status``
     ``ok``; ``oom`` when the device ran out of memory (a CUDA
     ``OutOfMemoryError``, or an emulated device's tensors exceeding its
-    budget); ``error`` for anything else, with the error's first line. Only
+    budget); ``error`` for anything else, with the error's first line (the
+    child then exits 1, :mod:`jabascli.profiler.worker`). Only
     ``oom`` means "does not fit": a trial that crashed for another reason is
     never counted as out of memory.
 ``peak_bytes``
@@ -19,16 +20,15 @@ measure; the result says how it went:
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
-import traceback
 from pathlib import Path
 from statistics import median
 from typing import Any
 
 from jabascli.profiler.child import emit_progress
+from jabascli.profiler.worker import first_line, worker_main
 
 MIN_WARMUP = 2
 """Warm-up iterations a time budget never cuts: the first iteration pays one-time costs."""
@@ -87,11 +87,6 @@ def _is_cuda_oom(exc: BaseException) -> bool:
     )
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 def run_memory_trial(spec: dict[str, Any]) -> dict[str, Any]:
     """A few training iterations of ``num_models`` VSWs; did they fit, and at what peak."""
     import torch
@@ -112,7 +107,7 @@ def run_memory_trial(spec: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:
             if not _is_cuda_oom(exc):
                 raise
-            return {"status": "oom", "peak_bytes": int(torch.cuda.max_memory_allocated(0)), "error": _first_line(exc)}
+            return {"status": "oom", "peak_bytes": int(torch.cuda.max_memory_allocated(0)), "error": first_line(exc)}
         return {"status": "ok", "peak_bytes": int(torch.cuda.max_memory_allocated(0))}
 
     tracker = TensorMemoryTracker(budget=spec.get("budget"))
@@ -207,7 +202,7 @@ def run_comp(spec: dict[str, Any]) -> dict[str, Any]:
             overlap_update = max(0.0, median(overlapped) - median(without_update))
     except Exception as exc:
         if spec["device"] == "cuda" and _is_cuda_oom(exc):
-            return {"status": "oom", "error": _first_line(exc)}
+            return {"status": "oom", "error": first_line(exc)}
         raise
     finally:
         step = None  # free DDP before its process group goes
@@ -238,16 +233,12 @@ def _leave_group() -> None:
         dist.destroy_process_group()
 
 
+def _measure(spec: dict[str, Any]) -> dict[str, Any]:
+    return run_memory_trial(spec) if spec["kind"] == "memory" else run_comp(spec)
+
+
 def main(argv: list[str]) -> int:
-    spec_path, result_path = Path(argv[0]), Path(argv[1])
-    spec = json.loads(spec_path.read_text(encoding="utf-8"))
-    try:
-        result = run_memory_trial(spec) if spec["kind"] == "memory" else run_comp(spec)
-    except Exception as exc:
-        traceback.print_exc()
-        result = {"status": "error", "error": _first_line(exc)}
-    result_path.write_text(json.dumps(result), encoding="utf-8")
-    return 0
+    return worker_main(argv, _measure)
 
 
 if __name__ == "__main__":
