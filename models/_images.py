@@ -27,12 +27,14 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from jabascli.builtin_models._options import Spec
 from jabascli.errors import InputError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -370,3 +372,40 @@ class SyntheticImages(Dataset):
 
     def summary(self) -> str:
         return f"synthetic data ({self.size} samples)"
+
+
+# What the image classifiers (ResNet, ViT) share ------------------------------------------------------------
+
+
+def classifier_specs(**own: Spec) -> dict[str, Spec]:
+    """An image classifier's options: ``num_classes``, the model's ``own``, then warm-up, synthetic data and
+    image verification."""
+    return {
+        "num_classes": Spec(int, "classes (default: from the data when given)", minimum=2, optional=True),
+        **own,
+        "warmup_iters": Spec(int, "linear learning-rate warm-up iterations", minimum=0),
+        "synthetic_size": Spec(int, "training samples when no data is given", minimum=1),
+        "verify_images": Spec(bool, "decode every image before training"),
+    }
+
+
+def train_split(s: Any, classes: int) -> Dataset:
+    """The training images of a classifier's settings ``s``: the data's train/ folder, else synthetic ones."""
+    if s.data is None:
+        return SyntheticImages(s.synthetic_size, classes, s.image_size, seed=0)
+    dataset = image_folder(s.data, "train", s.image_size, verify=s.verify_images)
+    assert dataset is not None
+    return dataset
+
+
+def val_split(s: Any, classes: int, synthetic_size: int) -> Dataset | None:
+    """The val/ split; None (no validation) when the data has no val/ folder."""
+    if s.data is None:
+        return SyntheticImages(synthetic_size, classes, s.image_size, seed=1)
+    return image_folder(s.data, "val", s.image_size, verify=s.verify_images)
+
+
+def random_batch(batch_size: int, image_size: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images and labels: a classifier's synthetic batch."""
+    images = torch.randn(batch_size, 3, image_size, image_size)
+    return images, torch.randint(0, classes, (batch_size,))

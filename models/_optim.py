@@ -31,3 +31,8 @@ def warmup(optimizer: torch.optim.Optimizer, iterations: int) -> torch.optim.lr_
 def adamw(params: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """AdamW with weight decay on the weights only (:func:`decay_groups`): the transformers' optimizer."""
     return torch.optim.AdamW(decay_groups(params, weight_decay), lr=lr, weight_decay=weight_decay)
+
+
+def sgd(params: Any, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+    """SGD with momentum and weight decay on the weights only (:func:`decay_groups`): the convolutional nets'."""
+    return torch.optim.SGD(decay_groups(params, weight_decay), lr=lr, momentum=momentum, weight_decay=weight_decay)

@@ -87,7 +87,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jabascli.builtin_models import _boxes, _coco
-from jabascli.builtin_models._optim import decay_groups, warmup
+from jabascli.builtin_models._optim import sgd, warmup
 from jabascli.builtin_models._options import Spec, resolve
 from jabascli.builtin_models.resnet import BasicBlock, ResNet, resnet50
 from jabascli.errors import InputError
@@ -520,9 +520,7 @@ def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def optimizer(params: Any, options: dict[str, Any]) -> torch.optim.Optimizer:
     s = settings(options)
-    return torch.optim.SGD(
-        decay_groups(params, s.weight_decay), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay
-    )
+    return sgd(params, s.lr, s.momentum, s.weight_decay)
 
 
 def lr_scheduler(opt: torch.optim.Optimizer, options: dict[str, Any]) -> Any:

@@ -45,21 +45,17 @@ from torch import nn
 from jabascli.builtin_models import _images
 from jabascli.builtin_models._classify import count_correct as count_correct
 from jabascli.builtin_models._classify import loss as loss
-from jabascli.builtin_models._optim import decay_groups, warmup
+from jabascli.builtin_models._optim import sgd, warmup
 from jabascli.builtin_models._options import Spec, resolve
 
 NAME = "resnet"
 
-SPECS = {
-    "num_classes": Spec(int, "classes (default: from the data when given)", minimum=2, optional=True),
-    "image_size": Spec(int, "side of the square training crop", minimum=8),
-    "lr": Spec(float, "SGD learning rate", minimum=0),
-    "momentum": Spec(float, "SGD momentum", minimum=0),
-    "weight_decay": Spec(float, "L2 penalty on weights (not BatchNorm or biases)", minimum=0),
-    "warmup_iters": Spec(int, "linear learning-rate warm-up iterations", minimum=0),
-    "synthetic_size": Spec(int, "training samples when no data is given", minimum=1),
-    "verify_images": Spec(bool, "decode every image before training"),
-}
+SPECS = _images.classifier_specs(
+    image_size=Spec(int, "side of the square training crop", minimum=8),
+    lr=Spec(float, "SGD learning rate", minimum=0),
+    momentum=Spec(float, "SGD momentum", minimum=0),
+    weight_decay=Spec(float, "L2 penalty on weights (not BatchNorm or biases)", minimum=0),
+)
 _COMMON = {"num_classes": None, "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "warmup_iters": 0}
 _IMAGENET = {**_COMMON, "image_size": 224, "synthetic_size": 1_281_167, "verify_images": False}
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -222,26 +218,18 @@ def build_model(options: dict[str, Any]) -> nn.Module:
 
 def train_dataset(options: dict[str, Any]) -> torch.utils.data.Dataset:
     s = settings(options)
-    if s.data is None:
-        return _images.SyntheticImages(s.synthetic_size, num_classes(s), s.image_size, seed=0)
-    dataset = _images.image_folder(s.data, "train", s.image_size, verify=s.verify_images)
-    assert dataset is not None
-    return dataset
+    return _images.train_split(s, num_classes(s))
 
 
 def val_dataset(options: dict[str, Any]) -> torch.utils.data.Dataset | None:
     """The val/ split; None (no validation) when the data has no val/ folder."""
     s = settings(options)
-    if s.data is None:
-        return _images.SyntheticImages(SYNTHETIC_VAL_SIZE[s.variant], num_classes(s), s.image_size, seed=1)
-    return _images.image_folder(s.data, "val", s.image_size, verify=s.verify_images)
+    return _images.val_split(s, num_classes(s), SYNTHETIC_VAL_SIZE[s.variant])
 
 
 def optimizer(params: Any, options: dict[str, Any]) -> torch.optim.Optimizer:
     s = settings(options)
-    return torch.optim.SGD(
-        decay_groups(params, s.weight_decay), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay
-    )
+    return sgd(params, s.lr, s.momentum, s.weight_decay)
 
 
 def lr_scheduler(opt: torch.optim.Optimizer, options: dict[str, Any]) -> Any:
@@ -250,5 +238,4 @@ def lr_scheduler(opt: torch.optim.Optimizer, options: dict[str, Any]) -> Any:
 
 def synthetic_batch(batch_size: int, options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     s = settings(options)
-    images = torch.randn(batch_size, 3, s.image_size, s.image_size)
-    return images, torch.randint(0, num_classes(s), (batch_size,))
+    return _images.random_batch(batch_size, s.image_size, num_classes(s))

@@ -76,16 +76,12 @@ from jabascli.errors import InputError
 
 NAME = "vit"
 
-SPECS = {
-    "num_classes": Spec(int, "classes (default: from the data when given)", minimum=2, optional=True),
-    "image_size": Spec(int, "image side; a multiple of the patch size", minimum=1),
-    "dropout": Spec(float, "dropout after attention and in the MLP", minimum=0),
-    "lr": Spec(float, "AdamW learning rate", minimum=0),
-    "weight_decay": Spec(float, "AdamW weight decay (not on norms and biases)", minimum=0),
-    "warmup_iters": Spec(int, "linear learning-rate warm-up iterations", minimum=0),
-    "synthetic_size": Spec(int, "training samples when no data is given", minimum=1),
-    "verify_images": Spec(bool, "decode every image before training"),
-}
+SPECS = _images.classifier_specs(
+    image_size=Spec(int, "image side; a multiple of the patch size", minimum=1),
+    dropout=Spec(float, "dropout after attention and in the MLP", minimum=0),
+    lr=Spec(float, "AdamW learning rate", minimum=0),
+    weight_decay=Spec(float, "AdamW weight decay (not on norms and biases)", minimum=0),
+)
 VARIANTS: dict[str, dict[str, Any]] = {
     "vit_b16": {
         "num_classes": None,
@@ -277,19 +273,13 @@ def tp_plan(block: EncoderBlock) -> dict[str, Any]:
 
 def train_dataset(options: dict[str, Any]) -> torch.utils.data.Dataset:
     s = settings(options)
-    if s.data is None:
-        return _images.SyntheticImages(s.synthetic_size, num_classes(s), s.image_size, seed=0)
-    dataset = _images.image_folder(s.data, "train", s.image_size, verify=s.verify_images)
-    assert dataset is not None
-    return dataset
+    return _images.train_split(s, num_classes(s))
 
 
 def val_dataset(options: dict[str, Any]) -> torch.utils.data.Dataset | None:
     """The val/ split; None (no validation) when the data has no val/ folder."""
     s = settings(options)
-    if s.data is None:
-        return _images.SyntheticImages(SYNTHETIC_VAL_SIZE[s.variant], num_classes(s), s.image_size, seed=1)
-    return _images.image_folder(s.data, "val", s.image_size, verify=s.verify_images)
+    return _images.val_split(s, num_classes(s), SYNTHETIC_VAL_SIZE[s.variant])
 
 
 def optimizer(params: Any, options: dict[str, Any]) -> torch.optim.Optimizer:
@@ -303,5 +293,4 @@ def lr_scheduler(opt: torch.optim.Optimizer, options: dict[str, Any]) -> Any:
 
 def synthetic_batch(batch_size: int, options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     s = settings(options)
-    images = torch.randn(batch_size, 3, s.image_size, s.image_size)
-    return images, torch.randint(0, num_classes(s), (batch_size,))
+    return _images.random_batch(batch_size, s.image_size, num_classes(s))
