@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import tomli_w
 import tomllib
 
@@ -194,6 +195,37 @@ def test_goodput_takes_the_hybrid_planners_throughput_without_solver_profiles(tm
     assert replanner.source == "hybrid planner"
     rates = {c.plan.gbs: round(c.throughput or 0.0, 2) for c in replanner.candidates(plan)}
     assert rates == {2: round(2 / 0.2736, 2), 4: round(4 / 0.454, 2), 8: round(8 / 0.804, 2)}
+
+
+def test_the_launcher_hands_its_hybrid_plans_to_the_trainers_which_solve_no_gbs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each GBS of the range is solved once per run: a trainer takes the plans `jabas run`'s check solved."""
+    import jabascli.hybrid.job as hybrid_job
+    from jabascli.adaptive import hybrid_plans
+
+    loaded = load_config(write_job(tmp_path))
+    plan = load_plan(loaded)
+    monkeypatch.setattr(hybrid_plans, "_solved", {})
+    check_batching(loaded, plan)  # the launcher's check
+    env = hybrid_plans.hand_off_plans(loaded, tmp_path / "runs" / "replan")
+    assert list(env) == [hybrid_plans.PLANS_ENV] and Path(env[hybrid_plans.PLANS_ENV]).is_file()
+    solved = {c.plan.gbs: (c.plan, c.throughput) for c in make_replanner(loaded, plan, 43).candidates(plan)}
+    assert sorted(solved) == [2, 4, 8]
+
+    # A trainer: a process of its own, nothing solved yet, the launcher's file named in its environment.
+    monkeypatch.setattr(hybrid_plans, "_solved", {})
+    monkeypatch.setattr(hybrid_plans, "_read", set())
+    monkeypatch.setenv(hybrid_plans.PLANS_ENV, env[hybrid_plans.PLANS_ENV])
+
+    def solve_again(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a trainer solved a GBS the launcher had solved")
+
+    monkeypatch.setattr(hybrid_job, "solve", solve_again)
+    check_batching(loaded, plan)  # the trainer's start check
+    replanner = make_replanner(loaded, plan, 43)
+    assert replanner.source == "hybrid planner"
+    assert {c.plan.gbs: (c.plan, c.throughput) for c in replanner.candidates(plan)} == solved
 
 
 def _plain_and_back(rank: int, world: int, port: int, config: str, out: str) -> None:

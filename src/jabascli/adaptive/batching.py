@@ -42,6 +42,7 @@ from torch import nn
 from jabascli.adaptive.checks import check_batching as check_batching
 from jabascli.adaptive.estimators import HalfGradients
 from jabascli.adaptive.estimators import half_split as half_split
+from jabascli.adaptive.hybrid_plans import hand_off_plans as hand_off_plans
 from jabascli.adaptive.layout_measure import LayoutFirstHalf
 from jabascli.adaptive.lr_scaling import ScaledLr, lr_factor
 from jabascli.adaptive.measure import FirstHalf

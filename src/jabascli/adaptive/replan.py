@@ -36,7 +36,6 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from jabascli.config.models import ParallelConfig
 from jabascli.engine.plan import RankPlan, TrainingPlan
@@ -227,51 +226,37 @@ def in_rank_order(current: TrainingPlan, new: TrainingPlan) -> TrainingPlan | No
     return dataclasses.replace(current, lbs=new.lbs, ranks=tuple(ranks))
 
 
-_solved: dict[tuple[object, ...], tuple[Any, list[Any]]] = {}
-"""The ranges the hybrid planner solved in this process (the last few), and their job, by (config, profiles,
-servers, bounds): the trainer's start check and its replanner ask, at every trainer a process builds."""
-
-
 def hybrid_candidates(loaded: object, plan: TrainingPlan, low: int, high: int) -> list[Candidate] | None:
     """The hybrid planner's fastest plan for every GBS of ``--range low:high`` that runs on ``plan``'s ranks.
 
     None when the job's layout is not the planner's (``[parallel] plan = "auto"``) or it has no hybrid profiles
     (the other sources apply then). The same code as ``jabas solve --hybrid --range`` and ``jabas run``'s plan
-    (:func:`jabascli.hybrid.job.solve_range`, :func:`~jabascli.hybrid.job.plan_file`), on the plan's servers.
+    (:func:`jabascli.hybrid.job.solve`, :func:`~jabascli.hybrid.job.plan_file`), on the plan's servers; each
+    GBS solved once per run (:mod:`jabascli.adaptive.hybrid_plans`).
     """
+    from jabascli.adaptive.hybrid_plans import plans_for
     from jabascli.config import LoadedConfig
     from jabascli.engine.plan import plan_from_solver
     from jabascli.errors import JabasError
-    from jabascli.hybrid.job import load_job, model_name, plan_file, profiles_root, solve_range
 
     assert isinstance(loaded, LoadedConfig)
     if not loaded.config.hybrid_auto:
         return None
-    root = profiles_root(loaded)
-    if not (root / "hybrid").is_dir():
+    plans = plans_for(loaded, list(dict.fromkeys(r.server for r in plan.ranks)), low, high)
+    if plans is None:
         return None
-    servers = list(dict.fromkeys(r.server for r in plan.ranks))
-    key = (str(loaded.path), str(root), tuple(servers), low, high)
-    if key not in _solved:  # a process asks again at every trainer it builds (a relayout builds one)
-        try:
-            job = load_job(loaded, root, model_name(loaded, root), servers=servers)
-            if len(_solved) >= 4:
-                _solved.clear()
-            _solved[key] = (job, solve_range(job, low, high))
-        except (JabasError, OSError, ValueError):
-            return None
-    job, choices = _solved[key]
     out = []
-    for choice in choices:
+    for found in plans:
         try:
-            new = plan_from_solver(plan_file(job, choice), "hybrid planner", loaded)
+            new = plan_from_solver(found, "hybrid planner", loaded)
         except JabasError:
             continue
         if new.parallel is None or refused(loaded, new.parallel):
             continue
         candidate = in_layout_order(plan, new)
         if candidate is not None:
-            out.append(Candidate(candidate, choice.plan.gbs / choice.prediction.iteration_s))
+            assert found.throughput is not None  # the planner's samples per second at its GBS
+            out.append(Candidate(candidate, found.throughput))
     return out
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jabascli.adaptive.batching import check_batching
+from jabascli.adaptive.batching import check_batching, hand_off_plans
 from jabascli.config import LoadedConfig
 from jabascli.devices import trainer_threads
 from jabascli.engine.events import EVENT_FD_ENV
@@ -81,6 +81,7 @@ def run_local(
             for line in found.passed_over:
                 on_event({"event": "note", "server": None, "message": f"{line}; resuming from {found.path}"})
     logs = run_folder(loaded) / "logs"
+    env = {**(env or {}), **hand_off_plans(loaded, run_folder(loaded))}  # the hybrid plans checked above
     from jabascli.engine.conditions import profile_notes
 
     notes = profile_notes(loaded, plan, trainer_threads(plan.world_size))
