@@ -10,7 +10,10 @@ Two steps live here:
   so the performance model is fitted to the iteration that will run;
 * :class:`VswStep`, what memory trials run: the seed's step, one model replica
   per VSW with every VSW's activations alive at once (as when VSWs overlap on
-  CUDA streams), the conservative bound on how many VSWs fit.
+  CUDA streams), the conservative bound on how many VSWs fit. The engine's
+  strategies (:mod:`jabascli.engine.vsw`) run each micro-step's forward and
+  backward together, so how many activations are alive at once there depends
+  on how the streams overlap; this step holds the case where all of them are.
 
 One iteration of :class:`VswStep` is:
 
@@ -41,7 +44,6 @@ synchronised between devices here: ``bn_sync_time`` is not measured.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,6 +55,7 @@ import torch
 from jabascli.engine.data import to_device
 from jabascli.engine.timing import PHASES as ENGINE_PHASES
 from jabascli.engine.timing import PhaseTimer
+from jabascli.engine.vsw import make_replicas
 from jabascli.workload import Workload
 
 PHASES = ENGINE_PHASES  # data, fwd, bwd, copy, update, overhead
@@ -163,7 +166,7 @@ class VswStep:
         torch.manual_seed(seed)
         main = workload.build_model().to(self.device)
         main.train()
-        self.replicas = [main] + [copy.deepcopy(main) for _ in range(num_models - 1)]
+        self.replicas = make_replicas(main, num_models)
         self.params = [[p for p in r.parameters() if p.requires_grad] for r in self.replicas]
         self.optimizer = workload.optimizer(self.params[0])
         self.clock: _CpuClock | _CudaClock = _CudaClock() if self.cuda else _CpuClock()
