@@ -149,8 +149,7 @@ def test_missing_conditions_are_unknown_and_differences_are_named() -> None:
 
 def test_a_stage_names_itself_once_in_a_note() -> None:
     """`profile all`'s lines: "intra: 0.0625 MB in ..." from the profiler, not "intra: intra: ..."."""
-    from jabascli.profiler.common import Reporter
-    from jabascli.profiler.suite import _StageReporter
+    from jabascli.profiler.common import Reporter, ShareReporter
 
     class Lines(Reporter):
         def __init__(self) -> None:
@@ -160,7 +159,7 @@ def test_a_stage_names_itself_once_in_a_note() -> None:
             self.lines.append(message)
 
     outer = Lines()
-    stage = _StageReporter(outer, 0.0, 1.0, 1.0, "intra")
+    stage = ShareReporter(outer, 0.0, 1.0, 1.0, "intra: ")  # as profile_all reports a stage
     stage.note("intra: 0.0625 MB in 0.294 ms")
     stage.note("port in use")
     assert outer.lines == ["intra: 0.0625 MB in 0.294 ms", "intra: port in use"]

@@ -38,6 +38,22 @@ class Reporter:
         pass
 
 
+class ShareReporter(Reporter):
+    """A part of a run (a stage, one node's profile) reporting to the whole run's reporter: its progress as its
+    ``weight`` of the run's ``total`` after ``before``, its lines under ``prefix`` (once: a line that starts with
+    it already is passed on as it is)."""
+
+    def __init__(self, outer: Reporter, before: float, weight: float, total: float, prefix: str) -> None:
+        self.outer, self.before, self.weight, self.total, self.prefix = outer, before, weight, total, prefix
+
+    def progress(self, completed: float, total: float | None, what: str) -> None:
+        share = min(completed / total, 1.0) if total else 0.0
+        self.outer.progress(self.before + self.weight * share, self.total, f"{self.prefix}{what}")
+
+    def note(self, message: str) -> None:
+        self.outer.note(message if message.startswith(self.prefix) else f"{self.prefix}{message}")
+
+
 @dataclass(frozen=True)
 class Target:
     """The server this node profiles, and how its device is run and judged."""

@@ -51,7 +51,7 @@ from jabascli.elastic.remote import Node, SshOptions, connect_nodes, python_of
 from jabascli.elastic.token import TOKEN_ENV
 from jabascli.errors import InputError, Problem
 from jabascli.net import is_local
-from jabascli.profiler.common import Reporter
+from jabascli.profiler.common import Reporter, ShareReporter
 from jabascli.profiler.events import EVENT, parse_event
 from jabascli.profiler.node_run import Lines, NodeRun, follow, start
 from jabascli.profiler.suite import (
@@ -68,20 +68,6 @@ from jabascli.profiler.suite import (
 START_S = 5.0
 """Seconds a profiling command takes to start on a node (SSH session, the interpreter importing jabas)."""
 PORT_ATTEMPTS = 3
-
-
-class _NodeReporter(Reporter):
-    """One node's progress as its share of the whole run's, its lines prefixed with the server's name."""
-
-    def __init__(self, outer: Reporter, before: float, weight: float, total: float, name: str) -> None:
-        self.outer, self.before, self.weight, self.total, self.name = outer, before, weight, total, name
-
-    def progress(self, completed: float, total: float | None, what: str) -> None:
-        share = min(completed / total, 1.0) if total else 0.0
-        self.outer.progress(self.before + self.weight * share, self.total, f"[{self.name}] {what}")
-
-    def note(self, message: str) -> None:
-        self.outer.note(f"[{self.name}] {message}")
 
 
 @dataclass(frozen=True)
@@ -152,7 +138,7 @@ def profile_cluster(
         )
         done = 0.0
         for server in servers:
-            sub = _NodeReporter(reporter, done, weights[server.name], run.expected_s, server.name)
+            sub = ShareReporter(reporter, done, weights[server.name], run.expected_s, f"[{server.name}] ")
             argv = _profile_argv(loaded, server, options, bound, lbs_values)
             began = time.monotonic()
             stages, buckets = _profile_server(server, nodes.get(server.name), argv, sub)
@@ -164,7 +150,7 @@ def profile_cluster(
             reporter.progress(done, run.expected_s, f"[{server.name}] done")
         if len(servers) > 1:
             sizes = options.sizes or comm_sizes(run.bucket_mib)
-            sub = _NodeReporter(reporter, done, inter_s, run.expected_s, servers[0].name)
+            sub = ShareReporter(reporter, done, inter_s, run.expected_s, f"[{servers[0].name}] ")
             began = time.monotonic()
             stage = _inter(loaded, servers, nodes, sizes, options.force, port, sub)
             stage.seconds = time.monotonic() - began
@@ -293,7 +279,7 @@ def _inter(
     sizes: str,
     force: bool,
     port: int,
-    reporter: _NodeReporter,
+    reporter: ShareReporter,
 ) -> StageResult:
     """The all-reduce between the nodes: ``jabas profile comm --rank R`` on every node at once; ``reporter``
     shows rank 0's progress and notes, and any other line of a node under that node's name."""
@@ -326,7 +312,7 @@ def _inter_once(
     nodes: dict[str, Node],
     sizes: str,
     master: str,
-    reporter: _NodeReporter,
+    reporter: ShareReporter,
 ) -> StageResult | str:
     """One try of the inter-node profile; a string when rank 0's port was taken (the caller tries another)."""
     results: dict[str, dict[str, Any]] = {}
@@ -339,7 +325,7 @@ def _inter_once(
         if event is None:
             if line.strip():
                 raw[run.name].append(line)
-                _NodeReporter(reporter.outer, reporter.before, reporter.weight, reporter.total, run.name).note(line)
+                reporter.outer.note(f"[{run.name}] {line}")
             return
         kind = event[EVENT]
         if kind == "pid":

@@ -48,7 +48,7 @@ from jabascli.config.loader import LoadedConfig
 from jabascli.config.models import ServerConfig
 from jabascli.devices import detect_devices
 from jabascli.errors import InputError, JabasError, RuntimeFailure
-from jabascli.profiler.common import Reporter, pick_server, servers_here
+from jabascli.profiler.common import Reporter, ShareReporter, pick_server, servers_here
 from jabascli.profiler.lbsplan import device_speeds, lbs_plan
 from jabascli.profiles.formats import comm_profile_path
 
@@ -100,21 +100,6 @@ class SuiteRun:
     @property
     def failures(self) -> list[StageResult]:
         return [s for s in self.stages if not s.ok]
-
-
-class _StageReporter(Reporter):
-    """One stage's progress as its share of the whole run's."""
-
-    def __init__(self, outer: Reporter, before: float, weight: float, total: float, label: str) -> None:
-        self.outer, self.before, self.weight, self.total, self.label = outer, before, weight, total, label
-
-    def progress(self, completed: float, total: float | None, what: str) -> None:
-        share = min(completed / total, 1.0) if total else 0.0
-        self.outer.progress(self.before + self.weight * share, self.total, f"{self.label}: {what}")
-
-    def note(self, message: str) -> None:
-        # A profiler's own note may already name the stage ("intra: 0.0625 MB in ..."): named once.
-        self.outer.note(message if message.startswith(f"{self.label}: ") else f"{self.label}: {message}")
 
 
 def gbs_bound(loaded: LoadedConfig, gbs_max: int | None) -> int | None:
@@ -256,7 +241,7 @@ def profile_all(
 
     def stage(name: str, weight: float, work: Callable[[Reporter], str]) -> bool:
         nonlocal done
-        sub = _StageReporter(reporter, done, weight, total, name)
+        sub = ShareReporter(reporter, done, weight, total, f"{name}: ")  # "intra: ..." named once
         sub.progress(0, 1, "starting")
         began = time.monotonic()
         try:
