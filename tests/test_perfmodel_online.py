@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 import tomli_w
+from typer.testing import CliRunner
 
+from jabascli.cli.app import app
 from jabascli.config import load_config
 from jabascli.errors import InputError
 from jabascli.perfmodel import GroupConfig, PerformanceModel, ServerSpec
@@ -175,6 +177,9 @@ def test_a_refit_is_a_new_generation_and_never_touches_the_measured_profiles(tmp
     first = learn_from_run(loaded, plan, 1.4 * plan.iteration_time_s, 60)
     run = tmp_path / "runs" / "toy"
     assert first.path == run / "perfmodel" / "refit-1.json" and first.record.generation == 1
+    # Both servers and the link between them were in the plan (the fast server's two GPUs as two groups).
+    assert set(first.record.compute) == {"fast", "slow"} and set(first.record.comm) == {"inter"}
+    assert abs(first.record.error_after or 1.0) < 0.02 and first.record.error_before == pytest.approx(0.4)
     written = first.path.read_bytes()
     in_use = job_refit(loaded)
     assert in_use is not None and in_use.path == first.path
@@ -184,6 +189,10 @@ def test_a_refit_is_a_new_generation_and_never_touches_the_measured_profiles(tmp
     groups = [GroupConfig(specs[a.server], a.gpus, a.vsw, a.ga) for a in plan.assignments]
     refit_s = again.model.predict(plan.lbs, plan.weight_sync, groups).time_s  # type: ignore[arg-type]
     assert refit_s == pytest.approx(first.predicted_after_s, rel=1e-12)
+
+    solved = CliRunner().invoke(app, ["solve", "-c", str(loaded.path), "--gbs", "128", "--servers", "fast,slow"])
+    assert solved.exit_code == 0, solved.output
+    assert "performance model: refit generation 1 from 1 run (fast compute x" in solved.output.replace("\n", "")
 
     second = learn_from_run(loaded, plan, 1.4 * plan.iteration_time_s, 60)
     assert second.record.generation == 2 and len(second.record.observations) == 2

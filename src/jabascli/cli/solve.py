@@ -10,7 +10,7 @@ from rich.table import Table
 
 from jabascli.cli.common import ConfigOption, JsonOption, cli_command, console, plural, print_json
 from jabascli.cli.solve_hybrid import check_hybrid_options, solve_hybrid
-from jabascli.config import load_config
+from jabascli.config import LoadedConfig, load_config
 from jabascli.errors import InputError, Problem
 
 if TYPE_CHECKING:
@@ -111,6 +111,7 @@ def solve(
             print_plan(choice.plan, out)
             if choice.line():
                 console.print(f"{choice.line()} (--servers all keeps every server)", highlight=False)
+            _refit_line(loaded)
         return
     solver = solver_for(loaded, servers, weight_sync)
     lo, hi = parse_range(range_ or "")
@@ -122,6 +123,16 @@ def solve(
         print_json({"plans": [p.to_dict() for p in plans]})
     else:
         print_range(plans, lo, hi)
+        _refit_line(loaded)
+
+
+def _refit_line(loaded: LoadedConfig) -> None:
+    """Say when the predictions are the job's refit model's, not the profiles' alone."""
+    from jabascli.solver.online import job_refit
+
+    in_use = job_refit(loaded)
+    if in_use is not None:
+        console.print(in_use.line(), highlight=False, markup=False)
 
 
 def parse_range(text: str) -> tuple[int, int]:

@@ -104,7 +104,8 @@ def host_disturbed(load: float | None, trainers: int, cpus: int) -> bool:
 
 def _groups(loaded: LoadedConfig, profiles: ProfileSet, plan: ObservedPlan) -> tuple[GroupConfig, ...] | None:
     try:
-        specs = {s.name: s for s in server_specs(loaded.config, profiles, [a.server for a in plan.assignments])}
+        names = list(dict.fromkeys(a.server for a in plan.assignments))  # a server's GPUs may form several groups
+        specs = {s.name: s for s in server_specs(loaded.config, profiles, names)}
     except InputError:
         return None  # a server the config no longer has, or one without profiles
     return tuple(GroupConfig(specs[a.server], a.gpus, a.vsw, a.ga) for a in plan.assignments)
