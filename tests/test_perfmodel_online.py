@@ -202,6 +202,15 @@ def test_a_refit_is_a_new_generation_and_never_touches_the_measured_profiles(tmp
         write_refit(run, read_refit(first.path))
     assert digests(profiles) == before  # the measured profiles: not one byte, not one mtime
 
+    # `jabas run --fresh` moves the run folder aside: the job's model still starts from its refit there (the
+    # newest folder moved aside), and a folder of another job whose name only begins the same is not looked in.
+    other = tmp_path / "runs" / "toy.v2" / "perfmodel" / "refit-9.json"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(second.path.read_bytes())  # a refit that would apply, in the other job's folder
+    run.rename(run.with_name("toy.20261127-200000"))
+    aside = job_refit(loaded)
+    assert aside is not None and aside.path == tmp_path / "runs" / "toy.20261127-200000" / "perfmodel" / "refit-2.json"
+
     # Profiled again: the refit was made on other profiles and no longer applies.
     slower = synthetic({"fast": 2.0}, {})
     for c in slower.comp.values():

@@ -13,6 +13,7 @@ file: :mod:`jabascli.profiles.refit`).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,13 +63,16 @@ def job_run_folder(loaded: LoadedConfig) -> Path:
 
 
 def _candidate_folders(loaded: LoadedConfig) -> list[Path]:
-    """The run folder, then the folders ``--fresh`` moved aside (``<name>.<YYYYmmdd-HHMMSS>``), newest first."""
+    """The run folder, then the folders ``--fresh`` moved aside (``<name>.<YYYYmmdd-HHMMSS>[-N]``), newest first."""
     folder = job_run_folder(loaded)
-    aside: list[Path] = []
+    aside: list[tuple[str, int, Path]] = []
     if folder.parent.is_dir():
-        prefix = folder.name + "."
-        aside = sorted((p for p in folder.parent.iterdir() if p.name.startswith(prefix) and p.is_dir()), reverse=True)
-    return [folder, *aside]
+        pattern = re.compile(re.escape(folder.name) + r"\.(\d{8}-\d{6})(?:-(\d+))?$")
+        for p in folder.parent.iterdir():
+            m = pattern.match(p.name)
+            if m and p.is_dir():
+                aside.append((m.group(1), int(m.group(2) or 1), p))
+    return [folder, *(p for _, _, p in sorted(aside, reverse=True))]
 
 
 def refit_in_use(loaded: LoadedConfig, measured: ProfileSet) -> InUse | None:
