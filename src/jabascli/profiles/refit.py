@@ -9,7 +9,7 @@ on (``prior``: a refit applies to those profiles only, so profiling again
 starts the model over), and every observation so far, so that the next refit
 starts from the whole history::
 
-    {"generation": 2, "prior": "3f1c...", "prior_iterations": 5.0,
+    {"generation": 2, "prior": "3f1c...", "prior_iterations": 2.0,
      "compute": {"fast": 0.93, "slow3": 1.08}, "comm": {"inter": 1.4},
      "observations": [{"lbs": 64, "weight_sync": "sequential",
                        "assignments": [{"server": "fast", "gpus": 1, "vsw": 1, "ga": 2}, ...],
