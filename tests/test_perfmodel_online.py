@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from jabascli.cli.app import app
 from jabascli.config import load_config
+from jabascli.engine.metrics import median_iteration_s
 from jabascli.errors import InputError
 from jabascli.perfmodel import GroupConfig, PerformanceModel, ServerSpec
 from jabascli.perfmodel.online import Observation, errors, fit
@@ -41,7 +42,7 @@ from jabascli.profiles import (
 from jabascli.profiles.refit import read_refit, refit_generations, write_refit
 from jabascli.solver import solver_from_config
 from jabascli.solver.autoplan import solve_for_run
-from jabascli.solver.online import job_refit, learn_from_run
+from jabascli.solver.online import host_disturbed, job_refit, learn_from_run
 
 # Per VSW at LBS 32 (ms): data, forward, backward; the update; LBS 16 takes 0.6 of it.
 BASE = {"fast": (1.0, 10.0, 20.0, 2.0), "slow": (3.0, 30.0, 60.0, 6.0)}
@@ -284,3 +285,20 @@ def _median_after_warmup(rows: list[tuple[int, float]], warmup: int = 5) -> floa
         times += [t] * max(0, step - max(previous, warmup))
         previous = step
     return statistics.median(times)
+
+
+def test_the_measured_median_counts_a_row_for_its_iterations_after_the_warmup(tmp_path: Path) -> None:
+    # steps.csv as a short run writes it: four slow first steps logged one by one, then a row for steps 5-18.
+    steps = tmp_path / "steps.csv"
+    rows = [(1, 0.30), (2, 0.30), (3, 0.30), (4, 0.30), (18, 0.005), (19, 0.32), (20, 0.19)]
+    lines = ["time,epoch,step,gbs,loss,samples_per_s,lr,iteration_s"]
+    lines += [f"0,0,{s},64,1.0,100.0,0.05,{t}" for s, t in rows]
+    steps.write_text("\n".join(lines) + "\n")
+    # After 5 warm-up iterations: steps 6-18 (13 of them) at 5 ms, then 320 and 190 ms.
+    assert median_iteration_s(steps) == (0.005, 15)
+    assert median_iteration_s(steps, first_step=10) == (0.005, 5)  # resumed at step 10: steps 16-20 count
+
+
+def test_a_host_is_busy_when_other_work_loads_half_its_cores() -> None:
+    assert not host_disturbed(2.9, trainers=2, cpus=2) and host_disturbed(3.1, trainers=2, cpus=2)
+    assert not host_disturbed(None, trainers=1, cpus=2)
