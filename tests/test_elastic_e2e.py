@@ -155,7 +155,9 @@ def test_a_job_moves_from_a_to_a_and_b_to_b_and_continues_where_it_was(cluster_f
 def test_a_killed_trainer_is_restarted_from_the_last_checkpoint(cluster_factory) -> None:  # type: ignore[no-untyped-def]
     every, steps = 4, N // 48  # A+B: GBS 48
     # B 20x slower than the CPU (it sleeps): a couple of seconds per epoch, so the kill lands mid-job.
-    kwargs = {"available": ["A", "B"], "epochs": 2, "slowdown": (2.0, 20.0), "scheduler": {"checkpoint_every": every}}
+    # Restarted, not recovered in place (tests/test_faults.py): what a failure costs without that.
+    scheduler = {"checkpoint_every": every, "recover_in_place": False}
+    kwargs = {"available": ["A", "B"], "epochs": 2, "slowdown": (2.0, 20.0), "scheduler": scheduler}
     cluster: Cluster = cluster_factory(**kwargs)
     status = cluster.wait(lambda s: len(s["trainers"]) == 2 and (s["checkpoint_step"] or 0) >= every + 1)
     victim = status["trainers"][1]["pid"]
@@ -179,7 +181,8 @@ def test_a_killed_trainer_is_restarted_from_the_last_checkpoint(cluster_factory)
 
 @pytest.mark.slow
 def test_a_killed_worker_agent_loses_its_server_and_the_job_finishes_on_the_other(cluster_factory) -> None:  # type: ignore[no-untyped-def]
-    kwargs = {"available": ["A", "B"], "epochs": 2, "slowdown": (2.0, 20.0), "scheduler": {"checkpoint_every": 4}}
+    scheduler = {"checkpoint_every": 4, "recover_in_place": False}
+    kwargs = {"available": ["A", "B"], "epochs": 2, "slowdown": (2.0, 20.0), "scheduler": scheduler}
     cluster: Cluster = cluster_factory(**kwargs)
     status = cluster.wait(lambda s: len(s["trainers"]) == 2 and s["step"] >= 5)
     b_trainer = status["trainers"][1]["pid"]

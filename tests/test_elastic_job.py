@@ -174,7 +174,7 @@ def test_a_survivor_that_dies_during_a_move_in_place_restarts_the_job(tmp_path: 
 
 
 def test_a_crash_restarts_from_the_checkpoint_at_most_max_restarts_times(tmp_path: Path) -> None:
-    s, _ = scheduler(tmp_path, available=["A", "B"], scheduler={"max_restarts": 1})
+    s, _ = scheduler(tmp_path, available=["A", "B"], scheduler={"max_restarts": 1, "recover_in_place": False})
     register(s, 0)
     register(s, 1)
     commands(s, 0), commands(s, 1)
@@ -191,7 +191,7 @@ def test_a_crash_restarts_from_the_checkpoint_at_most_max_restarts_times(tmp_pat
 
 
 def test_a_silent_worker_is_declared_lost_and_the_job_restarts_on_the_others(tmp_path: Path) -> None:
-    s, clock = scheduler(tmp_path, available=["A", "B"])
+    s, clock = scheduler(tmp_path, available=["A", "B"], scheduler={"recover_in_place": False})
     register(s, 0)
     register(s, 1)
     commands(s, 0), commands(s, 1)
@@ -264,3 +264,48 @@ def test_a_new_scheduler_resumes_from_the_checkpoint_only_when_asked(tmp_path: P
         register(s, 0)
         [start] = commands(s, 0)
         assert isinstance(start, StartCommand) and start.resume is resume
+
+
+def test_a_lost_rank_is_recovered_in_place_and_its_server_taken_back_at_the_epoch_end(tmp_path: Path) -> None:
+    """Rank 1 (B) dies: A's trainer gets the recovery order (no restart, no start on A), B's stragglers are
+    stopped; once A's first iteration after it is reported, B (alive) is taken back by a move at the epoch end."""
+    s, _ = scheduler(tmp_path, available=["A", "B"])
+    register(s, 0)
+    register(s, 1)
+    commands(s, 0), commands(s, 1)
+    commands(s, 0, events=[_event(1, "start", step=0, epoch=0, gbs=48), _event(1, "step", step=6, loss=2.0)])
+    [kill] = commands(s, 1, exits=[TrainerExit(generation=1, rank=1, code=-9)])  # anything of it left on B
+    assert isinstance(kill, StopCommand) and (kill.generation, kill.when) == (1, "kill")
+    assert s.state == "moving" and s.restarts == 0 and s.allocation == ["A"]
+    [order] = commands(s, 0, events=[_event(1, "peer_lost", rank=0, step=7, time=100.0, in_place=True)])
+    assert isinstance(order, StopCommand) and (order.generation, order.when) == (1, "recover")
+    assert order.handoff is not None and (order.handoff.generation, order.handoff.ranks) == (2, {"0": 0})
+    started = [_event(2, "start", step=7, epoch=0, gbs=32), _event(2, "first_step", step=8, started=101.0, time=101.5)]
+    commands(s, 0, events=started)
+    record = s.moves[0]
+    assert (record.reason, record.in_place, record.stopped_step, record.resumed_step) == ("recovery", True, 7, 7)
+    assert (record.steps_lost, record.recovered_s, record.failed_at) == (0, 1.5, 100.0)
+    # B is registered: the job moves back onto it at the next epoch end, in place (a joiner on B).
+    assert s.state == "moving" and s.allocation == ["A", "B"] and s.moves[1].reason == "move"
+    [start] = commands(s, 1)
+    assert isinstance(start, StartCommand) and (start.generation, start.ranks, start.resume) == (3, [1], True)
+
+
+def test_a_hung_rank_is_the_one_that_did_not_report_and_a_lost_rank_0_restarts(tmp_path: Path) -> None:
+    s, clock = scheduler(tmp_path, available=["A", "B"])
+    register(s, 0)
+    register(s, 1)
+    commands(s, 0), commands(s, 1)
+    commands(s, 0, events=[_event(1, "peer_lost", rank=0, step=3, time=50.0, in_place=True)])
+    assert s.state == "running"  # B may still say its collective failed too
+    clock.now = 2.0
+    commands(s, 1)
+    s.check_heartbeats()
+    assert s.state == "moving" and s.allocation == ["A"] and "rank 0's collective failed" in s.moves[0].failure
+    # Rank 0 lost: its store is gone with it; the job restarts from the checkpoint, and says why.
+    s, _ = scheduler(tmp_path / "again", available=["A", "B"])
+    register(s, 0)
+    register(s, 1)
+    commands(s, 0), commands(s, 1)
+    commands(s, 0, exits=[TrainerExit(generation=1, rank=0, code=-9)])
+    assert s.state == "restarting" and "rank 0 was lost, and with it the job's store" in s.message

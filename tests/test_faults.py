@@ -3,17 +3,21 @@ within ``[scheduler] collective_timeout_s``, and the job restarted from its chec
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from jabascli.elastic.job import TERMINAL
 from jabascli.engine.faults import FAULT_ENV, Fault, FaultInjector, parse_faults
 from jabascli.engine.launch import run_local
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from jabascli.errors import InputError
+from tests.elastic_support import jabas, wait_status, write_config
 from tests.engine_support import TRAINER_ENV, checkpoint_of, load, max_abs_diff, write_job
 
 TWO = [(2, 1), (1, 0)]
@@ -63,4 +67,70 @@ def test_a_lost_or_hung_rank_fails_the_job_in_bounded_time_and_a_restart_ends_ex
     assert time.monotonic() - began < 120  # a hang without the timeout would never end (pytest's limit: 600 s)
     reference, _ = reference_run(loaded, load_plan(loaded), steps=12)
     diffs = max_abs_diff(checkpoint_of(loaded)["model"], reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, diffs
+
+
+def _elastic_job(folder: Path, fault: str, **scheduler: object) -> tuple[Path, list[subprocess.Popen[bytes]]]:
+    """`jabas schedule` and an agent for each of A (rank 0) and B (rank 1), with ``JABAS_FAULT`` set: float64
+    digits in 4 epochs, A 20x and B 40x slower than the CPU, checkpoints at epoch ends only."""
+    settings = {"collective_timeout_s": 3.0, "heartbeat_interval_s": 0.1, **scheduler}
+    config = write_config(
+        folder, record=True, available=["A", "B"], epochs=4, slowdown=(20.0, 40.0), scheduler=settings
+    )
+    env = {FAULT_ENV: fault}
+    processes = [jabas("schedule", "-c", str(config), env=env, log=folder / "scheduler.log")]
+    for rank in (0, 1):
+        processes.append(jabas("worker", "-c", str(config), "--rank", str(rank), env=env, log=folder / f"w{rank}.log"))
+    return config, processes
+
+
+def _logs(folder: Path) -> str:
+    return "\n".join(f"== {p.name}\n{p.read_text()[-2500:]}" for p in sorted(folder.rglob("*.log")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["kill", "hang"])
+def test_a_lost_or_hung_rank_is_recovered_in_place_without_a_checkpoint_and_ends_exact(
+    tmp_path: Path, kind: str
+) -> None:
+    """Rank 1 (B) is SIGKILLed (or hangs) as it begins step 31 of an elastic job (epoch 0 ended at step 29,
+    its checkpoint the newest). Rank 0 (A) sees its collective fail (at once, or after the 3 s collective
+    timeout), the scheduler drops B and sends A the recovery order: the same process trains on alone from its
+    memory at step 30, not from the checkpoint, B is taken back at a later epoch end as a move in place, and
+    the job ends as one process that followed the same GBS history."""
+    config, processes = _elastic_job(tmp_path, f"1:31:{kind}")
+    url = f"http://127.0.0.1:{load(config).config.scheduler.port}"
+    try:
+        status = wait_status(url, lambda s: s["state"] in TERMINAL, timeout=180)
+        assert processes[0].wait(30) == 0, _logs(tmp_path)
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    moves = json.dumps(status["moves"], indent=1)
+    assert status["state"] == "succeeded" and status["restarts"] == 0, moves + _logs(tmp_path)
+    recovery, back = status["moves"]
+    assert (recovery["reason"], recovery["in_place"], recovery["to_servers"]) == ("recovery", True, ["A"])
+    assert recovery["stopped_step"] == recovery["resumed_step"] == 30 and recovery["steps_lost"] == 0, recovery
+    assert 0 < recovery["recovered_s"] < 30, recovery
+    assert (
+        "rank 1 on B exited with code -9" in recovery["failure"]
+        if kind == "kill"
+        else "collective" in recovery["failure"]
+    )
+    assert (back["reason"], back["in_place"], back["to_servers"]) == ("move", True, ["A", "B"]), back
+    # Rank 0 is the process it was before the failure (no trainer was started for generation 2): it read no
+    # checkpoint, it went on from memory; B's rank came back as a joiner of generation 3.
+    logs = tmp_path / "runs" / "digits" / "logs"
+    assert not list(logs.glob("g2-*.log")), sorted(p.name for p in logs.glob("*.log"))
+    assert "Traceback" not in (logs / "g1-rank0.log").read_text(), _logs(tmp_path)
+    final = checkpoint_of(load(config))
+    history = final["progress"]["gbs_history"]
+    assert [h["gbs"] for h in history] == [48, 32, 48], history  # A+B, A alone from step 30, A+B again
+    assert history[1]["step"] == 30 and final["progress"]["step"] > 30
+    reference, _ = reference_run(
+        load(config), load_plan(load(config)), steps=final["progress"]["step"], schedule=history
+    )
+    diffs = max_abs_diff(final["model"], reference.state_dict())
     assert max(diffs.values()) <= 1e-9, diffs

@@ -180,6 +180,10 @@ class SchedulerConfig(Section):
     in_place_moves: bool = True
     """Moves that keep rank 0's server keep the trainers that stay running (docs/elastic.md); false: every
     move restarts all trainers from the checkpoint."""
+    recover_in_place: bool = True
+    """A lost or hung trainer or node costs no step when rank 0 survives: the trainers left carry on on the
+    servers left, from their memory (docs/elastic.md, "Failures"); false: every failure restarts all trainers
+    from the checkpoint."""
 
 
 Sharding = Literal["none", "full", "grads"]

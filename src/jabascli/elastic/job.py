@@ -29,17 +29,16 @@ the logic can be tested without waiting.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jabascli.config import LoadedConfig
+from jabascli.elastic.generations import Generation, Retiring, Worker
+from jabascli.elastic.plans import plan_for, survivors
 from jabascli.elastic.protocol import (
-    Command,
     Commands,
     EpochRecord,
     Handoff,
@@ -49,14 +48,14 @@ from jabascli.elastic.protocol import (
     MoveRecord,
     Registered,
     Registration,
-    RunningTrainer,
     StartCommand,
     StopCommand,
     When,
     WorkerStatus,
 )
+from jabascli.elastic.recovery import Failures
 from jabascli.engine.layout import checkpoint_folder, checkpoint_store
-from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_config, plan_from_solver
+from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_solver
 from jabascli.errors import InputError, JabasError, Problem
 from jabascli.net import free_port
 
@@ -71,121 +70,6 @@ throughput); returns the allocation to move to and when, or None to stay. An aut
 
 class Conflict(Exception):
     """A request that contradicts the scheduler's state (HTTP 409)."""
-
-
-@dataclass
-class Worker:
-    rank: int
-    server: str
-    host: str
-    last_seen: float
-    alive: bool = True
-    commands: list[Command] = field(default_factory=list)
-
-
-@dataclass
-class Generation:
-    number: int
-    servers: list[str]
-    plan: TrainingPlan
-    ranks_on: dict[str, list[int]]
-    """Server name -> the global ranks it runs."""
-    exits: dict[int, int] = field(default_factory=dict)
-    """Rank -> exit code (None never: a lost worker's ranks count as killed, -9)."""
-    done: dict[str, Any] | None = None
-    """Rank 0's ``done`` event."""
-    stop_sent: str | None = None
-    running: dict[int, RunningTrainer] = field(default_factory=dict)
-    last_iteration: tuple[int | None, float | None] = (None, None)
-    """Rank 0's ``stopping`` event: the step and wall time of its last iteration."""
-    master: tuple[str, int] = ("", 0)
-    """Where its trainers meet (the TCP store rank 0 hosts)."""
-
-    @property
-    def all_exited(self) -> bool:
-        return len(self.exits) == self.plan.world_size
-
-
-@dataclass
-class Retiring:
-    """The generation a move in place is handing over from, until the next one's first iteration."""
-
-    generation: Generation
-    survivors: dict[int, int]
-    """Old rank -> its rank in the next generation."""
-    finished: bool = False
-    """It finished the job before the move happened: the next generation's joiners are stopped."""
-    when: When = "epoch"
-    joiners: set[int] = field(default_factory=set)
-    """The next generation's ranks started for the move that have not said they are ``ready`` yet:
-    the stop is sent once there are none, so that the job trains on while they start."""
-
-    @property
-    def leavers_exited(self) -> bool:
-        leavers = set(range(self.generation.plan.world_size)) - set(self.survivors)
-        return leavers <= set(self.generation.exits)
-
-
-def survivors(old: TrainingPlan, new: TrainingPlan) -> dict[int, int] | None:
-    """Old rank -> new rank for the trainers a move can keep; None unless rank 0 stays rank 0.
-
-    A server in both plans keeps its first ranks, in order, so each keeps its local
-    rank (and with it its device); rank 0 must stay, as it hosts the job's store.
-    """
-    kept: dict[int, int] = {}
-    for server in {r.server for r in old.ranks} & {r.server for r in new.ranks}:
-        before = [r.rank for r in old.ranks if r.server == server]
-        after = [r.rank for r in new.ranks if r.server == server]
-        kept.update(zip(before, after, strict=False))
-    return kept if kept.get(0) == 0 else None
-
-
-def plan_for(loaded: LoadedConfig, servers: list[str], gbs: int | None = None) -> tuple[TrainingPlan, str]:
-    """The plan on ``servers``, and where it came from.
-
-    With ``gbs`` (the job's current GBS) and the job's profiles, the solver's fastest
-    plan for these servers at that GBS, so that a move keeps the GBS; otherwise (no
-    profiles, or no plan reaches that GBS there) each server's devices with its
-    configured VSW and GA at ``[job] lbs``, whose GBS follows the allocation. A ``[parallel] plan = "auto"``
-    job gets the hybrid planner's plan instead (:func:`_hybrid_plan_for`), or an InputError naming the servers.
-    """
-    if loaded.config.hybrid_auto:
-        return _hybrid_plan_for(loaded, servers, gbs)
-    why = "no GBS to keep"
-    if gbs is not None:
-        try:
-            from jabascli.solver import solver_from_config  # numpy; reads the profiles
-
-            solved = solver_from_config(loaded, ",".join(servers)).solve(gbs)
-            return plan_from_solver(solved, "solver", loaded), f"solver plan at GBS {gbs}"
-        except InputError as exc:
-            why = exc.lines()[0] if exc.lines() else "no solver plan"
-    config = loaded.config.model_copy(deep=True)
-    config.cluster.available_servers = list(servers)
-    return plan_from_config(dataclasses.replace(loaded, config=config)), f"configured VSW/GA ({why})"
-
-
-def _hybrid_plan_for(loaded: LoadedConfig, servers: list[str], gbs: int | None) -> tuple[TrainingPlan, str]:
-    """A ``[parallel] plan = "auto"`` job's plan on ``servers``: the hybrid planner's (``jabas solve --hybrid``
-    restricted to them), so that the layout follows the servers. The GBS kept is ``gbs``, else ``[batching]
-    initial_gbs``, else the configured VSW/GA's on these servers. No plan fitting them is an InputError naming them.
-    """
-    from jabascli.hybrid.job import plan_for_run  # reads the hybrid profiles
-
-    config = loaded.config.model_copy(deep=True)
-    config.cluster.available_servers = list(servers)
-    there = dataclasses.replace(loaded, config=config)
-    target = gbs or loaded.config.batching.initial_gbs or plan_from_config(there).gbs
-    try:
-        solved = plan_for_run(there, target)
-    except InputError as exc:
-        why = exc.lines()[0] if exc.lines() else "no plan fits"
-        raise InputError.at(
-            None, "servers", f"no hybrid plan for GBS {target} fits servers {', '.join(servers)}: {why}"
-        ) from exc
-    parallel = solved.parallel
-    layout = f"tp {parallel.tp}, pp {parallel.pp}, sharding {parallel.sharding}" if parallel else "plain"
-    return plan_from_solver(solved, "hybrid planner", loaded), f"hybrid plan at GBS {target} ({layout})"
 
 
 class Scheduler:
@@ -238,6 +122,8 @@ class Scheduler:
         self.master_addr: str | None = None
         """Where trainers rendezvous; None: the host of the allocation's first server."""
         self.finished_at: float | None = None
+        self.failures = Failures(self)
+        """Lost ranks and nodes: recovered in place, or restarted from the checkpoint (elastic/recovery.py)."""
 
     # -- workers -----------------------------------------------------------------------------------
 
@@ -253,6 +139,7 @@ class Scheduler:
         self.workers[reg.rank] = Worker(reg.rank, server, reg.host, self.clock())
         self.message = f"worker {reg.rank} ({server}) registered from {reg.host}"
         self._advance()
+        self.failures.take_back()  # a server a recovery left out is back
         return Registered(server=server, heartbeat_interval_s=self.loaded.config.scheduler.heartbeat_interval_s)
 
     def heartbeat(self, rank: int, beat: Heartbeat) -> Commands:
@@ -273,7 +160,8 @@ class Scheduler:
         for ex in beat.exits:
             if self._record_exit(ex.generation, ex.rank, ex.code) and ex.code != 0:
                 tail = ex.log_tail.strip().splitlines()
-                self._fail(f"trainer rank {ex.rank} on {worker.server} exited with code {ex.code}", tail)
+                why = f"trainer rank {ex.rank} on {worker.server} exited with code {ex.code}"
+                self._fail(why, tail, (ex.generation, {ex.rank}))
         self._advance()
         commands, worker.commands = worker.commands, []
         return Commands(commands=commands, shutdown=self.state in TERMINAL)
@@ -315,7 +203,9 @@ class Scheduler:
                 if gen is not None and any(r not in gen.exits for r in lost):
                     for r in lost:
                         gen.exits.setdefault(r, -9)
-                    self._fail(f"worker {worker.rank} ({worker.server}) missed heartbeats for {timeout:g} s", [])
+                    why = f"worker {worker.rank} ({worker.server}) missed heartbeats for {timeout:g} s"
+                    self._fail(why, [], (gen.number, set(lost)))
+        self.failures.decide()  # a hung rank: lost once the others have reported their failed collective
         self._advance()
 
     # -- steering: the entry points of `jabas job` and of an auto-scaling planner --------------------
@@ -425,6 +315,8 @@ class Scheduler:
             )
             self.adjusted = []
             self._consult_planner()
+        elif kind == "peer_lost":
+            self.failures.reported(gen, event)
         elif kind == "checkpoint":
             self.checkpoint = checkpoint_folder(self.loaded)
             self.checkpoint_step = _int(event.get("step"))
@@ -456,6 +348,7 @@ class Scheduler:
             if self.retiring is not None and gen is self.generation:
                 self.retiring = None  # handed over: the old generation's leavers exit on their own
                 self.state = "running" if self.state == "moving" else self.state
+            self.failures.first_step(record)
 
     def _consult_planner(self) -> None:
         # Also while a move in place waits for its new ranks to start: the decision is logged (a move
@@ -474,7 +367,14 @@ class Scheduler:
             except (InputError, Conflict) as exc:
                 self.message = f"the planner's move was refused: {exc}"
 
-    def _fail(self, why: str, tail: list[str]) -> None:
+    def _fail(self, why: str, tail: list[str], lost: tuple[int, set[int]] | None = None) -> None:
+        """A failure; ``lost``: the generation and ranks it lost, which a recovery in place may go on without."""
+        if self.state in TERMINAL or (lost is not None and self.failures.take(why, *lost)):
+            return
+        self._fail_now(why, tail)
+
+    def _fail_now(self, why: str, tail: list[str]) -> None:
+        """Stop every trainer; the job restarts from its checkpoint (or fails, after ``max_restarts``)."""
         if self.state in TERMINAL:
             return
         detail = f": {tail[-1]}" if tail else ""
@@ -576,6 +476,7 @@ class Scheduler:
                     last_iteration_at=last[1],
                     launched_at=time.time(),
                     loss_before=self.loss,
+                    **(self.failures.restart_fields() if reason == "restart" else {}),
                 )
             )
         self.generation, self.allocation, self.pending = gen, list(servers), None

@@ -152,7 +152,8 @@ class StopCommand(Message):
 
     kind: Literal["stop"] = "stop"
     generation: NonNegativeInt
-    when: Literal["epoch", "now", "kill"]
+    when: Literal["epoch", "now", "kill", "recover"]
+    """``recover``: the generation lost a rank; ``handoff`` says where its survivors go (engine/recovery.py)."""
     handoff: Handoff | None = None
 
 
@@ -189,9 +190,18 @@ class MoveRecord(Message):
     from_servers: list[str]
     to_servers: list[str]
     when: When
-    reason: Literal["move", "restart"]
+    reason: Literal["move", "restart", "recovery"]
+    """``recovery``: a failure recovered in place; ``restart``: one recovered from the checkpoint."""
     in_place: bool = False
     """The trainers that stayed carried on (a move in place); False: every trainer was restarted."""
+    failure: str | None = None
+    """What failed (a failure's recovery or restart), and for a restart why it was not recovered in place."""
+    failed_at: float | None = None
+    """When the failure was first seen: a survivor's collective raised, a trainer's exit or a lost node reported."""
+    recovered_s: float | None = None
+    """From ``failed_at`` to the end of the first iteration after."""
+    steps_lost: int | None = None
+    """Completed steps done again after a failure: 0 in place, back to the checkpoint's step on a restart."""
     stopped_step: int | None = None
     """The last step before: where the trainers stopped (a move), or the last one reported (a failure)."""
     resumed_step: int | None = None

@@ -109,6 +109,16 @@ class BufferSync:
         for g in self._groups:
             torch._foreach_add_(g.acc[replica], g.stats[replica], alpha=g.weights[worker])
 
+    def abandon(self) -> None:
+        """Give up the iteration under way (a collective failed): every replica's running statistics go back
+        to where the iteration started, as if it had not run."""
+        for g in self._groups:
+            for stats, layers in zip(g.stats, g.layers, strict=True):
+                torch._foreach_copy_(stats, g.start_stats)
+                for m, count in zip(layers, g.start_counts, strict=True):
+                    m.num_batches_tracked.copy_(count)
+        self._groups, self._pending = [], None
+
     def launch(self, extra: torch.Tensor | None = None) -> None:
         """Make the terms ready to be summed over ranks (with ``extra``, e.g. the loss), without waiting.
 

@@ -102,8 +102,38 @@ def save_checkpoint(
     The returned payload's tensors are the live model's and optimizer's, not copies: it equals
     the file only until they change (a trainer that stops here may resume from it, not from disk).
     """
+    payload = checkpoint_payload(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        progress=progress,
+        workload=workload,
+        config=config,
+        plan=plan,
+        adaptive=adaptive,
+        grad_scaler=grad_scaler,
+    )
+    buffer = io.BytesIO()  # serialise first: a failure cannot leave a temporary file behind
+    torch.save(payload, buffer)
+    path = store.write(buffer.getvalue(), step=progress.step, epoch=progress.epoch)
+    return payload, path
+
+
+def checkpoint_payload(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    progress: Progress,
+    workload: str,
+    config: dict[str, Any],
+    plan: dict[str, Any],
+    adaptive: dict[str, Any] | None = None,
+    grad_scaler: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What a checkpoint holds, in memory: the live model's and optimizer's tensors, not copies."""
     names = {p: name for name, p in model.named_parameters()}
-    payload = {
+    return {
         **extra_payload(
             model=model,
             scheduler=scheduler,
@@ -119,10 +149,6 @@ def save_checkpoint(
         # Which parameter each of the optimizer's numbers is: lets a sharded or split layout restore it.
         "parameter_names": [[names[p] for p in group["params"]] for group in optimizer.param_groups],
     }
-    buffer = io.BytesIO()  # serialise first: a failure cannot leave a temporary file behind
-    torch.save(payload, buffer)
-    path = store.write(buffer.getvalue(), step=progress.step, epoch=progress.epoch)
-    return payload, path
 
 
 def extra_payload(

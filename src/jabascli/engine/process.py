@@ -38,6 +38,7 @@ from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.metrics import MetricsWriter
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan, plan_from_dict
+from jabascli.engine.recovery import check_agreement, lost_peer
 from jabascli.engine.step_policy import check_job_precision_inputs
 from jabascli.engine.trainer import EpochResult, Trainer
 from jabascli.errors import InputError, JabasError
@@ -71,6 +72,7 @@ def run_trainer(
             inputs = take_prepared(loaded)
             switching = False  # after a handoff: this process leaves its group for the next generation's
             written: dict | None = None  # after a handoff: the checkpoint as rank 0 just wrote it
+            recovering = False  # after a lost peer: this process's own state, kept in memory
             while True:
                 plan.check_world_size(env.world_size)
                 check_job_precision_inputs(loaded, plan)  # every rank, so that all of them stop
@@ -88,9 +90,29 @@ def run_trainer(
                 else:
                     created = init_process_group(env, device, timeout) or created
                 trainer.connect()
+                if recovering:
+                    check_agreement(trainer, device)  # the survivors of a lost peer hold one state
+                    recovering = False
                 if metrics is None:
                     metrics = trainer.open_metrics()  # rank 0's, kept across moves in place
-                results += trainer.fit(metrics)
+                try:
+                    results += trainer.fit(metrics)
+                except Exception as exc:
+                    # A lost peer (engine/recovery.py): wait for the controller's order, or raise as always.
+                    order = lost_peer(trainer, env, exc, on_event)
+                    if order is None:
+                        raise
+                    if order.env is None:
+                        return results  # its server is left out of the next generation
+                    inputs, trainer = trainer.inputs(), None
+                    gc.collect()
+                    written, env = order.payload, order.env
+                    plan = plan_from_dict(order.handoff.plan, loaded, "recovery order")
+                    options = dataclasses.replace(options, resume=checkpoint_folder(loaded))  # read from memory
+                    if on_event is not None:
+                        on_event({"event": "handoff", "generation": env.generation, "rank": env.rank})
+                    switching = recovering = True
+                    continue
                 unfinished = trainer.progress.epoch < trainer.epochs
                 if trainer.goes_on_under_another_layout():
                     # Another layout (engine/relayout.py): the same ranks and group, resumed from the checkpoint.

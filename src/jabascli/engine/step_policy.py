@@ -163,9 +163,12 @@ class StepPolicy:
         self.params = [p for p in params if p.requires_grad]
         self.precision = Precision(settings.precision, device)
         self.scaler = self.precision.scaler
+        self.applied = 0
+        """Calls of :meth:`step` so far (engine/recovery.py: did a failed iteration change anything?)."""
 
     def step(self) -> None:
         """Unscale, skip on inf/NaN (fp16), clip, and step the optimizer, on the all-reduced gradient."""
+        self.applied += 1
         clip = self.settings.clip_grad_norm
         if not self.scaler.is_enabled():
             if clip is not None:

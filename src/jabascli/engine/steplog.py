@@ -6,16 +6,18 @@ At most every :data:`LOG_INTERVAL_S` a report goes to the metrics files (``steps
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from jabascli.engine.checkpoint import Progress
 from jabascli.engine.events import EventSink
 from jabascli.engine.metrics import MetricsWriter
+from jabascli.engine.parallel.runner import describe_layout
 from jabascli.engine.plan import TrainingPlan
 from jabascli.engine.sampler import IIDPSampler
 
@@ -94,3 +96,37 @@ class StepLog:
         self.steps = 0
         self.durations = []
         self.since = self.last = now
+
+
+def report_start(trainer: Any) -> None:
+    """Rank 0's ``start`` event: the plan, how it runs, and where training stands (a :class:`Trainer`'s)."""
+    if not trainer.emit:
+        return
+    p, plan = trainer.progress, trainer.plan
+    trainer.emit(
+        {
+            "event": "start",
+            "pid": os.getpid(),
+            "job": trainer.loaded.config.job.name,
+            "world_size": plan.world_size,
+            "gbs": plan.gbs,
+            "lbs": plan.lbs,
+            "workers": plan.workers,
+            "plan": plan.describe(),
+            "weight_sync": trainer.weight_sync,
+            "weight_sync_reason": trainer.weight_sync_reason,
+            "vsw_strategy": trainer.vsw_name,
+            "layout": describe_layout(trainer.layout),
+            "replicas": None
+            if trainer.layout is None
+            else plan.replica_micro_batches(trainer.layout.tp * trainer.layout.pp),
+            "loader_workers": 0 if trainer.feed is None else trainer.feed.workers,
+            "precision": trainer.step_policy.settings.precision,
+            "device": str(trainer.device),
+            "epochs": trainer.epochs,
+            "steps_per_epoch": trainer.sampler.iterations_per_epoch(plan.gbs),
+            "epoch": p.epoch,
+            "position": p.position,
+            "step": p.step,
+        }
+    )

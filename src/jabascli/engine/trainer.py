@@ -26,7 +26,6 @@ strategy's calls (docs/hybrid.md).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -55,16 +54,16 @@ from jabascli.engine.parallel.runner import (
     LayoutWorkers,
     build_layout_workers,
     check_trainer_layout_inputs,
-    describe_layout,
     restore_layout_checkpoint,
     save_layout_checkpoint,
     trainer_layout,
 )
 from jabascli.engine.plan import TrainingPlan
+from jabascli.engine.recovery import updates_applied
 from jabascli.engine.relayout import changes_layout
 from jabascli.engine.sampler import IIDPSampler, Iteration
 from jabascli.engine.step_policy import StepPolicy, check_precision, step_settings
-from jabascli.engine.steplog import StepLog
+from jabascli.engine.steplog import StepLog, report_start
 from jabascli.engine.timing import PhaseTimer
 from jabascli.engine.validate import validate
 from jabascli.engine.vsw import Emulation, WorkerStep, build_vsw_strategy, choose_vsw_strategy, make_replicas
@@ -139,6 +138,8 @@ class Trainer:
         self._payload: dict | None = None
         """The checkpoint restored (:meth:`restore`), for the state :meth:`connect` still takes from it."""
         self._restored = False
+        self.in_flight: int | None = None
+        """During an iteration, the optimizer updates applied before it (engine/recovery.py)."""
         self.relayout: TrainingPlan | None = None
         """A plan under another layout that adaptive batching chose: the trainer stops after the iteration and
         its process goes on under it from the checkpoint (:mod:`jabascli.engine.relayout`)."""
@@ -302,7 +303,7 @@ class Trainer:
     def fit(self, metrics: MetricsWriter | None = None) -> list[EpochResult]:
         """Train to the job's end or a stop; writes to ``metrics`` if given (and open), else to its own writer."""
         self._check_gbs()
-        self._report_start()
+        report_start(self)
         own = metrics is None
         metrics = self.open_metrics() if own else metrics
         results: list[EpochResult] = []
@@ -397,6 +398,7 @@ class Trainer:
     def train_step(self, iteration: Iteration) -> torch.Tensor:
         """One iteration of this rank; returns the mean loss over all workers of the job."""
         timer = self.timer
+        self.in_flight = updates_applied(self)  # engine/recovery.py: what a failure in this iteration changed
         timer.mark("overhead")  # the training loop since the last iteration
         self.vsw.zero_grad()
         self.buffers.begin()
@@ -417,6 +419,7 @@ class Trainer:
         timer.mark("overhead")
         loss_sum = self.worker_step.loss_sum
         assert loss_sum is not None
+        self.in_flight = None
         return loss_sum.to(torch.float64) / self.plan.workers
 
     # -- adaptive GBS: replanning in place -------------------------------------------------------
@@ -498,18 +501,7 @@ class Trainer:
         """Rank 0 writes the whole model; under a layout every rank writes its shards (DCP), together."""
         if self.layout_workers is None and self.rank != 0:
             return
-        plan = self.relayout or self.plan  # a pending layout's plan is what the job resumes with
-        fields = {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "progress": self.progress,
-            "workload": self.workload.name,
-            "config": self.loaded.config.model_dump(mode="json"),
-            "plan": plan.to_dict(),
-            "adaptive": self.adaptive.state_dict(plan),
-            "grad_scaler": self.step_policy.state_dict(),
-        }
+        fields = self.checkpoint_fields()
         if self.layout_workers is not None:
             path = save_layout_checkpoint(checkpoint_store(self.loaded), **fields)
         else:
@@ -520,43 +512,26 @@ class Trainer:
                 {"event": "checkpoint", "path": str(path), "epoch": p.epoch, "position": p.position, "step": p.step}
             )
 
+    def checkpoint_fields(self) -> dict:
+        """What a checkpoint of this trainer holds (the live objects)."""
+        plan = self.relayout or self.plan  # a pending layout's plan is what the job resumes with
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "progress": self.progress,
+            "workload": self.workload.name,
+            "config": self.loaded.config.model_dump(mode="json"),
+            "plan": plan.to_dict(),
+            "adaptive": self.adaptive.state_dict(plan),
+            "grad_scaler": self.step_policy.state_dict(),
+        }
+
     def open_metrics(self) -> MetricsWriter | None:
         """Rank 0's metrics writer (None elsewhere, or with metrics off)."""
         if self.rank != 0 or not self.options.metrics:
             return None
         return MetricsWriter(run_folder(self.loaded))
-
-    def _report_start(self) -> None:
-        if not self.emit:
-            return
-        p, plan = self.progress, self.plan
-        self.emit(
-            {
-                "event": "start",
-                "pid": os.getpid(),
-                "job": self.loaded.config.job.name,
-                "world_size": plan.world_size,
-                "gbs": plan.gbs,
-                "lbs": plan.lbs,
-                "workers": plan.workers,
-                "plan": plan.describe(),
-                "weight_sync": self.weight_sync,
-                "weight_sync_reason": self.weight_sync_reason,
-                "vsw_strategy": self.vsw_name,
-                "layout": describe_layout(self.layout),
-                "replicas": None
-                if self.layout is None
-                else plan.replica_micro_batches(self.layout.tp * self.layout.pp),
-                "loader_workers": 0 if self.feed is None else self.feed.workers,
-                "precision": self.step_policy.settings.precision,
-                "device": str(self.device),
-                "epochs": self.epochs,
-                "steps_per_epoch": self.sampler.iterations_per_epoch(plan.gbs),
-                "epoch": p.epoch,
-                "position": p.position,
-                "step": p.step,
-            }
-        )
 
     def current_lr(self) -> float | None:
         groups = self.optimizer.param_groups

@@ -83,6 +83,8 @@ class BucketOptimizer:
         self.optimizer = optimizer
         self._group = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._lock = threading.Lock()
+        self.applied = 0
+        """Bucket updates applied so far (engine/recovery.py: did a failed iteration change anything?)."""
 
     def step(self, params: Sequence[torch.Tensor]) -> None:
         groups = self.optimizer.param_groups
@@ -97,6 +99,7 @@ class BucketOptimizer:
                 for g, subset in zip(groups, subsets, strict=True):
                     g["params"] = subset
                 self.optimizer.param_groups = [g for g, subset in zip(groups, subsets, strict=True) if subset]
+                self.applied += 1
                 self.optimizer.step()
             finally:
                 self.optimizer.param_groups = groups
@@ -175,8 +178,9 @@ class GradientSync:
         optimizer = self.optimizer
 
         def done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            reduced = f.value()  # raises when the all-reduce failed (a lost peer): no update from it
             if riders:
-                _unflatten(f.value()[0], [buffer, *riders])
+                _unflatten(reduced[0], [buffer, *riders])
             if optimizer is not None:
                 optimizer.step(params)
             return buffer

@@ -1,0 +1,201 @@
+"""Recovery in place: when a peer is lost, the trainers left carry on from their memory, not a checkpoint.
+
+A collective raises when a peer is gone (gloo: its connection closed) or does not
+answer within ``[scheduler] collective_timeout_s`` (hung, frozen, unreachable).
+Under an elastic controller (``JABAS_GENERATION`` set) a plain IIDP trainer then:
+
+1. abandons the iteration under way, if it changed nothing yet: the optimizer
+   applied no update from it (with ``overlap`` weight sync no bucket was updated
+   either: a bucket updates only once its own all-reduce succeeded,
+   :mod:`jabascli.engine.weight_sync`), and the running statistics its forwards
+   wrote go back to where the iteration began
+   (:meth:`~jabascli.engine.buffers.BufferSync.abandon`). Its parameters,
+   optimizer and LR scheduler state, progress (step, sampler position) and GBS
+   history are those after the last completed iteration, so the next one redoes
+   the failed iteration's samples. A failure after an update was applied (a
+   bucket of ``overlap`` already stepped) cannot be undone here: the trainer
+   raises, and the controller restarts the job from its checkpoint;
+2. reports it (``peer_lost`` event: its rank, step, when, and whether it can
+   recover) and waits for the controller's order, a *recovery handoff*
+   (:class:`~jabascli.engine.handoff.Handoff`: the next generation, old -> new
+   ranks, the plan for the servers left). Rank 0 reads it from its control file
+   (``{"when": "recover", "handoff": {...}}``) and publishes it as JSON under
+   ``g<N>/recover`` in the job's TCP store, which every trainer is connected to;
+   the others poll that key. Nothing received is unpickled;
+3. joins the next generation's process group through that store
+   (:func:`jabascli.engine.distributed.rejoin`), builds its trainer for the new
+   plan from its own state in memory (:func:`in_memory_checkpoint`: the live
+   tensors, not a file), and checks that every survivor holds the same state
+   (:func:`check_agreement`: one all-reduce of a few numbers) before training on.
+
+Rank 0 hosts the store, so a lost rank 0 leaves nothing to rejoin: the controller
+restarts from the checkpoint then, as it does for a layout whose shards no
+survivor holds (``[parallel]``), and the trainers it stops exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from jabascli.engine.checkpoint import checkpoint_payload
+from jabascli.engine.distributed import DistEnv, rendezvous_store
+from jabascli.engine.events import EventSink
+from jabascli.engine.handoff import MAX_BYTES, Handoff
+from jabascli.errors import JabasError, RuntimeFailure
+
+RECOVER = "recover"
+"""The ``when`` of a recovery order in rank 0's control file, and the store key it is published under."""
+POLL_S = 0.02
+
+
+class Recoverable(Protocol):
+    """What recovery reads of a trainer (a :class:`~jabascli.engine.trainer.Trainer`)."""
+
+    in_flight: int | None
+    step_policy: Any
+    gradient_sync: Any
+    buffers: Any
+    layout: Any
+    progress: Any
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    control: Any
+
+    def checkpoint_fields(self) -> dict[str, Any]: ...
+
+
+def updates_applied(trainer: Any) -> int:
+    """Optimizer updates a trainer applied so far: its steps, and with ``overlap`` its bucket updates."""
+    bucket = getattr(getattr(trainer, "gradient_sync", None), "optimizer", None)
+    return int(trainer.step_policy.applied) + int(getattr(bucket, "applied", 0))
+
+
+@dataclass(frozen=True)
+class Order:
+    """The controller's recovery order, as this rank follows it."""
+
+    handoff: Handoff
+    env: DistEnv | None
+    """This rank in the next generation; None: it leaves (its server is not in the new allocation)."""
+    payload: dict[str, Any]
+    """This trainer's state after its last completed iteration, in checkpoint form (live tensors)."""
+    failed_at: float
+
+
+def lost_peer(
+    trainer: Recoverable | None, env: DistEnv, exc: BaseException, on_event: EventSink | None
+) -> Order | None:
+    """After ``exc`` ended training: the recovery order, or None when this is no case for recovery in place.
+
+    None (the caller re-raises) outside an elastic controller, on one rank, for bad input, and under a
+    ``[parallel]`` layout. A trainer whose failed iteration already applied an update reports that and
+    raises. Otherwise it waits here until the controller's order comes (or it is stopped by signal).
+    """
+    if trainer is None or env.generation is None or env.world_size == 1:
+        return None
+    if isinstance(exc, JabasError) or not isinstance(exc, RuntimeError) or trainer.layout is not None:
+        return None
+    failed_at = time.time()
+    dirty = trainer.in_flight is not None and updates_applied(trainer) != trainer.in_flight
+    if on_event is not None:
+        with contextlib.suppress(OSError):
+            on_event(
+                {
+                    "event": "peer_lost",
+                    "rank": env.rank,
+                    "generation": env.generation,
+                    "step": trainer.progress.step,
+                    "time": failed_at,
+                    "in_place": not dirty,
+                    "message": f"{type(exc).__name__}: {exc}"[:300],
+                }
+            )
+    if dirty:
+        raise RuntimeFailure.at(
+            None, None, f"a collective failed after part of step {trainer.progress.step + 1} was applied: {exc}"
+        ) from exc
+    if trainer.in_flight is not None:
+        trainer.buffers.abandon()
+    payload = in_memory_checkpoint(trainer)
+    handoff = _wait_for_order(env, trainer.control.path)
+    return Order(handoff, handoff.env_for(env), payload, failed_at)
+
+
+def in_memory_checkpoint(trainer: Recoverable) -> dict[str, Any]:
+    """The trainer's state as a checkpoint holds it, without writing one (the live tensors)."""
+    return checkpoint_payload(**trainer.checkpoint_fields())
+
+
+def check_agreement(trainer: Recoverable, device: torch.device) -> None:
+    """Every survivor of a recovery holds the same state (RuntimeFailure otherwise): one all-reduce of
+    the progress and of sums over the parameters and the optimizer's state, as their maxima and minima."""
+    p = trainer.progress
+    numbers = [float(p.epoch), float(p.position), float(p.step)]
+    with torch.no_grad():
+        params = [t for t in trainer.model.parameters()]
+        state = [
+            t
+            for s in trainer.optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        ]
+        for tensors in (params, state):
+            numbers.append(float(sum(t.double().sum() for t in tensors)) if tensors else 0.0)
+            numbers.append(float(sum(t.double().square().sum() for t in tensors)) if tensors else 0.0)
+    values = torch.tensor(numbers, dtype=torch.float64, device=device)
+    both = torch.cat([values, -values])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    n = len(numbers)
+    if not torch.equal(both[:n], -both[n:]):
+        raise RuntimeFailure.at(
+            None, None, f"the survivors of a lost peer disagree on where training stands (rank sums {numbers[:3]})"
+        )
+
+
+def _wait_for_order(env: DistEnv, control: Path | None) -> Handoff:
+    """The recovery handoff: rank 0 takes it from its control file and publishes it in the store."""
+    assert env.master_addr is not None and env.master_port is not None
+    store = rendezvous_store(env.master_addr, env.master_port, env.rank == 0)
+    key = f"g{env.generation}/{RECOVER}"
+    if env.rank == 0:
+        data = _take_order(control)
+        store.set(key, json.dumps(data).encode())
+    else:
+        while not store.check([key]):
+            time.sleep(POLL_S)
+        raw = store.get(key)
+        if len(raw) > MAX_BYTES:
+            raise RuntimeFailure.at(None, None, f"a recovery order of {len(raw)} bytes")
+        data = json.loads(raw)
+    return Handoff.from_json(data, "recovery order")
+
+
+def _take_order(control: Path | None) -> dict[str, Any]:
+    """Rank 0 waits for ``{"when": "recover", "handoff": ...}`` in its control file, and takes it out."""
+    if control is None:
+        raise RuntimeFailure.at(None, None, "a peer was lost, and rank 0 has no control file to be told what next")
+    while True:
+        order = _order_in(control)
+        if order is not None:
+            with contextlib.suppress(OSError):
+                os.replace(control, control.with_name(control.name + ".taken"))
+            return order
+        time.sleep(POLL_S)
+
+
+def _order_in(control: Path) -> dict[str, Any] | None:
+    try:
+        request = json.loads(control.read_text())
+    except (OSError, ValueError):
+        return None
+    order = request.get("handoff") if isinstance(request, dict) and request.get("when") == RECOVER else None
+    return order if isinstance(order, dict) else None
