@@ -248,7 +248,12 @@ def run(
     )
     try:
         with _RunDisplay(disable=json_out) as display:
-            result = run_local(loaded, options, on_event=display, max_restarts=max_restarts)
+            from jabascli.cli.trial import run_with_trial
+
+            def train(o: TrainOptions) -> Any:
+                return run_local(loaded, o, on_event=display, max_restarts=max_restarts)
+
+            result, own = run_with_trial(loaded, solved, own, options, start, train, display.notes)
     except KeyboardInterrupt:
         err_console.print(f"interrupted: `{_rerun_command(config)}` resumes from the last checkpoint", markup=False)
         raise typer.Exit(130) from None

@@ -53,7 +53,7 @@ class InUse:
         )
         return (
             f"performance model: refit generation {self.record.generation} from {runs} "
-            f"{'run' if runs == 1 else 'runs'} ({factors}), {self.path}"
+            f"{'run' if runs == 1 else 'runs'} ({factors or 'every term at the profile'}), {self.path}"
         )
 
 

@@ -1,0 +1,155 @@
+"""``jabas run``'s runner-up trial: when the model cannot tell two plans apart, train a few iterations of each.
+
+When the job's model has a measured error (its latest refit generation holds a
+run whose measured iteration time was ``e`` off what the model that planned it
+predicted, :mod:`jabascli.solver.online`) and the runner-up plan for the GBS is
+predicted within ``e`` of the best one, ``jabas run`` trains ``TRIAL_STEPS``
+iterations of the best plan, then ``TRIAL_STEPS`` of the runner-up, each resumed
+from the checkpoint the one before wrote, and goes on with the one whose
+iterations measured faster. The trial costs time, not correctness: every
+iteration is one of the job's, at its GBS, on its samples, and a resumed run is
+exact under any plan of the same GBS (``docs/engine.md``). Both measurements
+refit the model, as any run's does.
+
+The runner-up: the best plan on every available server when ``--servers auto``
+left some out, else the best plan without one of the plan's servers (the
+fastest of those). A job without a refit (its first run) has no measured error:
+no trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from jabascli.config import LoadedConfig
+from jabascli.errors import InputError
+from jabascli.solver.autoplan import RunPlan
+from jabascli.solver.plan import Plan
+
+TRIAL_STEPS = 15
+"""Iterations of each plan (the first 5 are the measurement's warm-up)."""
+
+
+@dataclass(frozen=True)
+class Trial:
+    best: Plan
+    runner_up: Plan
+    error: float
+    """The model's measured error: the latest run's ``|measured / predicted - 1|``."""
+
+
+def _time(plan: Plan) -> float:
+    return plan.iteration_time_s or float("inf")
+
+
+def plan_trial(loaded: LoadedConfig, solved: RunPlan, max_steps: int | None, first_step: int) -> Trial | None:
+    """The trial to run before the rest of the job, or None (see the module doc)."""
+    from jabascli.solver.choice import solver_for
+    from jabascli.solver.online import job_refit
+
+    best = solved.plan
+    if best.parallel is not None or best.iteration_time_s is None or loaded.config.batching.metric != "fixed":
+        return None
+    if max_steps is not None and max_steps - first_step < 3 * TRIAL_STEPS:
+        return None  # too short a run to spend two trials of it
+    in_use = job_refit(loaded)
+    last = in_use.record.observations[-1] if in_use is not None else None
+    if last is None or not last.predicted_s:
+        return None
+    error = abs(last.measured_s / last.predicted_s - 1.0)
+    candidates: list[Plan] = []
+    if solved.choice is not None and solved.choice.left_out and solved.choice.with_all is not None:
+        candidates.append(solved.choice.with_all)
+    else:
+        servers = best.servers()
+        for left_out in servers if len(servers) > 1 else []:
+            try:
+                candidates.append(solver_for(loaded, ",".join(s for s in servers if s != left_out)).solve(best.gbs))
+            except InputError:
+                continue  # no plan reaches the GBS without it
+    if not candidates:
+        return None
+    runner_up = min(candidates, key=_time)
+    if _time(runner_up) - _time(best) > error * _time(best):
+        return None
+    return Trial(best, runner_up, error)
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    chosen: Plan
+    path: Path
+    """plan.json in the run folder, now the chosen plan."""
+    line: str
+    result: Any
+    """The last trial run's result (what the run shows when the trial trained the whole job)."""
+    start: Any
+    """Where the job goes on after the trial (its ``done`` says when nothing is left)."""
+
+
+def run_trial(loaded: LoadedConfig, trial: Trial, options: Any, start: Any, train: Callable[[Any], Any]) -> TrialResult:
+    """Train ``TRIAL_STEPS`` iterations of each plan from ``start`` (``train(options)`` runs the trainers), then
+    point ``plan.json`` at the faster one."""
+    from jabascli.engine.layout import run_folder
+    from jabascli.engine.metrics import median_iteration_s
+    from jabascli.engine.rerun import choose_start
+    from jabascli.solver.online import learn_from_run
+    from jabascli.solver.plan import write_plan
+
+    folder = run_folder(loaded)
+    measured: list[float | None] = [None, None]
+    result = None
+    for i, plan in enumerate((trial.best, trial.runner_up)):
+        if start.done is not None:
+            break  # the job ended within the trial
+        first = start.step
+        path = write_plan(folder / f"plan-trial-{i + 1}.json", plan)
+        result = train(replace(options, plan=path, resume=start.resume, max_steps=first + TRIAL_STEPS))
+        found = median_iteration_s(folder / "steps.csv", first_step=first)
+        if found is not None:
+            measured[i] = found[0]
+            with contextlib.suppress(InputError):  # the trial still chooses; the refit is what it would add
+                learn_from_run(loaded, plan, found[0], found[1], load=os.getloadavg()[0], cpus=os.cpu_count() or 1)
+        start = choose_start(loaded, resume=None, fresh=False, max_steps=options.max_steps)
+    a, b = measured
+    chosen = trial.runner_up if a is not None and b is not None and b < a else trial.best
+    path = write_plan(folder / "plan.json", chosen)
+
+    def ms(t: float | None) -> str:
+        return f"{t * 1e3:.1f} ms" if t is not None else "not measured"
+
+    line = (
+        f"runner-up trial (predicted {_time(trial.best) * 1e3:.1f} and {_time(trial.runner_up) * 1e3:.1f} ms, "
+        f"within the model's measured error of {trial.error:.0%}): {trial.best.seed_form()} measured {ms(a)}, "
+        f"{trial.runner_up.seed_form()} {ms(b)} over {TRIAL_STEPS} iterations each; kept {chosen.seed_form()}"
+    )
+    return TrialResult(chosen, path, line, result, start)
+
+
+def run_with_trial(
+    loaded: LoadedConfig,
+    solved: RunPlan | None,
+    own: Any,
+    options: Any,
+    start: Any,
+    train: Callable[[Any], Any],
+    notes: list[str],
+) -> tuple[Any, Any]:
+    """``train(options)``, after a runner-up trial when :func:`plan_trial` finds one; the result and the plan
+    trained (an ``OwnPlan``). The trial's line goes to ``notes``, shown under the next start line."""
+    from jabascli.cli.run_plan import OwnPlan
+
+    trial = plan_trial(loaded, solved, options.max_steps, start.step) if solved is not None and own else None
+    if trial is None:
+        return train(options), own
+    done = run_trial(loaded, trial, options, start, train)
+    notes.append(done.line)
+    own = OwnPlan(done.chosen, done.path)
+    if done.start.done is not None:
+        return done.result, own
+    return train(replace(options, plan=done.path, resume=done.start.resume)), own
