@@ -96,9 +96,16 @@ def test_profile_all_then_run_with_no_plan_file(
     assert "(0 measured now)" in details["comp fast"] and "(0 measured now)" in details["comp slow"]
     assert all("(on disk)" in details[name] for name in ("bucket", "intra", "inter"))
 
+    # A plan that leaves a server out still runs as profiled: the fast trainer alone keeps the threads
+    # it was profiled with, not both servers' cores (the README's two-server flow).
+    alone = cli.invoke(app, ["run", "-c", str(config), "--servers", "fast", "--max-steps", "2", "--fresh"])
+    assert alone.exit_code == 0, alone.output
+    assert {a.server for a in read_plan(tmp_path / "runs" / "tiny" / "plan.json").assignments} == {"fast"}
+    assert "runs otherwise than it was profiled" not in alone.output
+
     # jabas run with no plan file solves the plan for [batching] initial_gbs, trains it, and compares.
     monkeypatch.setenv("OMP_NUM_THREADS", str(trainer_threads(2) + 1))  # trainers now run otherwise than profiled
-    ran = cli.invoke(app, ["run", "-c", str(config), "--max-steps", "12"])
+    ran = cli.invoke(app, ["run", "-c", str(config), "--max-steps", "12", "--fresh"])
     assert ran.exit_code == 0, ran.output
     assert "plan solved for GBS 64 ([batching] initial_gbs)" in ran.output
     assert "predicted" in ran.output and "measured" in ran.output and "ms per iteration" in ran.output

@@ -4,6 +4,11 @@
 taken otherwise (another thread count, device, slowdown, precision or torch)
 gets one line in its trainers' logs and in ``jabas run``'s start line
 (:func:`jabascli.profiles.conditions.server_note`).
+
+Threads are the one condition ``jabas run`` can choose: its trainers take the
+count their servers were profiled with (:func:`profiled_threads`), so that a
+plan leaving a profiled server out does not give the others its cores and run
+faster, or slower, than the solver predicted. ``OMP_NUM_THREADS`` still wins.
 """
 
 from __future__ import annotations
@@ -44,6 +49,27 @@ def profile_notes(loaded: LoadedConfig, plan: TrainingPlan, threads: int) -> dic
         if note is not None:
             notes[rank.server] = note
     return notes
+
+
+def profiled_threads(loaded: LoadedConfig, plan: TrainingPlan) -> int | None:
+    """The torch threads the CPU and emulated servers of ``plan`` were profiled with, when their profiles agree.
+
+    None when the plan runs on GPUs only, no such profile records its threads, or they disagree.
+    """
+    folder = loaded.profile_dirs().computation
+    if not folder.is_dir():
+        return None
+    try:
+        profiles = read_comp_profiles(folder)
+    except InputError:
+        return None
+    counts = {
+        p.threads
+        for rank in plan.ranks
+        for p in _profiles_of(profiles, rank.server, rank.device_type)
+        if p.threads is not None and p.device in ("cpu", "emulated")
+    }
+    return counts.pop() if len(counts) == 1 else None
 
 
 def _profiles_of(profiles: dict[tuple[str, int, int], CompProfile], server: str, device_type: str) -> list[CompProfile]:

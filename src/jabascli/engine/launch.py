@@ -82,9 +82,13 @@ def run_local(
                 on_event({"event": "note", "server": None, "message": f"{line}; resuming from {found.path}"})
     logs = run_folder(loaded) / "logs"
     env = {**(env or {}), **hand_off_plans(loaded, run_folder(loaded))}  # the hybrid plans checked above
-    from jabascli.engine.conditions import profile_notes
+    from jabascli.engine.conditions import profile_notes, profiled_threads
 
-    notes = profile_notes(loaded, plan, trainer_threads(plan.world_size))
+    threads = trainer_threads(plan.world_size)
+    if not os.environ.get("OMP_NUM_THREADS", "").strip():
+        threads = profiled_threads(loaded, plan) or threads  # the plan runs as its servers were profiled
+    env["OMP_NUM_THREADS"] = str(threads)
+    notes = profile_notes(loaded, plan, threads)
     if on_event is not None:
         for server, note in notes.items():
             on_event({"event": "note", "server": server, "message": note})
