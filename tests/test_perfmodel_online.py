@@ -20,6 +20,7 @@ import pytest
 import tomli_w
 from typer.testing import CliRunner
 
+from jabascli.autoscale.setup import scaling_from_config
 from jabascli.cli.app import app
 from jabascli.config import load_config
 from jabascli.engine.metrics import median_iteration_s
@@ -175,7 +176,11 @@ def test_a_refit_is_a_new_generation_and_never_touches_the_measured_profiles(tmp
     plan = solver_from_config(loaded, "fast,slow").solve(128)
     assert plan is not None and plan.iteration_time_s is not None
 
+    assert scaling_from_config(loaded).objective.margin == pytest.approx(0.05)  # [scaling] margin alone
+
     first = learn_from_run(loaded, plan, 1.4 * plan.iteration_time_s, 60)
+    # The auto-scaler moves only for a gain above the model's measured error (the run was 40% off) and the margin.
+    assert scaling_from_config(loaded).objective.margin == pytest.approx(0.05 + 0.4)
     run = tmp_path / "runs" / "toy"
     assert first.path == run / "perfmodel" / "refit-1.json" and first.record.generation == 1
     # Both servers and the link between them were in the plan (the fast server's two GPUs as two groups).

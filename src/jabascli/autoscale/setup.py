@@ -8,7 +8,7 @@ when faster and plain profiles exist); every other job by the data-parallel solv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jabascli.autoscale.allocation import AllocationSpace
 from jabascli.autoscale.costmodel import SolverCostModel
@@ -19,6 +19,7 @@ from jabascli.errors import InputError
 from jabascli.hybrid.job import load_job, model_name, profiles_root
 from jabascli.perfmodel import ServerSpec
 from jabascli.solver.cluster import server_specs
+from jabascli.solver.online import job_refit, measured_error
 from jabascli.solver.setup import performance_model_from_config
 
 
@@ -73,4 +74,8 @@ def scaling_from_config(loaded: LoadedConfig, *, warm_gbs: int | None = None) ->
     else:
         assert plain is not None
         cost_model = plain
-    return ScalingSetup(space, cost_model, Objective.from_config(config.scaling))
+    objective = Objective.from_config(config.scaling)
+    error = measured_error(job_refit(loaded)) if model is not None else None
+    if error is not None:  # a move must gain more than the model's measured error, and the margin on top
+        objective = replace(objective, margin=min(0.95, objective.margin + error))
+    return ScalingSetup(space, cost_model, objective)

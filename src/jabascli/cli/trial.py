@@ -50,18 +50,16 @@ def _time(plan: Plan) -> float:
 def plan_trial(loaded: LoadedConfig, solved: RunPlan, max_steps: int | None, first_step: int) -> Trial | None:
     """The trial to run before the rest of the job, or None (see the module doc)."""
     from jabascli.solver.choice import solver_for
-    from jabascli.solver.online import job_refit
+    from jabascli.solver.online import job_refit, measured_error
 
     best = solved.plan
     if best.parallel is not None or best.iteration_time_s is None or loaded.config.batching.metric != "fixed":
         return None
     if max_steps is not None and max_steps - first_step < 3 * TRIAL_STEPS:
         return None  # too short a run to spend two trials of it
-    in_use = job_refit(loaded)
-    last = in_use.record.observations[-1] if in_use is not None else None
-    if last is None or not last.predicted_s:
+    error = measured_error(job_refit(loaded))
+    if error is None:
         return None
-    error = abs(last.measured_s / last.predicted_s - 1.0)
     candidates: list[Plan] = []
     if solved.choice is not None and solved.choice.left_out and solved.choice.with_all is not None:
         candidates.append(solved.choice.with_all)

@@ -90,6 +90,15 @@ def refit_in_use(loaded: LoadedConfig, measured: ProfileSet) -> InUse | None:
     return None
 
 
+def measured_error(in_use: InUse | None) -> float | None:
+    """The model's measured error: how far the job's last run was from what the model that planned it predicted,
+    ``|measured / predicted - 1|`` (None: no refit, or its last run has no prediction)."""
+    last = in_use.record.observations[-1] if in_use is not None and in_use.record.observations else None
+    if last is None or not last.predicted_s:
+        return None
+    return abs(last.measured_s / last.predicted_s - 1.0)
+
+
 def measured_profiles(loaded: LoadedConfig) -> ProfileSet:
     """The job's profiles as measured (no refit)."""
     dirs = loaded.profile_dirs()
