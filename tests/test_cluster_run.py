@@ -32,6 +32,8 @@ from tests.elastic_support import RECORDED_DIGITS, TRAINER_ENV, load, used_sampl
 from tests.engine_support import checkpoint_of, max_abs_diff
 from tests.sshd import require_sshd, write_key
 
+pytestmark = pytest.mark.xdist_group("nodes")  # one emulated cluster at a time under `make test`
+
 N = 1438  # digits' training samples (sklearn's 1797, less the 20 % validation split)
 EPOCHS = 2
 
@@ -196,3 +198,71 @@ def test_nodes_that_cannot_run_the_job_are_named_before_anything_starts(cluster_
     assert lines[2].startswith(f"error: server 'slow2' (root@{slow2}:22): /nonexistent/bin/python3 -m jabascli"), lines
     assert not (tmp_path / "runs" / "digits" / "scheduler.json").exists()
     assert _no_jabas_left(cluster, timeout=0) == {}
+
+
+def _wait(folder: Path, process: subprocess.Popen[bytes], until: Any, what: str, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while (status := _status(folder)) is None or not until(status):
+        assert process.poll() is None, process.communicate()[0].decode()[-3000:]
+        assert time.monotonic() < deadline, f"{what}: timed out; last status {status}"
+        time.sleep(0.2)
+    return status
+
+
+@pytest.mark.slow
+def test_a_node_cut_off_and_a_frozen_node_are_recovered_in_place_and_taken_back(
+    cluster_factory,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """slow2's link goes down: fast and slow1 see their collective time out (3 s), the scheduler drops slow2
+    and the two survivors go on from memory; slow2's link comes back, its agent registers again and the job
+    takes it back at an epoch end. Then slow1 is frozen (SIGSTOP): recovered in place the same way. Neither
+    failure reads a checkpoint or restarts a trainer; the job ends as one process that followed its history."""
+    require_sshd()
+    cluster: EmulatedCluster = cluster_factory([NodeSpec("fast"), NodeSpec("slow1"), NodeSpec("slow2")])
+    key = tmp_path / "id_ed25519"
+    (tmp_path / "authorized_keys").write_text(write_key(key) + "\n")
+    sshds = [cluster.start_sshd(node, tmp_path / "authorized_keys") for node in cluster.nodes]
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("".join(s.known_hosts_line() for s in sshds))
+    config = _config(tmp_path, cluster, key)
+    # Ten times slower than above (3-5 s an epoch): a node cut off or frozen is seen within 4 s, and a node that
+    # comes back is taken in at an epoch end once its trainer has started.
+    text = config.read_text().replace(f"epochs = {EPOCHS}", "epochs = 6")
+    text = text.replace("slowdown = 2.0", "slowdown = 20.0").replace("slowdown = 4.0", "slowdown = 40.0")
+    text = text.replace("heartbeat_timeout_s = 10.0", "heartbeat_timeout_s = 4.0\ncollective_timeout_s = 3.0")
+    config.write_text(text.replace("connect_timeout_s = 30.0", "connect_timeout_s = 120.0"))
+    run = [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--known-hosts", str(known_hosts)]
+    job = subprocess.Popen(
+        run, cwd=tmp_path, env={**os.environ, **TRAINER_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        _wait(tmp_path, job, lambda s: s["step"] >= 3 and len(s["trainers"]) == 3, "start")
+        cluster.link_down("slow2")
+        _wait(tmp_path, job, lambda s: s["state"] == "running" and len(s["moves"]) == 1, "the first recovery")
+        cluster.link_up("slow2")
+        three = _wait(tmp_path, job, lambda s: s["state"] == "running" and len(s["allocation"]) == 3, "slow2 back")
+        assert three["moves"][-1]["reason"] == "move" and three["moves"][-1]["in_place"], three["moves"]
+        cluster.freeze("slow1")
+        _wait(tmp_path, job, lambda s: s["state"] == "running" and s["moves"][-1]["reason"] == "recovery", "frozen")
+        cluster.thaw("slow1")
+        output = job.communicate(timeout=300)[0].decode()
+    finally:
+        cluster.thaw("slow1")
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, output[-3000:]
+    assert "restarted" not in output, output[-3000:]
+    ended = json.loads((tmp_path / "runs" / "digits" / "ended.json").read_text())
+    moves = ended["status"]["moves"]
+    recoveries = [m for m in moves if m["reason"] == "recovery"]
+    assert [m["to_servers"] for m in recoveries] == [["fast", "slow1"], ["fast", "slow2"]], moves
+    assert all(m["in_place"] and m["steps_lost"] == 0 and m["resumed_step"] == m["stopped_step"] for m in recoveries)
+    assert not [m for m in moves if m["reason"] == "restart"], moves
+    loaded = load(config)
+    final = checkpoint_of(loaded)
+    history = final["progress"]["gbs_history"]
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=final["progress"]["step"], schedule=history)
+    diffs = max_abs_diff(final["model"], reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, diffs

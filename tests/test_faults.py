@@ -9,16 +9,22 @@ import time
 from pathlib import Path
 
 import pytest
+import tomli_w
+import tomllib
 
 from jabascli.elastic.job import TERMINAL
+from jabascli.engine.checkpoint import read_checkpoint
 from jabascli.engine.faults import FAULT_ENV, Fault, FaultInjector, parse_faults
 from jabascli.engine.launch import run_local
+from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from jabascli.errors import InputError
+from jabascli.net import free_port
 from tests.elastic_support import jabas, wait_status, write_config
 from tests.engine_support import TRAINER_ENV, checkpoint_of, load, max_abs_diff, write_job
+from tests.test_hybrid_exactness import write_config as hybrid_config
 
 TWO = [(2, 1), (1, 0)]
 LBS, GBS = 4, 20  # (VSW 2, GA 1) and (VSW 1, GA 0): 5 workers
@@ -77,11 +83,29 @@ def _elastic_job(folder: Path, fault: str, **scheduler: object) -> tuple[Path, l
     config = write_config(
         folder, record=True, available=["A", "B"], epochs=4, slowdown=(20.0, 40.0), scheduler=settings
     )
+    return config, _start(folder, config, fault)
+
+
+def _start(folder: Path, config: Path, fault: str) -> list[subprocess.Popen[bytes]]:
     env = {FAULT_ENV: fault}
     processes = [jabas("schedule", "-c", str(config), env=env, log=folder / "scheduler.log")]
     for rank in (0, 1):
         processes.append(jabas("worker", "-c", str(config), "--rank", str(rank), env=env, log=folder / f"w{rank}.log"))
-    return config, processes
+    return processes
+
+
+def _finish(folder: Path, config: Path, processes: list[subprocess.Popen[bytes]]) -> dict:
+    """The job's last status, once it is over (every process ended)."""
+    url = f"http://127.0.0.1:{load(config).config.scheduler.port}"
+    try:
+        status = wait_status(url, lambda s: s["state"] in TERMINAL, timeout=180)
+        assert processes[0].wait(30) == 0, _logs(folder)
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return status
 
 
 def _logs(folder: Path) -> str:
@@ -99,15 +123,7 @@ def test_a_lost_or_hung_rank_is_recovered_in_place_without_a_checkpoint_and_ends
     memory at step 30, not from the checkpoint, B is taken back at a later epoch end as a move in place, and
     the job ends as one process that followed the same GBS history."""
     config, processes = _elastic_job(tmp_path, f"1:31:{kind}")
-    url = f"http://127.0.0.1:{load(config).config.scheduler.port}"
-    try:
-        status = wait_status(url, lambda s: s["state"] in TERMINAL, timeout=180)
-        assert processes[0].wait(30) == 0, _logs(tmp_path)
-    finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    status = _finish(tmp_path, config, processes)
     moves = json.dumps(status["moves"], indent=1)
     assert status["state"] == "succeeded" and status["restarts"] == 0, moves + _logs(tmp_path)
     recovery, back = status["moves"]
@@ -134,3 +150,28 @@ def test_a_lost_or_hung_rank_is_recovered_in_place_without_a_checkpoint_and_ends
     )
     diffs = max_abs_diff(final["model"], reference.state_dict())
     assert max(diffs.values()) <= 1e-9, diffs
+
+
+@pytest.mark.slow
+def test_a_sharded_layout_that_loses_a_shard_restarts_from_the_newest_checkpoint_and_ends_exact(
+    tmp_path: Path,
+) -> None:
+    """Tiny GPT in float64 sharded (FSDP2) over s0 and s1, one replica: rank 1 is SIGKILLed as it begins step 5.
+    No survivor holds its shards, so the scheduler restarts both ranks from the newest checkpoint (step 4, every
+    rank's DCP shards) and says why; the job ends as one process that never failed."""
+    config = hybrid_config(tmp_path, "gpt", "adam", [1, 1], {"sharding": "full"})
+    data = tomllib.loads(config.read_text())
+    data["scheduler"] = {"port": free_port(), "heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 5.0}
+    data["scheduler"] |= {"connect_timeout_s": 5.0, "collective_timeout_s": 3.0, "checkpoint_every": 2}
+    config.write_bytes(tomli_w.dumps(data).encode())
+    status = _finish(tmp_path, config, _start(tmp_path, config, "1:5:kill"))
+    assert status["state"] == "succeeded" and status["restarts"] == 1, _logs(tmp_path)
+    [restart] = status["moves"]
+    assert restart["reason"] == "restart" and "no survivor holds every shard" in restart["failure"], restart
+    assert restart["resumed_step"] == 4, restart
+    loaded = load(config)
+    final = read_checkpoint(checkpoint_folder(loaded))
+    history = final["progress"]["gbs_history"]
+    reference, _ = reference_run(loaded, load_plan(loaded), steps=final["progress"]["step"], schedule=history)
+    diffs = max_abs_diff(final["model"], reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}

@@ -280,6 +280,8 @@ def _print_moves(status: JobStatus) -> None:
         for m in status.moves:
             downtime = "-" if m.downtime_s is None else f"{m.downtime_s * 1e3:.1f}"
             why = f"{m.reason} (in place)" if m.in_place else m.reason
+            if m.steps_lost is not None:  # a failure: how long to the next iteration, and the steps done again
+                why += f", {m.steps_lost} steps lost, next iteration {m.recovered_s or 0:.2f} s after"
             table.add_row(str(m.generation), why, ",".join(m.from_servers), ",".join(m.to_servers), downtime)
         console.print(table)
 
@@ -442,8 +444,13 @@ def run_elastic_here(
 def move_line(move: MoveRecord) -> str:
     """``moved A,B -> A at an epoch end (in place): downtime 12.3 ms, from step 40``: one move or restart."""
     where = f"{','.join(move.from_servers)} -> {','.join(move.to_servers)}"
-    if move.reason == "restart":
+    if move.reason == "recovery":
+        lost = "" if move.steps_lost is None else f", {move.steps_lost} steps lost"
+        head = f"recovered {where} in place after a failure ({move.failure}){lost}"
+    elif move.reason == "restart":
         head = f"restarted {where} after a failure"
+        if move.failure:
+            head += f" ({move.failure})"
     else:
         head = f"moved {where} at {'an epoch end' if move.when == 'epoch' else 'an iteration (--now)'}"
         head += " (in place)" if move.in_place else " (trainers restarted)"

@@ -107,7 +107,7 @@ class Failures:
         if s.retiring is not None and s.retiring.finished and gen is not None and gen.number == generation:
             return True  # the job ended before a move: its new ranks, waiting for it, were stopped
         if not self._may_recover(generation):
-            self.restart = {"failure": why, "failed_at": time.time()}
+            self.restart = self.restart or {"failure": why, "failed_at": time.time()}  # the first one, for the record
             return False
         self._failure(why).lost |= lost
         self.decide()
@@ -184,7 +184,8 @@ class Failures:
             return "no rank was lost, yet a collective failed"
         if 0 in lost or gen.servers[0] not in keep:
             return "rank 0 was lost, and with it the job's store"
-        if gen.plan.parallel is not None:
+        layout = gen.plan.parallel or self.s.loaded.config.parallel
+        if layout is not None and ((layout.tp, layout.pp, layout.sharding) != (1, 1, "none") or layout.layers):
             return "a [parallel] layout: no survivor holds every shard"
         return None
 
@@ -239,6 +240,8 @@ class Failures:
         if record is not None and record.failed_at is not None:
             if record.first_iteration_at is not None and record.first_iteration_s is not None:
                 record.recovered_s = record.first_iteration_at + record.first_iteration_s - record.failed_at
+            if record.downtime_s is None and record.first_iteration_at is not None:
+                record.downtime_s = record.first_iteration_at - record.failed_at  # no iteration ran since
             if record.stopped_step is not None and record.resumed_step is not None:
                 record.steps_lost = max(0, record.stopped_step - record.resumed_step)
         self.recovering = None

@@ -10,7 +10,8 @@
 Rank ``RANK`` fires the fault as it begins step ``STEP`` (1 is the first iteration of the
 job), so the other ranks are inside that iteration's collectives when it fails. Each fault
 fires once per job, not again after the job is restarted from a checkpoint taken before
-it: the rank that fires it first leaves a marker in the run folder (``faults/``).
+it: the rank that fires it first leaves a marker in the run folder (``faults/``), which holds
+the wall time it fired at.
 
 Example: ``JABAS_FAULT=1:5:kill jabas run -c job.toml --max-restarts 1`` loses rank 1
 in step 5; ``[scheduler] collective_timeout_s`` bounds how long the others wait for it.
@@ -82,9 +83,13 @@ class FaultInjector:
     def _first_time(self, fault: Fault) -> bool:
         self.folder.mkdir(parents=True, exist_ok=True)
         try:
-            os.close(os.open(self.folder / fault.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            fd = os.open(self.folder / fault.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         except FileExistsError:
             return False
+        try:
+            os.write(fd, f"{time.time()!r}\n".encode())  # when it fired (wall clock): benchmarks/recovery.py
+        finally:
+            os.close(fd)
         return True
 
 
