@@ -66,7 +66,7 @@ def medians(steps_csv: Path, first_step: int, last_step: int, warmup: int = 5) -
 
 
 def test_the_runner_up_is_tried_exactly_and_the_faster_plan_kept(tmp_path: Path) -> None:
-    config = write_job(tmp_path, [(1, 0), (1, 0)], epochs=10, options={"samples": 64})
+    config = write_job(tmp_path, [(1, 0), (1, 0)], epochs=2, options={"samples": 400})  # one epoch: 50 steps
     write_profiles(tmp_path / "profiles")
     loaded = load_config(config)
     # The job's model was 30% off on its last run: a refit generation that says so (factors left at the profile).
