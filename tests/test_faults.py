@@ -76,13 +76,16 @@ def test_a_lost_or_hung_rank_fails_the_job_in_bounded_time_and_a_restart_ends_ex
     assert max(diffs.values()) <= 1e-9, diffs
 
 
-def _elastic_job(folder: Path, fault: str, **scheduler: object) -> tuple[Path, list[subprocess.Popen[bytes]]]:
+def _elastic_job(folder: Path, fault: str, weight_sync: str) -> tuple[Path, list[subprocess.Popen[bytes]]]:
     """`jabas schedule` and an agent for each of A (rank 0) and B (rank 1), with ``JABAS_FAULT`` set: float64
     digits in 4 epochs, A 20x and B 40x slower than the CPU, checkpoints at epoch ends only."""
-    settings = {"collective_timeout_s": 3.0, "heartbeat_interval_s": 0.1, **scheduler}
+    settings = {"collective_timeout_s": 3.0, "heartbeat_interval_s": 0.1}
     config = write_config(
         folder, record=True, available=["A", "B"], epochs=4, slowdown=(20.0, 40.0), scheduler=settings
     )
+    data = tomllib.loads(config.read_text())
+    data["job"]["weight_sync"] = weight_sync
+    config.write_bytes(tomli_w.dumps(data).encode())
     return config, _start(folder, config, fault)
 
 
@@ -113,16 +116,17 @@ def _logs(folder: Path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["kill", "hang"])
+@pytest.mark.parametrize(("kind", "weight_sync"), [("kill", "sequential"), ("hang", "overlap")])
 def test_a_lost_or_hung_rank_is_recovered_in_place_without_a_checkpoint_and_ends_exact(
-    tmp_path: Path, kind: str
+    tmp_path: Path, kind: str, weight_sync: str
 ) -> None:
     """Rank 1 (B) is SIGKILLed (or hangs) as it begins step 31 of an elastic job (epoch 0 ended at step 29,
     its checkpoint the newest). Rank 0 (A) sees its collective fail (at once, or after the 3 s collective
     timeout), the scheduler drops B and sends A the recovery order: the same process trains on alone from its
     memory at step 30, not from the checkpoint, B is taken back at a later epoch end as a move in place, and
-    the job ends as one process that followed the same GBS history."""
-    config, processes = _elastic_job(tmp_path, f"1:31:{kind}")
+    the job ends as one process that followed the same GBS history. Under either weight sync: with ``overlap``
+    no bucket is updated from the failed iteration (each is updated once its own all-reduce succeeded)."""
+    config, processes = _elastic_job(tmp_path, f"1:31:{kind}", weight_sync)
     status = _finish(tmp_path, config, processes)
     moves = json.dumps(status["moves"], indent=1)
     assert status["state"] == "succeeded" and status["restarts"] == 0, moves + _logs(tmp_path)

@@ -241,3 +241,24 @@ def test_bad_input_exits_2(cli: CliRunner, tmp_path: Path, content: str | None, 
     result = report(cli, str(target))
     assert result.exit_code == 2, result.output
     assert expected in result.stderr and "Traceback" not in result.output
+
+
+def test_a_runs_failures_are_summed_up_from_its_ended_record(cli: CliRunner, run_folder: Path) -> None:
+    moves = [
+        {
+            "reason": "recovery",
+            "failure": "trainer rank 1 on B exited with code -9",
+            "steps_lost": 0,
+            "recovered_s": 0.2,
+        },
+        {"reason": "restart", "failure": "rank 0 was lost", "steps_lost": 3, "recovered_s": 1.5},
+        {"reason": "move", "failure": None},
+    ]
+    (run_folder / "ended.json").write_text(json.dumps({"status": {"moves": moves}}))
+    result = report(cli, str(run_folder))
+    assert result.exit_code == 0, result.output
+    index = (run_folder / "report" / "index.html").read_text()
+    assert (
+        "<th>failures</th><td>2 (1 recovered in place, 3 completed steps lost, next iteration at most 1.50 s after)"
+        in index
+    )

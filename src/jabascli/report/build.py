@@ -101,6 +101,13 @@ def _run_plots(run: RunData, report: Report) -> None:
         ("training time so far", _fmt(sum(t for t in _column(epochs, "time_s") if math.isfinite(t)), "{:.1f} s")),
         ("scaling decisions", f"{len(run.scaling)} ({sum(bool(r.get('moved')) for r in run.scaling)} moves)"),
     ]
+    if run.failures:
+        in_place = sum(f.get("reason") == "recovery" for f in run.failures)
+        lost = sum(int(f.get("steps_lost") or 0) for f in run.failures)
+        times = [float(f["recovered_s"]) for f in run.failures if isinstance(f.get("recovered_s"), int | float)]
+        longest = f", next iteration at most {max(times):.2f} s after" if times else ""
+        text = f"{len(run.failures)} ({in_place} recovered in place, {lost} completed steps lost{longest})"
+        report.summary.append(("failures", text))
 
 
 def _simulation_plots(sim: SimulationData, report: Report) -> None:

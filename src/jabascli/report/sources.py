@@ -66,6 +66,18 @@ class RunData:
     scaling: list[dict[str, Any]] = field(default_factory=list)
     changes: list[dict[str, float]] = field(default_factory=list)
     """``changes.csv``: the GBS and LR from each step on (empty for runs written before it existed)."""
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    """An elastic job's failures, as its ``ended.json`` recorded them (``moves[]`` with a ``failure``)."""
+
+
+def read_failures(folder: Path) -> list[dict[str, Any]]:
+    """The records of ``folder/ended.json``'s failures (recovered in place or restarted); none without one."""
+    path = folder / "ended.json"
+    if not path.is_file():
+        return []
+    data = read_json(path, what="ended job record")
+    moves = data.get("status", {}).get("moves", []) if isinstance(data, dict) else []
+    return [m for m in moves if isinstance(m, dict) and m.get("failure")]
 
 
 @dataclass
@@ -92,6 +104,7 @@ def read_source(path: Path) -> RunData | SimulationData:
             read_rows(path / "epochs.csv"),
             read_jsonl(path / "scaling.jsonl"),
             read_rows(path / "changes.csv"),
+            read_failures(path),
         )
         if not run.steps and not run.epochs:
             raise InputError.at(path, None, "is not a run folder with metrics: no rows in steps.csv or epochs.csv")
