@@ -31,9 +31,9 @@ devices = 1
 
 [[cluster.servers]]
 name = "slow"
-device_type = "emulated-half-speed"
+device_type = "emulated-quarter-speed"
 devices = 1
-emulate = { slowdown = 2.0, memory_bytes = 2000000 }
+emulate = { slowdown = 4.0, memory_bytes = 2000000 }
 
 [storage]
 run_dir = "runs"
@@ -108,7 +108,8 @@ def test_profile_solve_and_train_with_the_plan(tmp_path: Path) -> None:
     plan = read_plan(tmp_path / "plan.json")
     workers = {a.server: a.gpus * a.vsw * (a.ga + 1) for a in plan.assignments}
     assert plan.lbs * sum(workers.values()) == 96
-    # The emulated device is twice as slow, so the solver gives it fewer workers than the CPU.
+    # The emulated device is four times as slow (a margin over the noise of profiling on a busy host),
+    # so the solver gives it fewer workers than the CPU.
     assert workers["fast"] > workers["slow"] >= 1, workers
     raw = json.loads((tmp_path / "plan.json").read_text())
     assert {"gbs", "lbs", "weight_sync", "iteration_time_s", "throughput", "assignments"} <= set(raw)
