@@ -6,6 +6,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+# pytest-xdist workers for `make test`: the suite's tests wait on child processes much of the
+# time, so two workers keep two cores busy. More than the cores makes timing-bound tests flaky.
+TEST_WORKERS ?= 2
 
 .PHONY: quickstart test lint venv clean sshd slurm gpu-check
 
@@ -15,7 +18,7 @@ quickstart: $(VENV)/.installed-base
 test: $(VENV)/.installed-test sshd slurm
 	$(VENV)/bin/ruff check src tests models benchmarks
 	$(VENV)/bin/ruff format --check src tests models benchmarks
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check src tests models benchmarks

@@ -37,6 +37,8 @@ from tests.cluster import (
 )
 from tests.sshd import require_sshd, write_key
 
+pytestmark = pytest.mark.xdist_group("nodes")  # one emulated cluster at a time under `make test`
+
 SCRIPT = Path(__file__).with_name("cluster.py")
 
 # A server on ADDRESS (argv[1]) that prints its port, then tells every client what it saw.

@@ -22,6 +22,8 @@ from jabascli.elastic.local import remote_servers, scheduler_address
 from jabascli.errors import InputError
 from jabascli.net import free_port, is_local
 
+pytestmark = pytest.mark.xdist_group("nodes")  # one emulated cluster at a time under `make test`
+
 REMOTE = "198.51.100.7"
 """TEST-NET-2 (RFC 5737): an address no interface here holds; nothing is ever sent to it."""
 

@@ -27,6 +27,8 @@ from tests.conftest import WITH_SIGINT
 from tests.elastic_support import TRAINER_ENV
 from tests.sshd import require_sshd, write_key
 
+pytestmark = pytest.mark.xdist_group("nodes")  # one emulated cluster at a time under `make test`
+
 
 def _config(folder: Path, servers: list[tuple[str, str]], key: Path) -> Path:
     """A digits job on ``servers`` ((name, host) pairs; the second and later emulated 2x slower)."""

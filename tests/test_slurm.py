@@ -35,6 +35,8 @@ from tests.elastic_support import RECORDED_DIGITS, TRAINER_ENV, load, used_sampl
 from tests.engine_support import checkpoint_of, max_abs_diff
 from tests.slurm import SlurmCluster, SlurmNodeSpec, slurm_factory  # noqa: F401 (the fixture)
 
+pytestmark = pytest.mark.xdist_group("nodes")  # one emulated cluster at a time under `make test`
+
 NODES = [NodeSpec("n0", "1gbit"), NodeSpec("n1", "1gbit"), NodeSpec("n2", "200mbit")]
 SLURM_NODES = [SlurmNodeSpec("n0", "fast", 1), SlurmNodeSpec("n1", "fast", 1), SlurmNodeSpec("n2", "slow", 1)]
 
