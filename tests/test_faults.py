@@ -79,7 +79,7 @@ def test_a_lost_or_hung_rank_fails_the_job_in_bounded_time_and_a_restart_ends_ex
 def _elastic_job(folder: Path, fault: str, weight_sync: str) -> tuple[Path, list[subprocess.Popen[bytes]]]:
     """`jabas schedule` and an agent for each of A (rank 0) and B (rank 1), with ``JABAS_FAULT`` set: float64
     digits in 4 epochs, A 20x and B 40x slower than the CPU, checkpoints at epoch ends only."""
-    settings = {"collective_timeout_s": 3.0, "heartbeat_interval_s": 0.1}
+    settings = {"collective_timeout_s": 3.0, "heartbeat_interval_s": 0.1, "connect_timeout_s": 60.0}
     config = write_config(
         folder, record=True, available=["A", "B"], epochs=4, slowdown=(20.0, 40.0), scheduler=settings
     )

@@ -70,6 +70,9 @@ EXITING_S = 0.5
 SPARE_DELAY_S = 5.0
 """Spares are started this long after a generation, not to slow its own start."""
 LOG_TAIL = 4000
+URGENT_S, URGENT_FOR_S = 0.01, 5.0
+"""After a trainer's ``peer_lost`` (engine/recovery.py), heartbeats every URGENT_S for at most URGENT_FOR_S, or
+until it hands over: the recovery order comes in a heartbeat's reply."""
 BACKOFF_S = (0.2, 5.0)
 """First and largest wait between attempts to reach the scheduler."""
 
@@ -134,6 +137,8 @@ class WorkerAgent:
         self.cpu = False
         """Trainers here compute on the CPU: spares also warm the data and the CPU kernels."""
         self.last_start = -SPARE_DELAY_S
+        self.urgent_until = 0.0
+        """Until then, heartbeats every URGENT_S: a trainer here lost a peer and waits for its recovery order."""
         self.devices = loaded.config.cluster.servers[rank].devices if rank < len(loaded.config.cluster.servers) else 0
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -154,6 +159,8 @@ class WorkerAgent:
             while True:
                 self._read_events(max(0.0, min(next_beat - self.clock(), self.interval)))
                 exited = self._reap()
+                if self.clock() < self.urgent_until:
+                    next_beat = min(next_beat, last_ok + URGENT_S)
                 self._keep_spares()
                 if self.clock() < next_beat and not exited:
                     continue
@@ -176,7 +183,7 @@ class WorkerAgent:
                     continue
                 last_ok = self.clock()
                 self.pending_events, self.pending_exits = [], []
-                next_beat = last_ok + self.interval
+                next_beat = last_ok + (URGENT_S if self.clock() < self.urgent_until else self.interval)
                 self._apply(reply)
                 if reply.shutdown:
                     return
@@ -364,6 +371,9 @@ class WorkerAgent:
                     if isinstance(event, dict):
                         if event.get("event") == "handoff":
                             run = self._handed_over(run, t, event)
+                            self.urgent_until = 0.0
+                        elif event.get("event") == "peer_lost":  # its order is on the way: fetch it soon
+                            self.urgent_until = self.clock() + URGENT_FOR_S
                         self.pending_events.append(TrainerEvent(generation=run.generation, event=finite_only(event)))
 
     def _handed_over(self, run: Run, t: Trainer, event: dict[str, object]) -> Run:

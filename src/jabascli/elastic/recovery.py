@@ -122,6 +122,10 @@ class Failures:
                 record.stopped_step = max(record.stopped_step, step)
             if isinstance(when, int | float) and record.failed_at is not None:
                 record.failed_at = min(record.failed_at, float(when))
+        if isinstance(step, int) and gen is self.s.generation:
+            self.s.step = max(self.s.step, step)  # completed steps, exactly: the reports lag behind
+        if isinstance(when, int | float) and self.restart:
+            self.restart["failed_at"] = min(self.restart["failed_at"], float(when))
         if not isinstance(rank, int) or not self._may_recover(gen.number):
             return
         message = event.get("message")

@@ -54,12 +54,13 @@ from jabascli.errors import JabasError, RuntimeFailure
 
 RECOVER = "recover"
 """The ``when`` of a recovery order in rank 0's control file, and the store key it is published under."""
-POLL_S = 0.02
+POLL_S = 0.005
 
 
 class Recoverable(Protocol):
     """What recovery reads of a trainer (a :class:`~jabascli.engine.trainer.Trainer`)."""
 
+    loaded: Any
     in_flight: int | None
     step_policy: Any
     gradient_sync: Any
@@ -96,9 +97,10 @@ def lost_peer(
 ) -> Order | None:
     """After ``exc`` ended training: the recovery order, or None when this is no case for recovery in place.
 
-    None (the caller re-raises) outside an elastic controller, on one rank, for bad input, and under a
-    ``[parallel]`` layout. A trainer whose failed iteration already applied an update reports that and
-    raises. Otherwise it waits here until the controller's order comes (or it is stopped by signal).
+    None (the caller re-raises) outside an elastic controller, on one rank, for bad input, under a
+    ``[parallel]`` layout, and with ``[scheduler] recover_in_place = false`` (after its report). A trainer
+    whose failed iteration already applied an update reports that and raises. Otherwise it waits here until
+    the controller's order comes (or it is stopped by signal).
     """
     if trainer is None or env.generation is None or env.world_size == 1:
         return None
@@ -119,6 +121,8 @@ def lost_peer(
                     "message": f"{type(exc).__name__}: {exc}"[:300],
                 }
             )
+    if not trainer.loaded.config.scheduler.recover_in_place:
+        return None  # the job restarts from its checkpoint: exit as always
     if dirty:
         raise RuntimeFailure.at(
             None, None, f"a collective failed after part of step {trainer.progress.step + 1} was applied: {exc}"
