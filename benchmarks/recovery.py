@@ -1,0 +1,157 @@
+"""A lost trainer: recovery in place against a restart from the checkpoint, side by side.
+
+For each workload (digits, the tiny ResNet), a real ``jabas schedule`` and two real
+``jabas worker`` agents run on loopback with two one-device CPU servers, A (rank 0)
+and B (rank 1), each job twice: with ``[scheduler] recover_in_place = true`` (the
+default) and ``false`` (today's restart: every trainer stopped, new ones on the live
+servers from the newest checkpoint, written every ``checkpoint_every`` iterations).
+After :data:`WARM_S` (the agents' spares are warm, as in a job that has run a while),
+the benchmark SIGKILLs B's trainer and notes the time (the fault). The scheduler's
+record of the failure (``moves[]``) gives the end of the first iteration completed
+after it, and the steps it resumed at::
+
+    time to next iteration = end of the first iteration after - the fault
+    steps redone = completed steps trained again (stopped - resumed) + the interrupted one
+
+Target (issue #34): in place at least 5x faster, and only the interrupted step redone.
+
+Run: ``.venv/bin/python benchmarks/recovery.py [--workloads digits resnet_tiny] [--repeats 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import tomli_w
+
+from jabascli.config import load_config
+from jabascli.elastic.job import TERMINAL
+from jabascli.elastic.local import agent_environment
+from jabascli.net import free_port
+
+TOKEN = "benchmark-token-0123456789"
+WARM_S = 12.0
+CHECKPOINT_EVERY = 50
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "digits": {"workload": "digits", "options": {"lr": 0.05}, "lbs": 16},
+    "resnet_tiny": {"workload": "resnet", "options": {"variant": "tiny", "synthetic_size": 512}, "lbs": 16},
+}
+
+
+def write_config(folder: Path, name: str, in_place: bool) -> Path:
+    spec = WORKLOADS[name]
+    server = {"device_type": "cpu", "devices": 1, "vsw": 1}
+    config = {
+        "job": {"name": name, "epochs": 1_000_000, **spec},  # never reached: the benchmark stops the job
+        "batching": {"metric": "fixed"},
+        "cluster": {"available_servers": ["A", "B"], "servers": [{"name": "A", **server}, {"name": "B", **server}]},
+        "scheduler": {
+            "port": free_port(),
+            "heartbeat_interval_s": 0.2,
+            "heartbeat_timeout_s": 30.0,
+            "collective_timeout_s": 30.0,
+            "checkpoint_every": CHECKPOINT_EVERY,
+            "recover_in_place": in_place,
+        },
+        "storage": {"checkpoint_dir": str(folder / "checkpoints"), "run_dir": str(folder / "runs")},
+    }
+    path = folder / f"{name}.toml"
+    path.write_bytes(tomli_w.dumps(config).encode())
+    return path
+
+
+def status(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/v1/job", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
+
+
+def wait(url: str, until: Any, timeout: float = 300) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    s: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            s = status(url)
+            if until(s):
+                return s
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise SystemExit(f"timed out waiting at {url}; the job's last status: {s}")
+
+
+def lose_a_trainer(folder: Path, name: str, in_place: bool) -> dict[str, Any]:
+    """One job: B's trainer SIGKILLed once the job is warm; the failure's record and the fault's time."""
+    config = write_config(folder, name, in_place)
+    loaded = load_config(config)
+    url = f"http://127.0.0.1:{loaded.config.scheduler.port}"
+    env = agent_environment(loaded, TOKEN, os.environ)  # both servers on this machine: its cores shared
+    command = [sys.executable, "-m", "jabascli"]
+    logs = [(folder / f"{p}.log").open("wb") for p in ("scheduler", "worker0", "worker1")]
+    procs = [subprocess.Popen([*command, "schedule", "-c", str(config)], env=env, stdout=logs[0], stderr=logs[0])]
+    for rank in (0, 1):
+        args = [*command, "worker", "-c", str(config), "--rank", str(rank)]
+        procs.append(subprocess.Popen(args, env=env, stdout=logs[rank + 1], stderr=logs[rank + 1]))
+    try:
+        running = wait(url, lambda s: s["state"] == "running" and len(s["trainers"]) == 2 and s["loss"] is not None)
+        time.sleep(WARM_S)
+        victim = next(t["pid"] for t in running["trainers"] if t["rank"] == 1)
+        fault = time.time()
+        os.kill(victim, signal.SIGKILL)
+        done = wait(url, lambda s: bool(s["moves"]) and s["moves"][0]["recovered_s"] is not None)
+        record = done["moves"][0]
+        httpx.post(url + "/v1/job/stop", json={"when": "now"}, headers={"Authorization": f"Bearer {TOKEN}"})
+        wait(url, lambda s: s["state"] in TERMINAL)
+    finally:
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for log in logs:
+            log.close()
+    first_done = record["first_iteration_at"] + record["first_iteration_s"]
+    return {
+        "reason": record["reason"],
+        "to_next_s": first_done - fault,
+        "detected_s": record["failed_at"] - fault,
+        "first_iteration_s": record["first_iteration_s"],
+        "redone": record["steps_lost"] + 1,
+        "stopped": record["stopped_step"],
+        "resumed": record["resumed_step"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(f"B's trainer SIGKILLed {WARM_S:g} s into the job; checkpoints every {CHECKPOINT_EVERY} iterations")
+    print(f"{'workload':<12} {'recovery':<22} {'to next iteration s':>20} {'seen after s':>13} {'steps redone':>13}")
+    for name in args.workloads:
+        medians: dict[bool, float] = {}
+        for in_place in (True, False):
+            runs = []
+            for _ in range(args.repeats):
+                with tempfile.TemporaryDirectory(prefix="jabas-recovery-") as tmp:
+                    runs.append(lose_a_trainer(Path(tmp), name, in_place))
+            medians[in_place] = statistics.median(r["to_next_s"] for r in runs)
+            label = "in place" if in_place else "restart from checkpoint"
+            times = ", ".join(f"{r['to_next_s']:.3f}" for r in runs)
+            seen = statistics.median(r["detected_s"] for r in runs)
+            redone = ", ".join(f"{r['redone']} ({r['stopped']}->{r['resumed']})" for r in runs)
+            print(f"{name:<12} {label:<22} {medians[in_place]:>9.3f} ({times}) {seen:>8.3f} {redone:>13}")
+        print(f"{name:<12} in place is {medians[False] / medians[True]:.1f}x faster to the next iteration")
+
+
+if __name__ == "__main__":
+    main()
