@@ -123,6 +123,8 @@ def lose_a_trainer(folder: Path, name: str, in_place: bool) -> dict[str, Any]:
         "reason": record["reason"],
         "to_next_s": first_done - fault,
         "detected_s": record["failed_at"] - fault,
+        "decided_s": record["launched_at"] - record["failed_at"],
+        "rebuilt_s": record["first_iteration_at"] - record["launched_at"],
         "first_iteration_s": record["first_iteration_s"],
         "redone": record["steps_lost"] + 1,
         "stopped": record["stopped_step"],
@@ -150,6 +152,12 @@ def main() -> None:
             seen = statistics.median(r["detected_s"] for r in runs)
             redone = ", ".join(f"{r['redone']} ({r['stopped']}->{r['resumed']})" for r in runs)
             print(f"{name:<12} {label:<22} {medians[in_place]:>9.3f} ({times}) {seen:>8.3f} {redone:>13}")
+            parts = {key: statistics.median(r[key] for r in runs) for key in ("decided_s", "rebuilt_s")}
+            first = statistics.median(r["first_iteration_s"] for r in runs)
+            print(
+                f"{'':<12}   from the loss seen: decided after {parts['decided_s']:.3f} s, first iteration began"
+                f" {parts['rebuilt_s']:.3f} s after that and took {first:.3f} s"
+            )
         print(f"{name:<12} in place is {medians[False] / medians[True]:.1f}x faster to the next iteration")
 
 
