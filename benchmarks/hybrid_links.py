@@ -65,8 +65,8 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MEASURE = (
     "import json, sys\n"
     "from jabascli.profiler.hybrid import measure_link\n"
-    "rows = measure_link(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sizes_bytes=tuple(json.loads(sys.argv[4])))\n"
-    "print(json.dumps([r.model_dump(mode='json') for r in rows]))\n"
+    "link = measure_link(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sizes_bytes=tuple(json.loads(sys.argv[4])))\n"
+    "print(json.dumps([r.model_dump(mode='json') for r in link.rows]))\n"
 )
 
 

@@ -16,7 +16,7 @@ from jabascli.hybrid.costmodel import CostModel
 from jabascli.hybrid.plan import Placement, Plan, Replica
 from jabascli.hybrid.search import Choice, ServerGroup, search
 from jabascli.net import free_port
-from jabascli.profiler.hybrid import link_network, measure_link, write_link
+from jabascli.profiler.hybrid import MeasuredLink, link_network, measure_link, write_link
 from jabascli.profiles.hybrid import (
     BandwidthFit,
     BlockInfo,
@@ -167,7 +167,7 @@ def test_write_link_replaces_the_inter_link_only(tmp_path: Path) -> None:
 
 def test_measure_link_runs_one_rank_each_and_both_see_the_same_rows() -> None:
     port = free_port()
-    found: dict[int, list[CollectiveTime]] = {}
+    found: dict[int, MeasuredLink] = {}
     failed: list[BaseException] = []
 
     def rank(r: int) -> None:
@@ -183,7 +183,8 @@ def test_measure_link_runs_one_rank_each_and_both_see_the_same_rows() -> None:
         t.join(timeout=180)
     assert not failed, failed
     assert found[0] == found[1]  # each row the slower rank's median, MAX-reduced over both
-    assert {(r.collective, r.size_bytes) for r in found[0]} == {
+    assert {(r.collective, r.size_bytes) for r in found[0].rows} == {
         (c, s) for c in ("all_reduce", "all_gather", "reduce_scatter", "send") for s in (1024.0, 65536.0)
     }
-    assert all(r.link == "inter" and r.devices == 2 and r.seconds > 0 for r in found[0])
+    assert all(r.link == "inter" and r.devices == 2 and r.seconds > 0 for r in found[0].rows)
+    assert found[0].hosts == ["127.0.0.1", "127.0.0.1"]  # each rank's address towards the master

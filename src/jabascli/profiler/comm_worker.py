@@ -20,7 +20,7 @@ from typing import Any
 
 from jabascli.profiler.child import emit_progress
 from jabascli.profiler.trial import summarize
-from jabascli.profiler.worker import group, slowest, time_collective, timed, worker_main
+from jabascli.profiler.worker import gather_hosts, group, slowest, time_collective, timed, worker_main
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
@@ -36,7 +36,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         device = torch.device("cpu")
     with group(spec, backend, device, timeout_s=300):
-        hosts = _gather_hosts(spec["master_addr"], world, device)
+        hosts = gather_hosts(spec["master_addr"], world, device)
         rows = []
         sizes = [int(s) for s in spec["sizes_bytes"]]
         for index, size in enumerate(sizes):
@@ -65,24 +65,6 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             if rank == 0:
                 emit_progress(done=index + 1, total=len(sizes), size_bytes=size, median_ms=row["median"])
         return {"status": "ok", "rows": rows, "hosts": hosts}
-
-
-HOST_BYTES = 64
-
-
-def _gather_hosts(master_addr: str, world: int, device: Any) -> list[str]:
-    """Every rank's address towards ``master_addr``, by rank (fixed-size bytes, never a pickle)."""
-    import torch
-    import torch.distributed as dist
-
-    from jabascli.net import local_address_towards
-
-    own = (local_address_towards(master_addr) or "?").encode()[:HOST_BYTES]
-    mine = torch.zeros(HOST_BYTES, dtype=torch.uint8, device=device)
-    mine[: len(own)] = torch.tensor(list(own), dtype=torch.uint8)
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for t in every]
 
 
 def _after_wait(tensor: Any, device: Any, rank: int, world: int, wait_ms: float, reps: int) -> float:

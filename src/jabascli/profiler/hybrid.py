@@ -266,6 +266,14 @@ def _collectives(types: list[str], reporter: Reporter) -> tuple[Network, Bandwid
     return Network(source=source, intra=table, inter=table, collectives=rows), fit
 
 
+@dataclass(frozen=True)
+class MeasuredLink:
+    """What :func:`measure_link` measured: the rows (``link = "inter"``) and every rank's address, by rank."""
+
+    rows: list[CollectiveTime]
+    hosts: list[str]
+
+
 def measure_link(
     rank: int,
     master_addr: str,
@@ -274,12 +282,12 @@ def measure_link(
     reporter: Reporter | None = None,
     sizes_bytes: tuple[int, ...] = SIZES_BYTES,
     timeout_s: float = 600.0,
-) -> list[CollectiveTime]:
+) -> MeasuredLink:
     """One of the two processes of a measurement of the link between two nodes: run on each node, ``rank`` 0 on the
     node whose address is ``master_addr`` (its store listens there), ``rank`` 1 on the other. The collectives of
     :func:`_collectives` (all-reduce, all-gather, reduce-scatter and send by size, gloo) then cross the link; both
-    ranks return the same rows (each the slower rank's median), ``link = "inter"``. ``sizes_bytes``: the sizes
-    measured (default 1 KiB to 4 MiB; on a slow link the largest take seconds each)."""
+    ranks return the same rows (each the slower rank's median), ``link = "inter"``, and both nodes' addresses.
+    ``sizes_bytes``: the sizes measured (default 1 KiB to 4 MiB; on a slow link the largest take seconds each)."""
     reporter = reporter or Reporter()
     spec = {
         "kind": "collectives",
@@ -300,7 +308,8 @@ def measure_link(
         raise RuntimeFailure([f"hybrid link profile (rank {rank}) failed: {crash.describe()}"]) from None
     if result.get("status") != "ok":
         raise RuntimeFailure([f"hybrid link profile (rank {rank}) failed: {result.get('error')}"])
-    return [CollectiveTime(devices=2, link="inter", **row) for row in result["rows"]]
+    rows = [CollectiveTime(devices=2, link="inter", **row) for row in result["rows"]]
+    return MeasuredLink(rows, [str(h) for h in result.get("hosts", [])])
 
 
 def link_network(network: Network, rows: list[CollectiveTime], source: str) -> Network:
@@ -318,11 +327,15 @@ def write_link(root: Path, rows: list[CollectiveTime], source: str) -> Path:
     """Replace the ``inter`` link of ``<root>/hybrid/network.json`` (``jabas profile hybrid`` wrote it) by ``rows``
     measured between two nodes (:func:`link_network`), atomically; the path."""
     path = root / "hybrid" / "network.json"
+    return atomic_write_json(path, link_network(read_network(path), rows, source).model_dump(mode="json"))
+
+
+def read_network(path: Path) -> Network:
+    """The hybrid network profile at ``path``; InputError naming the file when it is missing or not one."""
     try:
-        network = Network.model_validate(read_json(path))
+        return Network.model_validate(read_json(path))
     except ValidationError as err:
         raise InputError.at(path, None, f"not a hybrid network profile: {err.errors()[0]['msg']}") from None
-    return atomic_write_json(path, link_network(network, rows, source).model_dump(mode="json"))
 
 
 def bus_bandwidth_fit(sizes: list[float], seconds: list[float], n: int) -> BandwidthFit:

@@ -26,8 +26,9 @@ Two kinds of spec (``kind``):
   backward reduce-scatters). Each timed iteration runs two micro-batches, the first without gradient sync (its
   forward pays each unit's all-gather), the second with it (its backward pays the reduce-scatters), then the update
   on the shards: per block ``fwd_first``, ``fwd``, ``bwd``, ``bwd_last`` and their CPU times, and ``update``. No sizes.
-* ``collectives``: one rank of a gloo group on loopback: all-reduce, all-gather, reduce-scatter and a
-  point-to-point send of every size, each the median of timed repetitions started together (the slowest rank's).
+* ``collectives``: one rank of a gloo group on loopback, or across the link between two nodes: all-reduce,
+  all-gather, reduce-scatter and a point-to-point send of every size, each the median of timed repetitions started
+  together (the slowest rank's); and every rank's address towards the master (``hosts``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from statistics import median
 from typing import Any
 
 from jabascli.profiler.child import emit_progress
-from jabascli.profiler.worker import group, join_group, time_collective, worker_main
+from jabascli.profiler.worker import gather_hosts, group, join_group, time_collective, worker_main
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 IDLE_S = 0.002
@@ -357,6 +358,7 @@ def measure_collectives(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
     with group(spec, "gloo", cpu, timeout_s=120):
+        hosts = gather_hosts(spec["master_addr"], world, cpu)
         rows = []
         sizes = [int(s) for s in spec["sizes_bytes"]]
         for k, size in enumerate(sizes):
@@ -372,7 +374,7 @@ def measure_collectives(spec: dict[str, Any]) -> dict[str, Any]:
                 rows.append({"collective": name, "size_bytes": count * 4, "seconds": median(taken)})
             if rank == 0:
                 emit_progress(done=k + 1, total=len(sizes), size_bytes=count * 4)
-        return {"status": "ok", "rows": rows}
+        return {"status": "ok", "rows": rows, "hosts": hosts}
 
 
 def _collective(dist: Any, name: str, data: Any, part: Any, rank: int) -> None:

@@ -113,3 +113,21 @@ def time_collective(op: Callable[[], None], device: Any, reps: int) -> list[floa
     """Seconds of ``reps`` runs of the collective ``op``, each started together on every rank, each the slowest
     rank's: what ``jabas profile comm`` and the hybrid profile's collectives both measure."""
     return slowest([timed(op, device) for _ in range(reps)], device)
+
+
+HOST_BYTES = 64
+
+
+def gather_hosts(master_addr: str, world: int, device: Any) -> list[str]:
+    """Every rank's address towards ``master_addr``, by rank (fixed-size bytes, never a pickle)."""
+    import torch
+    import torch.distributed as dist
+
+    from jabascli.net import local_address_towards
+
+    own = (local_address_towards(master_addr) or "?").encode()[:HOST_BYTES]
+    mine = torch.zeros(HOST_BYTES, dtype=torch.uint8, device=device)
+    mine[: len(own)] = torch.tensor(list(own), dtype=torch.uint8)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for t in every]
