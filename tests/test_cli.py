@@ -23,6 +23,7 @@ COMMANDS = [
     ["profile", "comm"],
     ["profile", "summary"],
     ["profile", "import"],
+    ["profile", "link"],
     ["sync"],
     ["solve"],
     ["schedule"],
@@ -119,7 +120,7 @@ def test_init_names_every_builtin_workload_and_refuses_an_unknown_one(cli: CliRu
 def test_profiling_doc_says_which_profile_commands_take_out(cli: CliRunner) -> None:
     """docs/profiling.md names the commands with --out; each has it, and `profile all` has none."""
     doc = (REPO / "docs" / "profiling.md").read_text()
-    assert "`mem`, `comp`, `bucket`, `comm` and `hybrid` take `--out" in doc and "`all` has no\n`--out`" in doc
-    for name in ("mem", "comp", "bucket", "comm", "hybrid", "import"):
+    assert "`mem`, `comp`, `bucket`, `comm`, `hybrid` and `link` take `--out" in doc and "`all` has no\n`--out`" in doc
+    for name in ("mem", "comp", "bucket", "comm", "hybrid", "link", "import"):
         assert "--out" in cli.invoke(app, ["profile", name, "--help"], env={"COLUMNS": "200"}).output, name
     assert "--out" not in cli.invoke(app, ["profile", "all", "--help"], env={"COLUMNS": "200"}).output

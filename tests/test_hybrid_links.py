@@ -8,15 +8,19 @@ Synthetic profiles (no processes) for the planner and the cost model; the link m
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from jabascli.cli.app import app
 from jabascli.hybrid.costmodel import CostModel
 from jabascli.hybrid.plan import Placement, Plan, Replica
 from jabascli.hybrid.search import Choice, ServerGroup, search
 from jabascli.net import free_port
 from jabascli.profiler.hybrid import MeasuredLink, link_network, measure_link, write_link
+from jabascli.profiler.link import link_on_disk, link_source
 from jabascli.profiles.hybrid import (
     BandwidthFit,
     BlockInfo,
@@ -188,3 +192,37 @@ def test_measure_link_runs_one_rank_each_and_both_see_the_same_rows() -> None:
     }
     assert all(r.link == "inter" and r.devices == 2 and r.seconds > 0 for r in found[0].rows)
     assert found[0].hosts == ["127.0.0.1", "127.0.0.1"]  # each rank's address towards the master
+
+
+def test_link_on_disk_is_what_profile_link_wrote(tmp_path: Path) -> None:
+    write_profiles(tmp_path, profiles(FAST))
+    path = tmp_path / "hybrid" / "network.json"
+    assert link_on_disk(path) is None  # loopback's, or another's: measured again
+    write_link(tmp_path, link_rows("inter", SLOW), link_source(["10.0.0.1", "10.0.0.2"]))
+    found = link_on_disk(path)
+    assert found is not None and found.hosts == ["10.0.0.1", "10.0.0.2"]
+    assert sorted(r.seconds for r in found.rows) == sorted(r.seconds for r in link_rows("inter", SLOW))
+    assert found.sizes == len(SIZES)
+    assert found.gbps == pytest.approx(read_profiles(tmp_path, "m").network.fit("inter", "a", 1).cap / GB)
+
+
+def test_profile_link_and_profile_all_hybrid_need_the_network_profile(cli: CliRunner, tmp_path: Path) -> None:
+    """Without ``hybrid/network.json`` (``jabas profile hybrid`` writes it): exit 2, one line saying what to run,
+    before anything is measured or any node is connected to."""
+    config = tmp_path / "jabas.toml"
+    servers = "".join(
+        f'\n[[cluster.servers]]\nname = "{name}"\ndevice_type = "cpu"\nhost = "{host}"\n'
+        for name, host in (("a", "192.0.2.1"), ("b", "192.0.2.2"))  # TEST-NET-1: nobody answers there
+    )
+    config.write_text(f'[job]\nworkload = "digits"\n\n[profiles]\ndir = "profiles"\n{servers}')
+    missing = tmp_path / "profiles" / "hybrid" / "network.json"
+    for args in (["link", "--rank", "0", "--master", "127.0.0.1:29599"], ["all", "--hybrid"]):
+        began = time.monotonic()
+        result = cli.invoke(app, ["profile", *args, "-c", str(config)], env={"COLUMNS": "300"})
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1, result.output
+        assert str(missing) in lines[0] and f"run `jabas profile hybrid -c {config}` first" in lines[0], lines
+        assert time.monotonic() - began < 5
+    assert not (tmp_path / "profiles").exists()
+    result = cli.invoke(app, ["profile", "link", "-c", str(config), "--rank", "2", "--master", "127.0.0.1:29599"])
+    assert result.exit_code == 2 and "--rank" in result.output, result.output

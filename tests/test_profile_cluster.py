@@ -1,15 +1,18 @@
 """`jabas profile all` on an emulated cluster of two nodes, each a network namespace with its own address,
 a shaped link and its own sshd: every server is profiled on its node over SSH, then the all-reduce between
-the nodes, with nothing typed on any node.
+the nodes, then (``--hybrid``) the link between them for the hybrid planner, with nothing typed on any node.
 
 Digits on a plain CPU server and an emulated 2x slower one, one LBS (``--lbs 32 --gbs-max 32``) so that
-each server is one memory trial and one computation point. Runs as root only (network namespaces), and
+each server is one memory trial and one computation point. The hybrid profiles the link is written into are
+Sailor's published ones (``jabas profile import``, under a second), or where that reference is not beside the
+repo, the collectives ``jabas profile hybrid`` measures on loopback. Runs as root only (network namespaces), and
 where sshd is installed.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,8 +22,11 @@ from pathlib import Path
 import pytest
 import tomli_w
 
+from jabascli.atomic import atomic_write_json
 from jabascli.config import load_config
 from jabascli.profiler.comm import profile_hosts
+from jabascli.profiler.common import Reporter
+from jabascli.profiler.link import link_on_disk
 from jabascli.profiles import load_profile_set
 from tests.cluster import EmulatedCluster, NodeSpec, cluster_factory  # noqa: F401 (the fixture)
 from tests.conftest import WITH_SIGINT
@@ -28,6 +34,8 @@ from tests.elastic_support import TRAINER_ENV
 from tests.sshd import require_sshd, write_key
 
 pytestmark = pytest.mark.xdist_group("nodes")  # one emulated cluster at a time under `make test`
+
+SAILOR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "planners" / "sailor"
 
 
 def _config(folder: Path, servers: list[tuple[str, str]], key: Path) -> Path:
@@ -51,10 +59,23 @@ def _config(folder: Path, servers: list[tuple[str, str]], key: Path) -> Path:
 
 
 def _jabas(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **TRAINER_ENV}
+    env = {**os.environ, **TRAINER_ENV, "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-m", "jabascli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def _hybrid_network(root: Path, cwd: Path) -> Path:
+    """``<root>/hybrid/network.json`` as one machine's hybrid profiles leave it, made in seconds."""
+    if SAILOR.is_dir():
+        imported = _jabas(["profile", "import", "--from", "sailor", str(SAILOR), "--out", str(root)], cwd, 60)
+        assert imported.returncode == 0, imported.stdout + imported.stderr
+    else:
+        from jabascli.profiler.hybrid import _collectives
+
+        network, _ = _collectives(["cpu", "cpu-slow1"], Reporter())
+        atomic_write_json(root / "hybrid" / "network.json", network.model_dump(mode="json"))
+    return root / "hybrid" / "network.json"
 
 
 def _jabas_left(cluster: EmulatedCluster, timeout: float = 20.0) -> dict[str, list[int]]:
@@ -93,7 +114,8 @@ def test_profile_all_profiles_each_server_on_its_node_and_the_link_between(
 
     # Ctrl-C while a node profiles: exit 130, no jabas process left on any node, no partial file.
     config = _config(tmp_path, [("fast", fast.address), ("slow", slow.address)], key)
-    args = ["profile", "all", "-c", str(config), "--lbs", "32", "--gbs-max", "32", "--iters", "5", *ssh]
+    network = _hybrid_network(tmp_path / "profiles", tmp_path)
+    args = ["profile", "all", "-c", str(config), "--lbs", "32", "--gbs-max", "32", "--iters", "5", "--hybrid", *ssh]
     launcher = subprocess.Popen(
         [sys.executable, "-c", WITH_SIGINT, *args],  # Ctrl-C reaches it even where pytest ignores SIGINT
         cwd=tmp_path,
@@ -115,6 +137,7 @@ def test_profile_all_profiles_each_server_on_its_node_and_the_link_between(
     assert launcher.returncode == 130, output[-3000:]
     assert _jabas_left(cluster) == {}, output[-3000:]
     assert not list((tmp_path / "profiles").rglob("*.tmp")), output[-3000:]
+    assert link_on_disk(network) is None  # still the one machine's
 
     result = _jabas(args, tmp_path, timeout=400)  # measures what the interrupted run left out
     output = result.stdout + result.stderr
@@ -132,3 +155,11 @@ def test_profile_all_profiles_each_server_on_its_node_and_the_link_between(
     assert inter.meta is not None and inter.meta.world_size == 2
     assert profile_hosts(inter) == [fast.address, slow.address]  # measured between the nodes, not on loopback
     assert len(inter.measured_ms) >= 2 and all(ms > 0 for ms in inter.measured_ms)
+
+    # The last stage measured the link between the nodes into the hybrid profiles (`jabas profile link`).
+    link = link_on_disk(network)
+    assert link is not None and link.hosts == [fast.address, slow.address], output[-4000:]
+    assert link.sizes >= 2 and all(r.link == "inter" and r.seconds > 0 for r in link.rows)
+    assert {r.collective for r in link.rows} == {"all_reduce", "all_gather", "reduce_scatter", "send"}
+    stage = rf"link fast-slow\W+ok\W+{link.sizes} sizes, {link.gbps:.2g} GB/s between {fast.address} and {slow.address}"
+    assert re.search(stage, output), output[-4000:]

@@ -19,6 +19,7 @@ from jabascli.cli.common import (
     print_json,
 )
 from jabascli.cli.profile_hybrid import hybrid, import_
+from jabascli.cli.profile_link import link
 from jabascli.cli.profile_options import ForceOption, LaunchedOption, OutOption, ServerOption, ThreadsOption
 from jabascli.cli.profile_progress import emit, launched_errors, launched_reporting, reporting
 from jabascli.cli.profile_tables import (
@@ -309,7 +310,9 @@ def all_(
         bool,
         typer.Option(
             "--hybrid",
-            help="Also the hybrid planner's profiles (`jabas profile hybrid`; always when the job has \\[parallel]).",
+            help="Also the hybrid planner's profiles (`jabas profile hybrid`; always when the job has \\[parallel]); "
+            "on a cluster, the link between the first two servers' nodes, into the hybrid profiles taken on one "
+            "machine before.",
         ),
     ] = False,
     known_hosts: KnownHostsOption = None,
@@ -330,7 +333,10 @@ def all_(
     and then the all-reduce between the nodes, every node at once, rank 0's
     node the master at its host from the config. Each node's output is shown
     with its name; Ctrl-C stops the profilers on every node. The nodes read and
-    write the job's files at the same paths (a shared file system).
+    write the job's files at the same paths (a shared file system). With
+    --hybrid (or a job with \\[parallel]) the hybrid profiles must be on disk
+    (`jabas profile hybrid -c CONFIG`, on one machine): last, `jabas profile
+    link` measures the link between the first two servers' nodes into them.
 
     --server NAME profiles only that server, on this node, and prints the
     `jabas profile comm --rank/--world/--master` commands the nodes would run
@@ -342,6 +348,8 @@ def all_(
         jabas profile all -c examples/two_servers.toml
 
         jabas profile all -c cluster.toml --known-hosts ~/.ssh/known_hosts --gbs-max 256
+
+        jabas profile all -c cluster.toml --hybrid
 
         jabas profile all -c jabas.toml --server node1 --gbs-max 1024
     """
@@ -430,4 +438,5 @@ def summary(
 
 
 app.command()(hybrid)
+app.command()(link)
 app.command("import")(import_)

@@ -136,7 +136,7 @@ def profile_comm(
             raise InputError.at(None, "--world", f"an inter-node profile needs at least 2 nodes, got {world}")
         if not 0 <= rank < world:
             raise InputError.at(None, "--rank", f"must be in 0..{world - 1}, got {rank}")
-        addr, port = _parse_master(master)
+        addr, port = parse_master(master)
         nodes = world
     else:
         addr, port, rank, nodes = "127.0.0.1", free_port(), 0, 1
@@ -238,7 +238,7 @@ def profile_hosts(profile: CommProfile) -> list[str] | None:
     return [str(h) for h in hosts] if isinstance(hosts, list) else None
 
 
-def _parse_master(master: str) -> tuple[str, int]:
+def parse_master(master: str) -> tuple[str, int]:
     host, sep, port_text = master.rpartition(":")
     if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise InputError.at(None, "--master", f"expected ADDR:PORT of the rank-0 node, got {master!r}")

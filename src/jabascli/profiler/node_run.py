@@ -8,20 +8,26 @@ input stays open while it runs, and closing it (:meth:`NodeRun.end`) stops the c
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import shlex
 import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from paramiko.ssh_exception import SSHException
 
 from jabascli.children import PREEXEC
 from jabascli.config.models import ServerConfig
-from jabascli.elastic.remote import Node, RemoteAgent
+from jabascli.elastic.lifeline import passed_on
+from jabascli.elastic.remote import Node, RemoteAgent, python_of
+from jabascli.elastic.token import TOKEN_ENV
 from jabascli.errors import RuntimeFailure
+from jabascli.profiler.common import ShareReporter
 
 END_GRACE_S = 15.0
 """How long a profiling command has to stop once its standard input closed, before it is killed by its pid."""
@@ -86,6 +92,88 @@ def follow(
         name, line = lines.get()
         handle(by_name[name], line)
     return {run.name: run.returncode if run.returncode is not None else -1 for run in runs}
+
+
+@dataclass
+class Together:
+    """What commands run on several nodes at once said: each one's exit code, ``result`` event, ``error`` event's
+    lines and other output, by server."""
+
+    codes: dict[str, int]
+    results: dict[str, dict[str, Any]]
+    errors: dict[str, list[str]]
+    raw: dict[str, list[str]]
+
+    def failure(self, first: str) -> str:
+        """Why it failed: the nodes that failed of themselves, not those ended because another had (exit 130, as
+        Ctrl-C), each with what it said."""
+        failed = {name: code for name, code in self.codes.items() if code != 0}
+        own = {name: code for name, code in failed.items() if name in self.errors or code != 130} or failed
+        said = [
+            f"{name}: {'; '.join(self.errors.get(name) or self.raw[name][-2:] or [exit_reason(code)])}"
+            for name, code in own.items()
+        ]
+        return "; ".join(said) or f"no result from {first}"
+
+
+def run_together(
+    argvs: list[tuple[ServerConfig, list[str]]], nodes: dict[str, Node], reporter: ShareReporter
+) -> Together:
+    """Run each server's ``--launched`` command on its node (or here) at once, and follow them to their end; once
+    one fails the others are ended. ``reporter`` shows the first one's progress and notes, and any other line of a
+    node under that node's name."""
+    from jabascli.profiler.events import EVENT, parse_event
+
+    first = argvs[0][0].name
+    together = Together({}, {}, {}, {server.name: [] for server, _ in argvs})
+
+    def handle(run: NodeRun, line: str) -> None:
+        event = parse_event(line)
+        if event is None:
+            if line.strip():
+                together.raw[run.name].append(line)
+                reporter.outer.note(f"[{run.name}] {line}")
+            return
+        kind = event[EVENT]
+        if kind == "pid":
+            run.pid = int(event["pid"])
+        elif kind == "progress" and run.name == first:
+            reporter.progress(float(event["completed"]), event.get("total"), str(event["what"]))
+        elif kind == "note" and run.name == first:
+            reporter.note(str(event["message"]))
+        elif kind == "result":
+            together.results[run.name] = event
+        elif kind == "error":
+            together.errors[run.name] = [str(x) for x in event.get("lines", [])]
+
+    lines: Lines = queue.Queue()
+    runs: list[NodeRun] = []
+    try:
+        for server, argv in argvs:
+            runs.append(start(server, nodes.get(server.name), argv, lines))
+    except BaseException:
+        for run in runs:
+            run.end()
+        raise
+    together.codes = follow(runs, lines, handle, end_all_on_failure=True)
+    return together
+
+
+def jabas_argv(server: ServerConfig, here: bool) -> list[str]:
+    """How to run jabas for ``server``: this interpreter here; on a node, the server's ``python``, with the
+    environment ``jabas run`` passes on to its agents (never a secret: the token's variable is left out)."""
+    if here:
+        return [sys.executable, "-m", "jabascli"]
+    env = [f"{name}={value}" for name, value in sorted(passed_on(dict(os.environ), TOKEN_ENV).items())]
+    return [*(["env", *env] if env else []), python_of(server), "-m", "jabascli"]
+
+
+def exit_reason(code: int | None) -> str:
+    if code is None or code < 0:
+        return "the connection was lost before it ended"
+    if code == 130:
+        return "interrupted"
+    return f"exited with code {code} and said nothing"
 
 
 class RemoteRun(RemoteAgent):

@@ -23,6 +23,10 @@ nothing has to be typed on any node:
    config, one process per device: every node's gloo (NCCL on GPUs) listens on
    its interface towards the master and the all-reduces cross the links between
    the nodes. The profile records every rank's address (``hosts``).
+4. With ``--hybrid``, or a job with ``[parallel]``: the hybrid profiles taken on
+   one machine (``jabas profile hybrid``) must be on disk before anything
+   starts; last, the link between the first two servers' nodes is measured
+   into them (:mod:`.remote_link`: ``jabas profile link`` on both nodes).
 
 The nodes read the job from the same paths (a shared file system), so every
 profile lands in the folders of the config's ``[profiles]``, which the solver
@@ -35,10 +39,8 @@ trainers will have.
 from __future__ import annotations
 
 import ipaddress
-import os
 import queue
 import socket
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,14 +48,14 @@ from typing import Any
 
 from jabascli.config.loader import LoadedConfig
 from jabascli.config.models import ServerConfig
-from jabascli.elastic.lifeline import passed_on
-from jabascli.elastic.remote import Node, SshOptions, connect_nodes, python_of
-from jabascli.elastic.token import TOKEN_ENV
+from jabascli.elastic.remote import Node, SshOptions, connect_nodes
 from jabascli.errors import InputError, Problem
 from jabascli.net import is_local
 from jabascli.profiler.common import Reporter, ShareReporter
 from jabascli.profiler.events import EVENT, parse_event
-from jabascli.profiler.node_run import Lines, NodeRun, follow, start
+from jabascli.profiler.link import require_network
+from jabascli.profiler.node_run import Lines, NodeRun, exit_reason, follow, jabas_argv, run_together, start
+from jabascli.profiler.remote_link import LINK_S, link_stage
 from jabascli.profiler.suite import (
     FIXED_S,
     INTER_PORT,
@@ -81,7 +83,8 @@ class ClusterOptions:
     sizes: str | None = None
     force: bool = False
     hybrid: bool = False
-    """``--hybrid`` was asked for: refused on a cluster (the hybrid profiles are taken on one machine)."""
+    """``--hybrid`` was asked for: the hybrid profiles taken on one machine must be on disk, and the link between
+    the first two servers' nodes is measured into them (:mod:`.remote_link`)."""
 
 
 def profile_cluster(
@@ -105,13 +108,9 @@ def profile_cluster(
     servers = loaded.config.available()
     if not servers:
         raise InputError.at(loaded.path, "cluster.servers", "no servers: add a [[cluster.servers]] entry per node")
-    if options.hybrid or loaded.config.parallel is not None:
-        raise InputError.at(
-            None if options.hybrid else loaded.path,
-            "--hybrid" if options.hybrid else "parallel",
-            "the hybrid profiles are taken on one machine: run `jabas profile hybrid -c CONFIG` where every "
-            "device type of the job is (an emulated one runs anywhere), then `jabas profile all` here",
-        )
+    hybrid = options.hybrid or loaded.config.parallel is not None
+    if hybrid:
+        require_network(loaded)  # taken on one machine, where every device type of the job is
     _check_reachable(loaded, servers)
     if options.sizes is not None:
         parse_sizes(options.sizes)
@@ -128,12 +127,15 @@ def profile_cluster(
             for s in servers
         }
         inter_s = (START_S + FIXED_S["inter"]) * (len(servers) > 1)
-        run = SuiteRun(gbs_max=bound, lbs_values=lbs_values, expected_s=sum(weights.values()) + inter_s)
+        link_s = (START_S + LINK_S) * (hybrid and len(servers) > 1)
+        expected = sum(weights.values()) + inter_s + link_s
+        run = SuiteRun(gbs_max=bound, lbs_values=lbs_values, expected_s=expected)
         planned = f"LBS {', '.join(map(str, lbs_values))}" if lbs_values else f"LBS from {start} in steps of {start}"
         reporter.note(
             f"plan: {planned} on {', '.join(s.name for s in servers)}, each on its node, one after another"
             + (f" (GBS up to {bound})" if bound else "")
             + (", then the all-reduce between them" if len(servers) > 1 else "")
+            + (f", then the link {servers[0].name}-{servers[1].name} for the hybrid planner" if link_s else "")
             + f"; expected to take about {_minutes(run.expected_s)}"
         )
         done = 0.0
@@ -155,7 +157,15 @@ def profile_cluster(
             stage = _inter(loaded, servers, nodes, sizes, options.force, port, sub)
             stage.seconds = time.monotonic() - began
             run.stages.append(stage)
-            reporter.progress(run.expected_s, run.expected_s, "inter: done")
+            done += inter_s
+            reporter.progress(done, run.expected_s, "inter: done")
+        if link_s:
+            sub = ShareReporter(reporter, done, link_s, run.expected_s, f"[{servers[0].name}] ")
+            began = time.monotonic()
+            stage = link_stage(loaded, servers, nodes, options.force, port + PORT_ATTEMPTS, sub)
+            stage.seconds = time.monotonic() - began
+            run.stages.append(stage)
+            reporter.progress(run.expected_s, run.expected_s, "link: done")
         return run
     finally:
         for node in nodes.values():
@@ -185,15 +195,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _jabas(server: ServerConfig, here: bool) -> list[str]:
-    """How to run jabas for ``server``: this interpreter here; on a node, the server's ``python``, with the
-    environment ``jabas run`` passes on to its agents (never a secret: the token's variable is left out)."""
-    if here:
-        return [sys.executable, "-m", "jabascli"]
-    env = [f"{name}={value}" for name, value in sorted(passed_on(dict(os.environ), TOKEN_ENV).items())]
-    return [*(["env", *env] if env else []), python_of(server), "-m", "jabascli"]
-
-
 def _profile_argv(
     loaded: LoadedConfig,
     server: ServerConfig,
@@ -201,7 +202,15 @@ def _profile_argv(
     bound: int | None,
     lbs_values: list[int] | None,
 ) -> list[str]:
-    argv = [*_jabas(server, is_local(server.host)), "profile", "all", "-c", str(loaded.path), "--server", server.name]
+    argv = [
+        *jabas_argv(server, is_local(server.host)),
+        "profile",
+        "all",
+        "-c",
+        str(loaded.path),
+        "--server",
+        server.name,
+    ]
     argv += ["--iters", str(options.iters), "--launched"]
     if bound is not None:
         argv += ["--gbs-max", str(bound)]
@@ -250,7 +259,7 @@ def _profile_server(
     if code == 0 and result:
         buckets = [float(b) for b in result.get("bucket_mib") or []]
         return [_stage(name, s) for s in result.get("stages", [])], buckets
-    said = [str(x) for x in error.get("lines", [])] or raw[-3:] or [_exit_reason(code)]
+    said = [str(x) for x in error.get("lines", [])] or raw[-3:] or [exit_reason(code)]
     if error.get("code") == 2:
         raise InputError([Problem(f"server {name!r}", None, line) for line in said])
     return [StageResult(f"profile {name}", False, "; ".join(said))], []
@@ -262,14 +271,6 @@ def _stage(server: str, record: dict[str, Any]) -> StageResult:
     if server not in name.split():
         name = f"{name} {server}"
     return StageResult(name, bool(record.get("ok")), str(record.get("detail", "")), float(record.get("seconds", 0)))
-
-
-def _exit_reason(code: int | None) -> str:
-    if code is None or code < 0:
-        return "the connection was lost before it ended"
-    if code == 130:
-        return "interrupted"
-    return f"exited with code {code} and said nothing"
 
 
 def _inter(
@@ -315,58 +316,22 @@ def _inter_once(
     reporter: ShareReporter,
 ) -> StageResult | str:
     """One try of the inter-node profile; a string when rank 0's port was taken (the caller tries another)."""
-    results: dict[str, dict[str, Any]] = {}
-    errors: dict[str, list[str]] = {}
-    raw: dict[str, list[str]] = {s.name: [] for s in servers}
+    argvs = []
+    for rank, server in enumerate(servers):
+        argv = [*jabas_argv(server, is_local(server.host)), "profile", "comm", "-c", str(loaded.path)]
+        argv += ["--server", server.name, "--nprocs", str(server.devices), "--rank", str(rank)]
+        argv += ["--world", str(len(servers)), "--master", master, "--sizes", sizes, "--force", "--launched"]
+        argvs.append((server, argv))
+    done = run_together(argvs, nodes, reporter)
     first = servers[0].name
-
-    def handle(run: NodeRun, line: str) -> None:
-        event = parse_event(line)
-        if event is None:
-            if line.strip():
-                raw[run.name].append(line)
-                reporter.outer.note(f"[{run.name}] {line}")
-            return
-        kind = event[EVENT]
-        if kind == "pid":
-            run.pid = int(event["pid"])
-        elif kind == "progress" and run.name == first:
-            reporter.progress(float(event["completed"]), event.get("total"), str(event["what"]))
-        elif kind == "note" and run.name == first:
-            reporter.note(str(event["message"]))
-        elif kind == "result":
-            results[run.name] = event
-        elif kind == "error":
-            errors[run.name] = [str(x) for x in event.get("lines", [])]
-
-    world = len(servers)
-    lines: Lines = queue.Queue()
-    runs: list[NodeRun] = []
-    try:
-        for rank, server in enumerate(servers):
-            argv = [*_jabas(server, is_local(server.host)), "profile", "comm", "-c", str(loaded.path)]
-            argv += ["--server", server.name, "--nprocs", str(server.devices), "--rank", str(rank)]
-            argv += ["--world", str(world), "--master", master, "--sizes", sizes, "--force", "--launched"]
-            runs.append(start(server, nodes.get(server.name), argv, lines))
-    except BaseException:
-        for run in runs:
-            run.end()
-        raise
-    codes = follow(runs, lines, handle, end_all_on_failure=True)
-    if all(code == 0 for code in codes.values()) and first in results:
-        record = results[first]
+    if all(code == 0 for code in done.codes.values()) and first in done.results:
+        record = done.results[first]
         hosts = record.get("hosts") or []
         between = f" between {', '.join(hosts)}" if hosts else ""
         return StageResult("inter", True, f"{record.get('world_size')} processes{between}, {record.get('sizes')} sizes")
-    if any("in use" in line for line in errors.get(first, [])):
-        return "; ".join(errors[first])
-    # The nodes that failed of themselves, not those ended here because another had (exit 130, as Ctrl-C).
-    failed = {name: code for name, code in codes.items() if code != 0}
-    own = {name: code for name, code in failed.items() if name in errors or code != 130} or failed
-    said = [
-        f"{name}: {'; '.join(errors.get(name) or raw[name][-2:] or [_exit_reason(code)])}" for name, code in own.items()
-    ]
-    return StageResult("inter", False, "; ".join(said) or f"no result from {first}")
+    if any("in use" in line for line in done.errors.get(first, [])):
+        return "; ".join(done.errors[first])
+    return StageResult("inter", False, done.failure(first))
 
 
 def _minutes(seconds: float) -> str:
