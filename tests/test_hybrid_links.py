@@ -15,12 +15,15 @@ import pytest
 from typer.testing import CliRunner
 
 from jabascli.cli.app import app
+from jabascli.config import load_config
 from jabascli.hybrid.costmodel import CostModel
 from jabascli.hybrid.plan import Placement, Plan, Replica
 from jabascli.hybrid.search import Choice, ServerGroup, search
 from jabascli.net import free_port
+from jabascli.profiler.common import Reporter, ShareReporter
 from jabascli.profiler.hybrid import MeasuredLink, link_network, measure_link, write_link
 from jabascli.profiler.link import link_on_disk, link_source
+from jabascli.profiler.remote_link import link_stage
 from jabascli.profiles.hybrid import (
     BandwidthFit,
     BlockInfo,
@@ -206,15 +209,21 @@ def test_link_on_disk_is_what_profile_link_wrote(tmp_path: Path) -> None:
     assert found.gbps == pytest.approx(read_profiles(tmp_path, "m").network.fit("inter", "a", 1).cap / GB)
 
 
+def two_nodes(folder: Path) -> Path:
+    """A job on servers ``a`` and ``b`` of two other machines (TEST-NET-1 addresses: nobody answers there)."""
+    config = folder / "jabas.toml"
+    servers = "".join(
+        f'\n[[cluster.servers]]\nname = "{name}"\ndevice_type = "cpu"\nhost = "{host}"\n'
+        for name, host in (("a", "192.0.2.1"), ("b", "192.0.2.2"))
+    )
+    config.write_text(f'[job]\nworkload = "digits"\n\n[profiles]\ndir = "profiles"\n{servers}')
+    return config
+
+
 def test_profile_link_and_profile_all_hybrid_need_the_network_profile(cli: CliRunner, tmp_path: Path) -> None:
     """Without ``hybrid/network.json`` (``jabas profile hybrid`` writes it): exit 2, one line saying what to run,
     before anything is measured or any node is connected to."""
-    config = tmp_path / "jabas.toml"
-    servers = "".join(
-        f'\n[[cluster.servers]]\nname = "{name}"\ndevice_type = "cpu"\nhost = "{host}"\n'
-        for name, host in (("a", "192.0.2.1"), ("b", "192.0.2.2"))  # TEST-NET-1: nobody answers there
-    )
-    config.write_text(f'[job]\nworkload = "digits"\n\n[profiles]\ndir = "profiles"\n{servers}')
+    config = two_nodes(tmp_path)
     missing = tmp_path / "profiles" / "hybrid" / "network.json"
     for args in (["link", "--rank", "0", "--master", "127.0.0.1:29599"], ["all", "--hybrid"]):
         began = time.monotonic()
@@ -226,3 +235,15 @@ def test_profile_link_and_profile_all_hybrid_need_the_network_profile(cli: CliRu
     assert not (tmp_path / "profiles").exists()
     result = cli.invoke(app, ["profile", "link", "-c", str(config), "--rank", "2", "--master", "127.0.0.1:29599"])
     assert result.exit_code == 2 and "--rank" in result.output, result.output
+
+
+def test_the_cluster_keeps_a_link_measured_before(tmp_path: Path) -> None:
+    """``jabas profile all --hybrid`` on a cluster measures no link that ``jabas profile link`` wrote already."""
+    loaded = load_config(two_nodes(tmp_path), check_profiles=False)
+    write_profiles(tmp_path / "profiles", profiles(FAST))
+    write_link(tmp_path / "profiles", link_rows("inter", SLOW), link_source(["192.0.2.1", "192.0.2.2"]))
+    reporter = ShareReporter(Reporter(), 0.0, 1.0, 1.0, "")
+    stage = link_stage(loaded, loaded.config.available(), {}, False, free_port(), reporter)
+    assert stage.ok and stage.name == "link a-b", stage
+    gbps = read_profiles(tmp_path / "profiles", "m").network.fit("inter", "a", 1).cap / GB
+    assert stage.detail == f"{len(SIZES)} sizes, {gbps:.2g} GB/s between 192.0.2.1 and 192.0.2.2 (on disk)"
