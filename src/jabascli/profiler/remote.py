@@ -222,6 +222,8 @@ def _profile_argv(
         argv += ["--sizes", options.sizes]
     if options.force:
         argv.append("--force")
+    if options.hybrid:  # a server whose memory holds no LBS is then fine: the hybrid planner splits the model
+        argv.append("--hybrid")
     return argv
 
 

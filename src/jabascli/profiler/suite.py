@@ -219,7 +219,10 @@ def profile_all(
         for kind in ("intra", "inter")
     }
     comm_s = comm_weight["intra"] * need_intra + comm_weight["inter"] * inter_here
-    hybrid = (hybrid or loaded.config.parallel is not None) and server is None
+    # The hybrid planner plans the job (a model no device holds whole is fine); its profiles are measured here
+    # unless this is one node's server of a cluster.
+    planned_hybrid = hybrid or loaded.config.parallel is not None
+    hybrid = planned_hybrid and server is None
     comm_s += FIXED_S["hybrid"] * hybrid
     expected = expected_seconds(sweep, bound, len(mine) - len(measured), comm_s, cuda=on_cuda)
     weights = {x.name: (0.0, 0.0) if x.name in measured else (expected["mem"], expected["comp"]) for x in mine}
@@ -294,8 +297,8 @@ def profile_all(
         if stage(f"mem {s.name}", weights[s.name][0], mem) and not fitting.get(s.name, True):
             # A model no device holds whole has no data-parallel timings; the hybrid planner splits it.
             done += weights[s.name][1]
-            why = "no LBS fits its memory" + ("; the hybrid profiles plan it" if hybrid else "")
-            run.stages.append(StageResult(f"comp {s.name}", hybrid, f"not measured: {why}"))
+            why = "no LBS fits its memory" + ("; the hybrid profiles plan it" if planned_hybrid else "")
+            run.stages.append(StageResult(f"comp {s.name}", planned_hybrid, f"not measured: {why}"))
         elif run.stages[-1].ok:
             stage(f"comp {s.name}", weights[s.name][1], comp)
         else:
