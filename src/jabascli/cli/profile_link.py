@@ -28,6 +28,9 @@ def link(
     max_kib: Annotated[
         int, typer.Option(help="Largest message in KiB: 1 KiB, 4 KiB, ... up to it (a slow link takes long).")
     ] = 4096,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds to wait for the other node and measure, before giving up.")
+    ] = 600.0,
     json_out: JsonOption = False,
     launched: LaunchedOption = False,
 ) -> None:
@@ -53,7 +56,7 @@ def link(
         loaded = load_config(config, check_profiles=False)
         shown = launched_reporting() if launched else reporting("Link profile", json_out)
         with shown as reporter:
-            run = profile_link(loaded, rank, master, out=out, max_kib=max_kib, reporter=reporter)
+            run = profile_link(loaded, rank, master, out=out, max_kib=max_kib, timeout_s=timeout, reporter=reporter)
     path = str(run.path) if run.path is not None else None
     if launched:
         from jabascli.profiler.events import event_line

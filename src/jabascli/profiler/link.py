@@ -107,6 +107,8 @@ def profile_link(
         raise InputError.at(None, "--rank", f"expected 0 (the node at --master's address) or 1, got {rank}")
     addr, port = parse_master(master)
     sizes = link_sizes(max_kib)
+    if timeout_s <= 0:
+        raise InputError.at(None, "--timeout", f"must be positive, got {timeout_s:g}")
     path = None
     if rank == 0:
         path = require_network(loaded, out)
