@@ -214,10 +214,10 @@ def test_a_node_cut_off_and_a_frozen_node_are_recovered_in_place_and_taken_back(
     cluster_factory,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    """slow2's link goes down: fast and slow1 see their collective time out (3 s), the scheduler drops slow2
-    and the two survivors go on from memory; slow2's link comes back, its agent registers again and the job
-    takes it back at an epoch end. Then slow1 is frozen (SIGSTOP): recovered in place the same way. Neither
-    failure reads a checkpoint or restarts a trainer; the job ends as one process that followed its history."""
+    """slow2's link goes down and slow1 is frozen (SIGSTOP) at once: fast's collective times out (3 s), the
+    scheduler drops both nodes (silent, then missing heartbeats) and fast goes on alone from memory. Both
+    come back (link up, SIGCONT): their agents register again and the job takes them back at an epoch end.
+    No checkpoint is read and no trainer restarted; the job ends as one process that followed its history."""
     require_sshd()
     cluster: EmulatedCluster = cluster_factory([NodeSpec("fast"), NodeSpec("slow1"), NodeSpec("slow2")])
     key = tmp_path / "id_ed25519"
@@ -226,25 +226,21 @@ def test_a_node_cut_off_and_a_frozen_node_are_recovered_in_place_and_taken_back(
     known_hosts = tmp_path / "known_hosts"
     known_hosts.write_text("".join(s.known_hosts_line() for s in sshds))
     config = _config(tmp_path, cluster, key)
-    # Ten times slower than above (3-5 s an epoch): a node cut off or frozen is seen within 4 s, and a node that
-    # comes back is taken in at an epoch end once its trainer has started.
+    # Ten times slower than above (3-5 s an epoch): the nodes that come back are taken in at an epoch end once
+    # their trainers have started.
     text = config.read_text().replace(f"epochs = {EPOCHS}", "epochs = 6")
     text = text.replace("slowdown = 2.0", "slowdown = 20.0").replace("slowdown = 4.0", "slowdown = 40.0")
     text = text.replace("heartbeat_timeout_s = 10.0", "heartbeat_timeout_s = 4.0\ncollective_timeout_s = 3.0")
     config.write_text(text.replace("connect_timeout_s = 30.0", "connect_timeout_s = 120.0"))
     run = [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--known-hosts", str(known_hosts)]
-    job = subprocess.Popen(
-        run, cwd=tmp_path, env={**os.environ, **TRAINER_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
+    env = {**os.environ, **TRAINER_ENV}
+    job = subprocess.Popen(run, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         _wait(tmp_path, job, lambda s: s["step"] >= 3 and len(s["trainers"]) == 3, "start")
         cluster.link_down("slow2")
-        _wait(tmp_path, job, lambda s: s["state"] == "running" and len(s["moves"]) == 1, "the first recovery")
-        cluster.link_up("slow2")
-        three = _wait(tmp_path, job, lambda s: s["state"] == "running" and len(s["allocation"]) == 3, "slow2 back")
-        assert three["moves"][-1]["reason"] == "move" and three["moves"][-1]["in_place"], three["moves"]
         cluster.freeze("slow1")
-        _wait(tmp_path, job, lambda s: s["state"] == "running" and s["moves"][-1]["reason"] == "recovery", "frozen")
+        _wait(tmp_path, job, lambda s: s["state"] == "running" and len(s["moves"]) == 1, "the recovery")
+        cluster.link_up("slow2")
         cluster.thaw("slow1")
         output = job.communicate(timeout=300)[0].decode()
     finally:
@@ -254,12 +250,12 @@ def test_a_node_cut_off_and_a_frozen_node_are_recovered_in_place_and_taken_back(
             job.wait()
     assert job.returncode == 0, output[-3000:]
     assert "restarted" not in output, output[-3000:]
-    ended = json.loads((tmp_path / "runs" / "digits" / "ended.json").read_text())
-    moves = ended["status"]["moves"]
-    recoveries = [m for m in moves if m["reason"] == "recovery"]
-    assert [m["to_servers"] for m in recoveries] == [["fast", "slow1"], ["fast", "slow2"]], moves
-    assert all(m["in_place"] and m["steps_lost"] == 0 and m["resumed_step"] == m["stopped_step"] for m in recoveries)
-    assert not [m for m in moves if m["reason"] == "restart"], moves
+    moves = json.loads((tmp_path / "runs" / "digits" / "ended.json").read_text())["status"]["moves"]
+    # Taken back at epoch ends, in place: both at once, or one after the other as their agents registered again.
+    assert (moves[0]["reason"], moves[0]["in_place"], moves[0]["to_servers"]) == ("recovery", True, ["fast"]), moves
+    assert moves[1:] and all(m["reason"] == "move" and m["in_place"] for m in moves[1:]), moves
+    assert moves[1]["resumed_step"] is not None and len(moves[1]["to_servers"]) > 1, moves  # it happened
+    assert moves[0]["steps_lost"] == 0 and moves[0]["resumed_step"] == moves[0]["stopped_step"], moves[0]
     loaded = load(config)
     final = checkpoint_of(loaded)
     history = final["progress"]["gbs_history"]

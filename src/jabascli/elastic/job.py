@@ -192,19 +192,20 @@ class Scheduler:
         """Declare lost every worker silent for ``heartbeat_timeout_s``; their ranks count as killed."""
         timeout = self.loaded.config.scheduler.heartbeat_timeout_s
         now = self.clock()
-        for worker in self.workers.values():
-            if worker.alive and now - worker.last_seen > timeout:
-                worker.alive = False
-                gen = self.generation
-                lost = gen.ranks_on.get(worker.server, []) if gen is not None else []
-                if self.retiring is not None:
-                    for r in self.retiring.generation.ranks_on.get(worker.server, []):
-                        self._record_exit(self.retiring.generation.number, r, -9)
-                if gen is not None and any(r not in gen.exits for r in lost):
-                    for r in lost:
-                        gen.exits.setdefault(r, -9)
-                    why = f"worker {worker.rank} ({worker.server}) missed heartbeats for {timeout:g} s"
-                    self._fail(why, [], (gen.number, set(lost)))
+        silent = [w for w in self.workers.values() if w.alive and now - w.last_seen > timeout]
+        for worker in silent:  # all of them first: a recovery decided on the first keeps none of the others
+            worker.alive = False
+        for worker in silent:
+            gen = self.generation
+            lost = gen.ranks_on.get(worker.server, []) if gen is not None else []
+            if self.retiring is not None:
+                for r in self.retiring.generation.ranks_on.get(worker.server, []):
+                    self._record_exit(self.retiring.generation.number, r, -9)
+            if gen is not None and any(r not in gen.exits for r in lost):
+                for r in lost:
+                    gen.exits.setdefault(r, -9)
+                why = f"worker {worker.rank} ({worker.server}) missed heartbeats for {timeout:g} s"
+                self._fail(why, [], (gen.number, set(lost)))
         self.failures.decide()  # a hung rank: lost once the others have reported their failed collective
         self._advance()
 

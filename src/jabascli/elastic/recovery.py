@@ -40,7 +40,8 @@ from jabascli.engine.plan import TrainingPlan
 from jabascli.errors import InputError
 
 GRACE_S = 1.0
-"""After a survivor's report with no rank known lost, how long the others have to report too."""
+"""From the first sign of a failure, how long the other ranks have to report (or to exit, or their nodes to be
+found lost) before the scheduler decides without them."""
 
 
 class Scheduler(Protocol):
@@ -158,8 +159,8 @@ class Failures:
     # -- the decision ----------------------------------------------------------------------------------
 
     def decide(self) -> None:
-        """Decide a pending failure once its lost ranks are known (at once when a rank exited or a node was
-        lost; after :data:`GRACE_S` when only survivors reported)."""
+        """Decide a pending failure once every rank is accounted for (lost, or reported), or :data:`GRACE_S`
+        after its first sign: the silent ranks are lost when none is known lost (a hang), survivors otherwise."""
         s, failure = self.s, self.pending
         if failure is None:
             return
@@ -169,9 +170,9 @@ class Failures:
             return
         world = set(range(gen.plan.world_size))
         lost = set(failure.lost)
+        if lost | failure.reported != world and s.clock() - failure.seen < GRACE_S:
+            return  # the others may still report, or other nodes be found lost (a failure seldom comes alone)
         if not lost:
-            if failure.reported != world and s.clock() - failure.seen < GRACE_S:
-                return
             lost = world - failure.reported  # alive and silent: hung, frozen or cut off
         self.pending = None
         dropped = {server for server, ranks in gen.ranks_on.items() if lost & set(ranks) or not s._alive(server)}
@@ -188,8 +189,7 @@ class Failures:
             return "no rank was lost, yet a collective failed"
         if 0 in lost or gen.servers[0] not in keep:
             return "rank 0 was lost, and with it the job's store"
-        layout = gen.plan.parallel or self.s.loaded.config.parallel
-        if layout is not None and ((layout.tp, layout.pp, layout.sharding) != (1, 1, "none") or layout.layers):
+        if _sharded(gen.plan.parallel or self.s.loaded.config.parallel):
             return "a [parallel] layout: no survivor holds every shard"
         return None
 
@@ -200,6 +200,8 @@ class Failures:
             plan, source = plan_for(s.loaded, keep, s.gbs)
         except InputError as exc:
             return f"no plan for {', '.join(keep)}: {exc.lines()[0] if exc.lines() else exc}"
+        if _sharded(plan.parallel):  # its trainers would restore their shards from the checkpoint
+            return f"the plan for {', '.join(keep)} has a [parallel] layout"
         kept = survivors(gen.plan, plan)
         if kept is None or set(range(plan.world_size)) - set(kept.values()):
             return f"the plan for {', '.join(keep)} needs ranks that no survivor fills"
@@ -267,3 +269,8 @@ class Failures:
         if back == self.wanted:
             self.wanted = None
         s.move(back, "epoch")
+
+
+def _sharded(layout: Any) -> bool:
+    """Whether a ``[parallel]`` layout splits a replica over ranks (shards, TP slices, stages, per-block rules)."""
+    return layout is not None and ((layout.tp, layout.pp, layout.sharding) != (1, 1, "none") or bool(layout.layers))
