@@ -12,7 +12,8 @@ Under an elastic controller (``JABAS_GENERATION`` set) a plain IIDP trainer then
    (:meth:`~jabascli.engine.buffers.BufferSync.abandon`). Its parameters,
    optimizer and LR scheduler state, progress (step, sampler position) and GBS
    history are those after the last completed iteration, so the next one redoes
-   the failed iteration's samples. A failure after an update was applied (a
+   the failed iteration's samples (the RNG is not rewound: its draws in the
+   failed iteration stay drawn). A failure after an update was applied (a
    bucket of ``overlap`` already stepped) cannot be undone here: the trainer
    raises, and the controller restarts the job from its checkpoint;
 2. reports it (``peer_lost`` event: its rank, step, when, and whether it can
