@@ -82,6 +82,8 @@ class Failure:
     lost: set[int] = field(default_factory=set)
     reported: set[int] = field(default_factory=set)
     """Ranks that said their collective failed and wait for the recovery order."""
+    dirty: set[int] = field(default_factory=set)
+    """Ranks that said their failed iteration had applied part of an update (they exit)."""
 
 
 class Failures:
@@ -131,6 +133,11 @@ class Failures:
             return
         message = event.get("message")
         failure = self._failure(f"rank {rank}'s collective failed ({message})")
+        if event.get("in_place") is False:  # it applied part of an update and exits: lost with the others
+            failure.lost.add(rank)
+            failure.dirty.add(rank)
+            self.decide()
+            return
         failure.reported.add(rank)
         if isinstance(step, int):
             failure.step = max(failure.step, step)  # the scheduler's own is the last reported, maybe older
@@ -178,6 +185,8 @@ class Failures:
         dropped = {server for server, ranks in gen.ranks_on.items() if lost & set(ranks) or not s._alive(server)}
         keep = [server for server in gen.servers if server not in dropped]
         why_not = self._why_not(gen, lost, keep)
+        if why_not is not None and 0 in failure.dirty:
+            why_not = "rank 0 had applied part of the failed iteration's update (overlap weight sync)"
         if why_not is None:
             why_not = self._recover(gen, failure, keep, dropped)
         if why_not is not None:
