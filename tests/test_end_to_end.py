@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from jabascli.config import load_config
+from jabascli.profiles.formats import read_comp_profiles
 from jabascli.solver.plan import read_plan
 from tests.conftest import run_jabas
 
@@ -108,9 +110,16 @@ def test_profile_solve_and_train_with_the_plan(tmp_path: Path) -> None:
     plan = read_plan(tmp_path / "plan.json")
     workers = {a.server: a.gpus * a.vsw * (a.ga + 1) for a in plan.assignments}
     assert plan.lbs * sum(workers.values()) == 96
-    # The emulated device is four times as slow (a margin over the noise of profiling on a busy host),
-    # so the solver gives it fewer workers than the CPU.
-    assert workers["fast"] > workers["slow"] >= 1, workers
+    assert min(workers.values()) >= 1, workers
+    # The solver follows the computation profiles: a server measured at least twice as fast at the plan's
+    # LBS gets more workers. The emulated device is four times as slow, but a profile taken beside other
+    # tests on a busy host can measure anything: what is checked is the solver's use of the profiles,
+    # not the host's timing.
+    comp = read_comp_profiles(load_config(tmp_path / "jabas.toml").profile_dirs().computation)
+    ms = {server: comp[(server, plan.lbs, 1)].total_time for server in ("fast", "slow")}
+    faster, slower = sorted(ms, key=ms.__getitem__)
+    if ms[slower] >= 2 * ms[faster]:
+        assert workers[faster] > workers[slower], (workers, ms)
     raw = json.loads((tmp_path / "plan.json").read_text())
     assert {"gbs", "lbs", "weight_sync", "iteration_time_s", "throughput", "assignments"} <= set(raw)
 
