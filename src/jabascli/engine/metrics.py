@@ -34,6 +34,7 @@ from __future__ import annotations
 import csv
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,19 @@ ADJUSTMENT_FIELDS = (
     "time", "epoch", "position", "step", "metric", "similarity", "noise_scale", "target_gbs", "old_gbs", "new_gbs",
     "old_lbs", "new_lbs", "plan", "lr_factor", "lr", "changed", "reason", "source", "overhead_s",
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EpochResult:
+    """One epoch of training, as rank 0 reports it (a row of ``epochs.csv``)."""
+
+    epoch: int
+    step: int
+    train_loss: float | None
+    val_loss: float | None
+    val_accuracy: float | None
+    samples_per_s: float
+    time_s: float
 
 
 class MetricsWriter:
@@ -175,3 +189,8 @@ def median_iteration_s(steps_csv: Path, first_step: int = 0, warmup: int = 5) ->
     except (OSError, ValueError, KeyError):
         return None
     return (statistics.median(times), len(times)) if times else None
+
+
+def open_metrics(folder: Path, rank: int, enabled: bool = True) -> MetricsWriter | None:
+    """Rank 0's metrics writer in the run folder ``folder`` (None on the other ranks, or with metrics off)."""
+    return MetricsWriter(folder) if rank == 0 and enabled else None

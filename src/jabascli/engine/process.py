@@ -34,13 +34,13 @@ from jabascli.engine.distributed import (
 )
 from jabascli.engine.events import EventSink
 from jabascli.engine.inputs import take_prepared
-from jabascli.engine.layout import checkpoint_folder
-from jabascli.engine.metrics import MetricsWriter
+from jabascli.engine.layout import checkpoint_folder, run_folder
+from jabascli.engine.metrics import EpochResult, MetricsWriter, open_metrics
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan, plan_from_dict
 from jabascli.engine.recovery import check_agreement, lost_peer
 from jabascli.engine.step_policy import check_job_precision_inputs
-from jabascli.engine.trainer import EpochResult, Trainer
+from jabascli.engine.trainer import Trainer
 from jabascli.errors import InputError, JabasError
 
 
@@ -94,7 +94,7 @@ def run_trainer(
                     check_agreement(trainer, device)  # the survivors of a lost peer hold one state
                     recovering = False
                 if metrics is None:
-                    metrics = trainer.open_metrics()  # rank 0's, kept across moves in place
+                    metrics = open_metrics(run_folder(loaded), trainer.rank, options.metrics)  # kept across moves
                 try:
                     results += trainer.fit(metrics)
                 except Exception as exc:

@@ -64,7 +64,7 @@ class Recoverable(Protocol):
     loaded: Any
     in_flight: int | None
     step_policy: Any
-    gradient_sync: Any
+    workers: Any
     buffers: Any
     layout: Any
     progress: Any
@@ -72,12 +72,12 @@ class Recoverable(Protocol):
     optimizer: torch.optim.Optimizer
     control: Any
 
-    def checkpoint_fields(self) -> dict[str, Any]: ...
+    def checkpoint_state(self) -> Any: ...
 
 
 def updates_applied(trainer: Any) -> int:
     """Optimizer updates a trainer applied so far: its steps, and with ``overlap`` its bucket updates."""
-    bucket = getattr(getattr(trainer, "gradient_sync", None), "optimizer", None)
+    bucket = getattr(getattr(getattr(trainer, "workers", None), "gradients", None), "optimizer", None)
     return int(trainer.step_policy.applied) + int(getattr(bucket, "applied", 0))
 
 
@@ -137,7 +137,7 @@ def lost_peer(
 
 def in_memory_checkpoint(trainer: Recoverable) -> dict[str, Any]:
     """The trainer's state as a checkpoint holds it, without writing one (the live tensors)."""
-    return checkpoint_payload(**trainer.checkpoint_fields())
+    return checkpoint_payload(**trainer.checkpoint_state().fields())
 
 
 def check_agreement(trainer: Recoverable, device: torch.device) -> None:

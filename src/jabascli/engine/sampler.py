@@ -96,6 +96,14 @@ class IIDPSampler:
     def iterations_per_epoch(self, gbs: int) -> int:
         return self.dataset_size // gbs
 
+    def check_gbs(self, plan: TrainingPlan) -> None:
+        """InputError (naming where the GBS came from) when ``plan``'s GBS is more than the training samples."""
+        if self.iterations_per_epoch(plan.gbs) == 0:
+            field = "gbs" if plan.from_plan_file else "job.lbs"
+            raise InputError.at(
+                plan.file, field, f"GBS {plan.gbs} is more than the {self.dataset_size} training samples"
+            )
+
     def rank_iterations(self, epoch: int, position: int, plan: TrainingPlan, rank: int) -> Iterator[Iteration]:
         """Rank ``rank``'s iterations of ``epoch``, starting at ``position``."""
         perm = self.permutation(epoch)

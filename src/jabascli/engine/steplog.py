@@ -9,14 +9,14 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any, Protocol
 
 import torch
 
 from jabascli.engine.checkpoint import Progress
 from jabascli.engine.events import EventSink
-from jabascli.engine.metrics import MetricsWriter
+from jabascli.engine.metrics import EpochResult, MetricsWriter
 from jabascli.engine.parallel.runner import describe_layout
 from jabascli.engine.plan import TrainingPlan
 from jabascli.engine.sampler import IIDPSampler
@@ -33,7 +33,7 @@ class Loop(Protocol):
     plan: TrainingPlan
     progress: Progress
     sampler: IIDPSampler
-    current_lr: Callable[[], float | None]
+    optimizer: torch.optim.Optimizer
 
 
 class StepLog:
@@ -55,7 +55,7 @@ class StepLog:
         """Record the GBS and LR of the iteration about to run (``changes.csv`` keeps only changes)."""
         if self.metrics is not None:
             t = self.trainer
-            self.metrics.settings(step=t.progress.step + 1, gbs=t.plan.gbs, lr=t.current_lr())
+            self.metrics.settings(step=t.progress.step + 1, gbs=t.plan.gbs, lr=current_lr(t.optimizer))
 
     def step(self, loss: torch.Tensor) -> None:
         if not self.active:
@@ -75,7 +75,7 @@ class StepLog:
         loss = float(self.loss) / self.steps
         rate = self.steps * t.plan.gbs / max(now - self.since, 1e-9)
         p = t.progress
-        epoch_step, lr = p.position // t.plan.gbs, t.current_lr()
+        epoch_step, lr = p.position // t.plan.gbs, current_lr(t.optimizer)
         self.epoch_steps = epoch_step + t.sampler.iterations_left(p.position, t.plan.gbs)  # the GBS may change
         if self.metrics is not None:
             iteration_s = statistics.median(self.durations)
@@ -97,6 +97,28 @@ class StepLog:
         self.durations = []
         self.since = self.last = now
 
+    def adjustment(self, event: dict[str, Any]) -> None:
+        """An adaptive-batching decision (rank 0's): to ``adjustments.csv`` and as an event, with the LR it set."""
+        lr = current_lr(self.trainer.optimizer)
+        if self.metrics is not None:
+            self.metrics.adjustment({k: v for k, v in event.items() if k != "event"}, lr=lr)
+        if self.trainer.emit:
+            self.trainer.emit({**event, "lr": lr})
+
+    def epoch_end(self, result: EpochResult) -> None:
+        """The epoch's row of ``epochs.csv`` and its ``epoch`` event."""
+        if self.metrics is not None:
+            self.metrics.epoch(asdict(result))
+        if self.trainer.emit:
+            self.trainer.emit({"event": "epoch", **asdict(result)})
+
+
+def current_lr(optimizer: torch.optim.Optimizer) -> float | None:
+    """The LR of the optimizer's first parameter group (what the metrics report)."""
+    groups = optimizer.param_groups
+    lr = groups[0].get("lr") if groups else None
+    return float(lr) if isinstance(lr, int | float | torch.Tensor) else None
+
 
 def report_start(trainer: Any) -> None:
     """Rank 0's ``start`` event: the plan, how it runs, and where training stands (a :class:`Trainer`'s)."""
@@ -113,9 +135,9 @@ def report_start(trainer: Any) -> None:
             "lbs": plan.lbs,
             "workers": plan.workers,
             "plan": plan.describe(),
-            "weight_sync": trainer.weight_sync,
-            "weight_sync_reason": trainer.weight_sync_reason,
-            "vsw_strategy": trainer.vsw_name,
+            "weight_sync": trainer.workers.weight_sync,
+            "weight_sync_reason": trainer.workers.weight_sync_reason,
+            "vsw_strategy": trainer.workers.vsw_name,
             "layout": describe_layout(trainer.layout),
             "replicas": None
             if trainer.layout is None

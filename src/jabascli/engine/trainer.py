@@ -28,34 +28,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
+from jabascli.adaptive.batching import AdaptiveBatching, FixedBatching
 from jabascli.adaptive.batching import build as build_adaptive
 from jabascli.config import LoadedConfig
 from jabascli.engine.buffers import BufferSync
-from jabascli.engine.checkpoint import Progress, read_checkpoint, restore_checkpoint, save_checkpoint
+from jabascli.engine.checkpoint import Progress
+from jabascli.engine.checkpointer import Checkpointer, CheckpointState
 from jabascli.engine.control import StopControl
 from jabascli.engine.data import BatchLoader
-from jabascli.engine.distributed import (
-    wrap_ddp,
-)
 from jabascli.engine.events import EventSink
 from jabascli.engine.faults import FaultInjector
 from jabascli.engine.inputs import Inputs
-from jabascli.engine.layout import checkpoint_store, run_folder
+from jabascli.engine.layout import run_folder
 from jabascli.engine.loader import MicroBatchFeed, default_loader_workers
 from jabascli.engine.memory_limit import MemoryLimit
-from jabascli.engine.metrics import MetricsWriter
+from jabascli.engine.metrics import EpochResult, MetricsWriter, open_metrics
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.parallel.runner import (
-    FALLBACK,
     LayoutWorkers,
     build_layout_workers,
     check_trainer_layout_inputs,
-    restore_layout_checkpoint,
-    save_layout_checkpoint,
     trainer_layout,
 )
 from jabascli.engine.plan import TrainingPlan
@@ -66,33 +62,26 @@ from jabascli.engine.step_policy import StepPolicy, check_precision, step_settin
 from jabascli.engine.steplog import StepLog, report_start
 from jabascli.engine.timing import PhaseTimer
 from jabascli.engine.validate import validate
-from jabascli.engine.vsw import Emulation, WorkerStep, build_vsw_strategy, choose_vsw_strategy, make_replicas
-from jabascli.engine.weight_sync import (
-    BucketOptimizer,
-    GradientSync,
-    bucket_sizes,
-    choose_weight_sync,
-    read_bucket_profile,
-)
-from jabascli.errors import InputError
+from jabascli.engine.vsw import Emulation, WorkerStep
+from jabascli.engine.workers import RankWorkers, Workers, rank_workers
 from jabascli.workload import Workload, workload_of
-
-"""Rank 0 reports (and reads the loss from the device) at most this often, and at every epoch end."""
-
-
-@dataclass(frozen=True)
-class EpochResult:
-    epoch: int
-    step: int
-    train_loss: float | None
-    val_loss: float | None
-    val_accuracy: float | None
-    samples_per_s: float
-    time_s: float
 
 
 class Trainer:
     """The state of one rank: model replicas, optimizer, sampler, progress."""
+
+    # Built by connect(), once the process group exists:
+    adaptive: AdaptiveBatching | FixedBatching
+    """Adaptive GBS (:mod:`jabascli.adaptive.batching`): measures, and may choose another plan between iterations."""
+    emulation: Emulation
+    workers: RankWorkers
+    vsw: Workers
+    """``workers.workers``: what runs this rank's micro-batches (a VSW strategy, or its layout's workers)."""
+    buffers: BufferSync
+    control: StopControl
+    worker_step: WorkerStep
+    timer: PhaseTimer
+    memory_limit: MemoryLimit
 
     def __init__(
         self,
@@ -124,6 +113,7 @@ class Trainer:
         self.layout = trainer_layout(loaded, self.workload, model, plan.parallel)
         if self.layout is not None:
             check_trainer_layout_inputs(loaded, self.layout, model, self.workload)
+        self.checkpointer = Checkpointer(loaded, rank, sharded=self.layout is not None)
         self.layout_workers: LayoutWorkers | None = None
         self.model = model
         check_precision(cfg.job.precision, device.type, loaded.path)
@@ -180,15 +170,8 @@ class Trainer:
         if self.layout is not None and self.layout_workers is None:
             return  # a layout's checkpoint is read by all ranks together, into the built layout (connect)
         self._restored = True
-        if self.layout_workers is not None:
-            payload, self.progress = restore_layout_checkpoint(
-                options.resume, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
-            )
-        else:
-            payload = written if written is not None else read_checkpoint(options.resume)
-            self.progress = restore_checkpoint(
-                payload, options.resume, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
-            )
+        resume, live = options.resume, (self.model, self.optimizer, self.scheduler)
+        payload, self.progress = self.checkpointer.restore(resume, *live, written=written)
         self._payload = payload
         self.step_policy.load_state_dict(payload.get("grad_scaler") or {})
 
@@ -218,23 +201,13 @@ class Trainer:
         self.me = plan.rank(rank)
         self.progress.record_plan(start.gbs, start.lbs, start.describe(), self.adaptive.lr_factor())
 
-        # How this rank runs its workers (VSW strategy, or its part of a layout's replica) and combines
-        # gradients (weight sync: DDP's hook, or the layout's collectives inside backward).
+        # How this rank runs its workers and combines gradients (engine/workers.py).
         self.emulation = Emulation(self.me.slowdown)
-        self.replica_ranks = [rank]
-        """The ranks whose micro-batches this rank runs: itself, or every rank of its layout's replica."""
-        if self.layout_workers is None:
-            self._plain_workers(same_start=payload is not None)
-        else:
-            self.replica_ranks = self.layout_workers.ranks
-            self.weight_sync, self.weight_sync_reason = "sequential", FALLBACK
-            self.vsw_name, self.vsw_reason = "sequential", FALLBACK
-            self.vsw = self.gradient_sync = self.layout_workers
-            self.layout_workers.emulate(self.emulation, self.workload)
-        self.buffers = BufferSync(self.vsw.replicas, plan.workers)
+        self.workers = rank_workers(self, same_start=payload is not None)
+        self.vsw = self.workers.workers
+        self.buffers = self.workers.start(plan)
         self.buffers.broadcast_all()
         self.vsw.after_step()  # replicas start from the broadcast parameters
-        self.gradient_sync.attach(self.vsw, self.buffers, plan)
         dtype = next(model.parameters()).dtype  # the loss's: the flag rides in the same all-reduce
         self.control = StopControl.from_environment(rank, dtype, device, self.emit)  # an outside stop request
         self.buffers.riders.append(self.control.flag)
@@ -257,33 +230,6 @@ class Trainer:
         self.memory_limit = MemoryLimit(self.me.memory_bytes, f"{self.me.server} ({self.me.device_type}), rank {rank}")
         self.memory_limit.start(self.vsw.replicas, self.optimizer, self.vsw.keeps_gradients)
 
-    def _plain_workers(self, same_start: bool) -> None:
-        """Plain IIDP: VSW replicas of the model, DDP over replica 0, and its communication hook."""
-        cfg, model, device = self.loaded.config, self.model, self.device
-        self.weight_sync, self.weight_sync_reason = choose_weight_sync(
-            self.plan,
-            self.optimizer,
-            forced=self.step_policy.settings.sequential_reason(),
-            configured=self.loaded.config.job.weight_sync,
-            where=self.loaded.path,
-            buckets_mb=lambda: (
-                read_bucket_profile(self.loaded.profile_dirs().bucket, self.workload.name)
-                or [size / 1e6 for size in bucket_sizes(self.model, self.options.bucket_cap_mb)]
-            ),
-        )
-        self.vsw_name, self.vsw_reason = choose_vsw_strategy(cfg.job.vsw_strategy, self.me.vsw, model, device)
-        replicas = make_replicas(model, self.me.vsw if self.vsw_name == "streams" else 1)
-        # Broadcasts rank 0's parameters, unless every rank has just loaded them from one checkpoint.
-        self.ddp = wrap_ddp(model, device, self.options.bucket_cap_mb, same_start=same_start)
-        self.vsw = build_vsw_strategy(self.vsw_name, replicas, self.ddp)
-        self.gradient_sync = GradientSync(
-            list(model.parameters()),
-            optimizer=BucketOptimizer(self.optimizer) if self.weight_sync == "overlap" else None,
-            before_last_bucket=self.emulation.backward_done if self.emulation.active else None,
-            tap=self.adaptive.tap,
-        )
-        self.gradient_sync.register(self.ddp)
-
     def inputs(self) -> Inputs:
         return Inputs(self.workload, self.train_set, self.val_set, self.feed)
 
@@ -291,21 +237,14 @@ class Trainer:
         """Report phase boundaries to ``timer`` (the computation profiler's; training keeps the no-op default)."""
         self.timer = self.worker_step.timer = timer
 
-    def _check_gbs(self) -> None:
-        if self.sampler.iterations_per_epoch(self.plan.gbs) == 0:
-            field = "gbs" if self.plan.from_plan_file else "job.lbs"
-            raise InputError.at(
-                self.plan.file, field, f"GBS {self.plan.gbs} is more than the {len(self.train_set)} training samples"
-            )
-
     # -- the loop ------------------------------------------------------------------------------
 
     def fit(self, metrics: MetricsWriter | None = None) -> list[EpochResult]:
         """Train to the job's end or a stop; writes to ``metrics`` if given (and open), else to its own writer."""
-        self._check_gbs()
+        self.sampler.check_gbs(self.plan)
         report_start(self)
         own = metrics is None
-        metrics = self.open_metrics() if own else metrics
+        metrics = open_metrics(run_folder(self.loaded), self.rank, self.options.metrics) if own else metrics
         results: list[EpochResult] = []
         try:
             while self.progress.epoch < self.epochs and not self._stop():
@@ -343,7 +282,7 @@ class Trainer:
             steps, samples = steps + 1, samples + self.plan.gbs
             epoch_loss += loss
             log.step(loss)
-            self._adapt(metrics)  # may switch to another plan between this iteration and the next
+            self._adapt(log)  # may switch to another plan between this iteration and the next
             epoch_end = self.sampler.iterations_left(self.progress.position, self.plan.gbs) == 0
             self.control.after_iteration(self.progress.step, epoch_end)
             if self._stop():
@@ -367,10 +306,7 @@ class Trainer:
             time_s=train_time,
         )
         self.progress.epoch, self.progress.position = epoch + 1, 0
-        if metrics is not None:
-            metrics.epoch(asdict(result))
-        if self.emit:
-            self.emit({"event": "epoch", **asdict(result)})
+        log.epoch_end(result)
         if self.progress.epoch < self.epochs and not self._stop():
             self._save_checkpoint()  # at every epoch end; the last one is saved on exit
         return result
@@ -392,7 +328,7 @@ class Trainer:
         A new stream starts a new loader iterator (:meth:`MicroBatchFeed.follow`), which drops what the
         workers had prefetched for the previous one: after a plan change no stale micro-batch is trained.
         """
-        iterations = self.sampler.replica_iterations(epoch, self.progress.position, plan, self.replica_ranks)
+        iterations = self.sampler.replica_iterations(epoch, self.progress.position, plan, self.workers.replica_ranks)
         return iterations if self.feed is None else self.feed.follow(iterations)
 
     def train_step(self, iteration: Iteration) -> torch.Tensor:
@@ -407,7 +343,7 @@ class Trainer:
         timer.mark("overhead")
         self.vsw.run(iteration.micro_batches, self.worker_step)  # all-reduces every gradient bucket
         self.adaptive.measure(self.plan, self.step_policy.loss_scale)  # before the update unscales or clips
-        if self.weight_sync == "sequential":
+        if self.workers.weight_sync == "sequential":
             self.step_policy.step()  # with overlap, each bucket was already updated as its all-reduce completed
             timer.mark("update")
         if self.scheduler is not None:
@@ -424,9 +360,9 @@ class Trainer:
 
     # -- adaptive GBS: replanning in place -------------------------------------------------------
 
-    def _adapt(self, metrics: MetricsWriter | None) -> None:
+    def _adapt(self, log: StepLog) -> None:
         p = self.progress
-        report = (lambda event: self._report_adjustment(event, metrics)) if self.rank == 0 else None
+        report = log.adjustment if self.rank == 0 else None
         plan = self.adaptive.after_step(p.step, self.plan, {"epoch": p.epoch, "position": p.position}, report)
         if plan is not None:
             self.apply_plan(plan)
@@ -448,13 +384,8 @@ class Trainer:
             self.progress.record_plan(plan.gbs, plan.lbs, plan.describe(), self.adaptive.lr_factor())
             return
         previous, self.plan, self.me = self.plan, plan, plan.rank(self.rank)
-        if self.vsw_name == "streams" and len(self.vsw.replicas) != self.me.vsw:
-            self.vsw = build_vsw_strategy(self.vsw_name, make_replicas(self.model, self.me.vsw), self.ddp)
-            self.vsw.after_step()
-        riders = self.buffers.riders  # the stop flag (engine/control.py) rides on under the new plan too
-        self.buffers = BufferSync(self.vsw.replicas, plan.workers)
-        self.buffers.riders = riders
-        self.gradient_sync.attach(self.vsw, self.buffers, plan)
+        self.buffers = self.workers.follow(plan, self.rank, self.model, self.buffers.riders)  # the stop flag too
+        self.vsw = self.workers.workers
         self.worker_step.workers, self.worker_step.buffers = plan.workers, self.buffers
         if plan is not previous:  # not when only the LR factor changed
             self.memory_limit.start(self.vsw.replicas, self.optimizer, self.vsw.keeps_gradients)
@@ -463,19 +394,13 @@ class Trainer:
     def _replica_params(self) -> list[list[torch.nn.Parameter]]:
         return [list(self.model.parameters()), *self.vsw.replica_params()]
 
-    def _report_adjustment(self, event: dict, metrics: MetricsWriter | None) -> None:
-        if metrics is not None:
-            metrics.adjustment({k: v for k, v in event.items() if k != "event"}, lr=self.current_lr())
-        if self.emit:
-            self.emit({**event, "lr": self.current_lr()})
-
     # -- validation ----------------------------------------------------------------------------
 
     def validate(self) -> tuple[float | None, float | None]:
         """Loss and accuracy over the validation set (:func:`jabascli.engine.validate.validate`)."""
         if self.val_set is None:
             return None, None
-        where = (self.vsw, self.plan, self.rank, self.replica_ranks, self.device)
+        where = (self.vsw, self.plan, self.rank, self.workers.replica_ranks, self.device)
         return validate(self.model, self.val_set, self.workload, *where)
 
     # -- decisions, checkpoints, reports ---------------------------------------------------------
@@ -499,41 +424,25 @@ class Trainer:
 
     def _save_checkpoint(self) -> None:
         """Rank 0 writes the whole model; under a layout every rank writes its shards (DCP), together."""
-        if self.layout_workers is None and self.rank != 0:
-            return
-        fields = self.checkpoint_fields()
-        if self.layout_workers is not None:
-            path = save_layout_checkpoint(checkpoint_store(self.loaded), **fields)
-        else:
-            self.saved, path = save_checkpoint(checkpoint_store(self.loaded), **fields)
-        if self.emit:
+        path, saved = self.checkpointer.save(self.checkpoint_state())
+        self.saved = saved if saved is not None else self.saved
+        if path is not None and self.emit:
             p = self.progress
             self.emit(
                 {"event": "checkpoint", "path": str(path), "epoch": p.epoch, "position": p.position, "step": p.step}
             )
 
-    def checkpoint_fields(self) -> dict:
+    def checkpoint_state(self) -> CheckpointState:
         """What a checkpoint of this trainer holds (the live objects)."""
         plan = self.relayout or self.plan  # a pending layout's plan is what the job resumes with
-        return {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "progress": self.progress,
-            "workload": self.workload.name,
-            "config": self.loaded.config.model_dump(mode="json"),
-            "plan": plan.to_dict(),
-            "adaptive": self.adaptive.state_dict(plan),
-            "grad_scaler": self.step_policy.state_dict(),
-        }
-
-    def open_metrics(self) -> MetricsWriter | None:
-        """Rank 0's metrics writer (None elsewhere, or with metrics off)."""
-        if self.rank != 0 or not self.options.metrics:
-            return None
-        return MetricsWriter(run_folder(self.loaded))
-
-    def current_lr(self) -> float | None:
-        groups = self.optimizer.param_groups
-        lr = groups[0].get("lr") if groups else None
-        return float(lr) if isinstance(lr, int | float | torch.Tensor) else None
+        return CheckpointState(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            progress=self.progress,
+            workload=self.workload.name,
+            config=self.loaded.config.model_dump(mode="json"),
+            plan=plan.to_dict(),
+            adaptive=self.adaptive.state_dict(plan),
+            grad_scaler=self.step_policy.state_dict(),
+        )

@@ -394,7 +394,7 @@ class EngineStep:
     @property
     def vsw_strategy(self) -> str:
         """The VSW strategy the trainer chose (``sequential`` or ``streams``)."""
-        return self.trainer.vsw_name
+        return self.trainer.workers.vsw_name
 
     def _iteration(self) -> Any:
         from jabascli.engine.sampler import Iteration, MicroBatch
