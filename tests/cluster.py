@@ -570,6 +570,15 @@ class EmulatedCluster:
         command; not an sshd whose config folder happens to be named after jabas)."""
         return [pid for pid in self.pids_in(node) if _runs_jabas(_argv(pid))]
 
+    def jabas_left(self, timeout: float = 30.0) -> dict[str, list[str]]:
+        """The jabas processes still in a node after up to ``timeout`` s (``"PID ARGV"`` by node; none: {})."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {node.name: self.jabas_pids_in(node) for node in self.nodes}
+            if not any(left.values()) or time.monotonic() > deadline:
+                return {name: [f"{pid} {' '.join(_argv(pid))}" for pid in pids] for name, pids in left.items() if pids}
+            time.sleep(0.2)
+
     def listening_sockets(self, node: Node | str) -> list[ListeningSocket]:
         """The TCP sockets listening in ``node``'s namespace (IPv4 and IPv6), with the pids holding them.
 
@@ -633,6 +642,16 @@ class EmulatedCluster:
 
     # a state file, for the command line
 
+    def start_sshds(self, folder: Path, nodes: Sequence[Node | str] | None = None) -> tuple[Path, Path]:
+        """An sshd on port 22 of every node (or of ``nodes``) that lets in a new key; its files in ``folder``:
+        (the private key, a known_hosts file naming each node's host key)."""
+        key = folder / "id_ed25519"
+        (folder / "authorized_keys").write_text(_write_key(key) + "\n")
+        servers = [self.start_sshd(node, folder / "authorized_keys") for node in (nodes or self.nodes)]
+        known_hosts = folder / "known_hosts"
+        known_hosts.write_text("".join(s.known_hosts_line() for s in servers))
+        return key, known_hosts
+
     def state(self) -> dict[str, Any]:
         """What ``down`` needs to tear this cluster down from another process (JSON-able)."""
         return {
@@ -676,6 +695,15 @@ def _ssh_server_class() -> type[SshServer]:
     else:  # run as a script: tests/ is sys.path[0]
         from sshd import SshServer  # type: ignore[no-redef]
     return SshServer
+
+
+def _write_key(path: Path) -> str:
+    """tests/sshd.py's write_key (imported as :func:`_ssh_server_class` imports the server)."""
+    if __package__:
+        from .sshd import write_key
+    else:
+        from sshd import write_key  # type: ignore[no-redef]
+    return write_key(path)
 
 
 # --- the pytest fixture ----------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from tests.cluster import EmulatedCluster, NodeSpec, cluster_factory  # noqa: F4
 from tests.conftest import WITH_SIGINT
 from tests.elastic_support import RECORDED_DIGITS, TRAINER_ENV, load, used_samples
 from tests.engine_support import checkpoint_of, max_abs_diff
-from tests.sshd import require_sshd, write_key
+from tests.sshd import require_sshd
 
 pytestmark = pytest.mark.xdist_group("nodes")  # one emulated cluster at a time under `make test`
 
@@ -86,34 +86,13 @@ def _status(folder: Path) -> dict[str, Any] | None:
         return None
 
 
-def _no_jabas_left(cluster: EmulatedCluster, timeout: float = 30.0) -> dict[str, list[str]]:
-    """The command lines of jabas processes still in a node after ``timeout`` (none: {})."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = {node.name: cluster.jabas_pids_in(node) for node in cluster.nodes}
-        if not any(left.values()) or time.monotonic() > deadline:
-            return {name: [_cmdline(pid) for pid in pids] for name, pids in left.items() if pids}
-        time.sleep(0.2)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return f"{pid}: gone"
-
-
 @pytest.mark.slow
 def test_jabas_run_trains_three_nodes_exactly_across_a_ctrl_c(cluster_factory, tmp_path: Path) -> None:  # noqa: F811
     require_sshd()
     cluster: EmulatedCluster = cluster_factory(
         [NodeSpec("fast", "1gbit"), NodeSpec("slow1", "200mbit"), NodeSpec("slow2", "200mbit")]
     )
-    key = tmp_path / "id_ed25519"
-    (tmp_path / "authorized_keys").write_text(write_key(key) + "\n")
-    sshds = [cluster.start_sshd(node, tmp_path / "authorized_keys") for node in cluster.nodes]
-    known_hosts = tmp_path / "known_hosts"
-    known_hosts.write_text("".join(s.known_hosts_line() for s in sshds))
+    key, known_hosts = cluster.start_sshds(tmp_path)
     config = _config(tmp_path, cluster, key)
     run = [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--known-hosts", str(known_hosts)]
     env = {**os.environ, **TRAINER_ENV}
@@ -142,7 +121,7 @@ def test_jabas_run_trains_three_nodes_exactly_across_a_ctrl_c(cluster_factory, t
         ours = [s for s in listening[node.name] if s.pid in jabas[node.name]]
         assert ours, f"no jabas process listens in {node.name} (rank 0's store, gloo): {listening[node.name]}"
         assert all(s.ip == node.address for s in ours), (node.name, node.address, ours)
-    assert _no_jabas_left(cluster) == {}, output[-3000:]
+    assert cluster.jabas_left() == {}, output[-3000:]
     stopped_at = checkpoint_of(load(config))["progress"]["step"]
     assert stopped_at >= 3
     for server in ("fast", "slow1", "slow2"):
@@ -155,7 +134,7 @@ def test_jabas_run_trains_three_nodes_exactly_across_a_ctrl_c(cluster_factory, t
     assert "resuming digits from" in output and f"step {stopped_at})" in output, output[-3000:]
     # The interrupted run's stop stays in its rank 0's control file: the new generation 1 must not obey it.
     assert "restarted" not in output, output[-3000:]
-    assert _no_jabas_left(cluster) == {}, output[-3000:]
+    assert cluster.jabas_left() == {}, output[-3000:]
 
     loaded = load(config)
     final = checkpoint_of(loaded)
@@ -174,11 +153,7 @@ def test_nodes_that_cannot_run_the_job_are_named_before_anything_starts(cluster_
     """One node without sshd, one whose Python runs another jabas, one without jabas at that path."""
     require_sshd()
     cluster: EmulatedCluster = cluster_factory([NodeSpec("fast"), NodeSpec("slow1"), NodeSpec("slow2")], rate=None)
-    key = tmp_path / "id_ed25519"
-    (tmp_path / "authorized_keys").write_text(write_key(key) + "\n")
-    sshds = [cluster.start_sshd(cluster.node(name), tmp_path / "authorized_keys") for name in ("slow1", "slow2")]
-    known_hosts = tmp_path / "known_hosts"
-    known_hosts.write_text("".join(s.known_hosts_line() for s in sshds))
+    key, known_hosts = cluster.start_sshds(tmp_path, ["slow1", "slow2"])
     config = _config(tmp_path, cluster, key)
     other = tmp_path / "other-python"  # another installation, answering as an older jabas would
     other.write_text("#!/bin/sh\necho 'jabas 0.0.9'\n")
@@ -197,7 +172,7 @@ def test_nodes_that_cannot_run_the_job_are_named_before_anything_starts(cluster_
     assert lines[1].startswith(f"error: server 'slow1' (root@{slow1}:22): runs jabas 0.0.9, this machine "), lines
     assert lines[2].startswith(f"error: server 'slow2' (root@{slow2}:22): /nonexistent/bin/python3 -m jabascli"), lines
     assert not (tmp_path / "runs" / "digits" / "scheduler.json").exists()
-    assert _no_jabas_left(cluster, timeout=0) == {}
+    assert cluster.jabas_left(timeout=0) == {}
 
 
 def _wait(folder: Path, process: subprocess.Popen[bytes], until: Any, what: str, timeout: float = 180) -> dict:
@@ -220,11 +195,7 @@ def test_a_node_cut_off_and_a_frozen_node_are_recovered_in_place_and_taken_back(
     No checkpoint is read and no trainer restarted; the job ends as one process that followed its history."""
     require_sshd()
     cluster: EmulatedCluster = cluster_factory([NodeSpec("fast"), NodeSpec("slow1"), NodeSpec("slow2")])
-    key = tmp_path / "id_ed25519"
-    (tmp_path / "authorized_keys").write_text(write_key(key) + "\n")
-    sshds = [cluster.start_sshd(node, tmp_path / "authorized_keys") for node in cluster.nodes]
-    known_hosts = tmp_path / "known_hosts"
-    known_hosts.write_text("".join(s.known_hosts_line() for s in sshds))
+    key, known_hosts = cluster.start_sshds(tmp_path)
     config = _config(tmp_path, cluster, key)
     # Ten times slower than above (3-5 s an epoch): the nodes that come back are taken in at an epoch end once
     # their trainers have started.

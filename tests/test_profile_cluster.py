@@ -31,7 +31,7 @@ from jabascli.profiles import load_profile_set
 from tests.cluster import EmulatedCluster, NodeSpec, cluster_factory  # noqa: F401 (the fixture)
 from tests.conftest import WITH_SIGINT
 from tests.elastic_support import TRAINER_ENV
-from tests.sshd import require_sshd, write_key
+from tests.sshd import require_sshd
 
 pytestmark = pytest.mark.xdist_group("nodes")  # one emulated cluster at a time under `make test`
 
@@ -78,15 +78,6 @@ def _hybrid_network(root: Path, cwd: Path) -> Path:
     return root / "hybrid" / "network.json"
 
 
-def _jabas_left(cluster: EmulatedCluster, timeout: float = 20.0) -> dict[str, list[int]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = {node.name: cluster.jabas_pids_in(node) for node in cluster.nodes}
-        if not any(left.values()) or time.monotonic() > deadline:
-            return {name: pids for name, pids in left.items() if pids}
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_profile_all_profiles_each_server_on_its_node_and_the_link_between(
     cluster_factory,  # noqa: F811
@@ -94,11 +85,7 @@ def test_profile_all_profiles_each_server_on_its_node_and_the_link_between(
 ) -> None:
     require_sshd()
     cluster: EmulatedCluster = cluster_factory([NodeSpec("fast", "1gbit"), NodeSpec("slow", "1gbit")])
-    key = tmp_path / "id_ed25519"
-    (tmp_path / "authorized_keys").write_text(write_key(key) + "\n")
-    sshds = [cluster.start_sshd(node, tmp_path / "authorized_keys") for node in cluster.nodes]
-    known_hosts = tmp_path / "known_hosts"
-    known_hosts.write_text("".join(s.known_hosts_line() for s in sshds))
+    key, known_hosts = cluster.start_sshds(tmp_path)
     fast, slow = cluster.nodes
     ssh = ["--known-hosts", str(known_hosts)]
 
@@ -110,7 +97,7 @@ def test_profile_all_profiles_each_server_on_its_node_and_the_link_between(
     assert result.returncode == 1, result.stdout + result.stderr
     assert len(lines) == 1 and "'gone'" in lines[0] and unreachable in lines[0], lines
     assert not (tmp_path / "profiles").exists()
-    assert _jabas_left(cluster) == {}
+    assert cluster.jabas_left(20) == {}
 
     # Ctrl-C while a node profiles: exit 130, no jabas process left on any node, no partial file.
     config = _config(tmp_path, [("fast", fast.address), ("slow", slow.address)], key)
@@ -135,7 +122,7 @@ def test_profile_all_profiles_each_server_on_its_node_and_the_link_between(
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 130, output[-3000:]
-    assert _jabas_left(cluster) == {}, output[-3000:]
+    assert cluster.jabas_left(20) == {}, output[-3000:]
     assert not list((tmp_path / "profiles").rglob("*.tmp")), output[-3000:]
     assert link_on_disk(network) is None  # still the one machine's
 
@@ -143,7 +130,7 @@ def test_profile_all_profiles_each_server_on_its_node_and_the_link_between(
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "[fast]" in output and "[slow]" in output, output[-4000:]  # each node's progress, with its name
-    assert _jabas_left(cluster) == {}, output[-4000:]
+    assert cluster.jabas_left(20) == {}, output[-4000:]
 
     dirs = load_config(config).profile_dirs()
     profiles = load_profile_set(dirs.memory, dirs.computation, dirs.communication, dirs.bucket)
