@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+# Rich sizes the CLI's tables to the terminal: a pytest-xdist worker has none and got 80 columns, which
+# wrapped the words the CLI tests look for. Every test sees one width, set before jabas's consoles exist.
+os.environ["COLUMNS"] = "200"
+
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO.parent / "shared" / "reference"
 REFERENCE_RUN = REFERENCE / "jabas-resnet50-v100-p100"
