@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import tomli_w
@@ -102,8 +102,9 @@ def wait(url: str, until: Any, timeout: float = 300) -> dict[str, Any]:
     raise SystemExit(f"timed out waiting at {url}; the job's last status: {s}")
 
 
-def measure_moves(folder: Path, name: str, in_place: bool) -> tuple[list[dict[str, Any]], Path]:
-    config = write_config(folder, name, in_place)
+def start_job(folder: Path, config: Path) -> tuple[str, list[subprocess.Popen[bytes]], list[IO[bytes]]]:
+    """The scheduler and the agents of servers A and B (``jabas worker --rank 0|1``), all on this machine;
+    (the scheduler's URL, the processes, their logs in ``folder``)."""
     loaded = load_config(config)
     url = f"http://127.0.0.1:{loaded.config.scheduler.port}"
     env = agent_environment(loaded, TOKEN, os.environ)  # both servers on this machine: its cores shared
@@ -113,6 +114,13 @@ def measure_moves(folder: Path, name: str, in_place: bool) -> tuple[list[dict[st
     for rank in (0, 1):
         args = [*command, "worker", "-c", str(config), "--rank", str(rank)]
         procs.append(subprocess.Popen(args, env=env, stdout=logs[rank + 1], stderr=logs[rank + 1]))
+    return url, procs, logs
+
+
+def measure_moves(folder: Path, name: str, in_place: bool) -> tuple[list[dict[str, Any]], Path]:
+    config = write_config(folder, name, in_place)
+    loaded = load_config(config)
+    url, procs, logs = start_job(folder, config)
     headers = {"Authorization": f"Bearer {TOKEN}"}
     try:
         for target in (["A", "B"], ["A"]) * ROUNDS:

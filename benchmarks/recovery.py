@@ -34,12 +34,12 @@ from typing import Any
 import httpx
 import tomli_w
 
-from jabascli.config import load_config
 from jabascli.elastic.job import TERMINAL
-from jabascli.elastic.local import agent_environment
 from jabascli.net import free_port
 
-TOKEN = "benchmark-token-0123456789"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reallocation import TOKEN, start_job, wait  # the same scheduler and agents, polled the same way
+
 WARM_S = 12.0
 CHECKPOINT_EVERY = 50
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -70,36 +70,10 @@ def write_config(folder: Path, name: str, in_place: bool) -> Path:
     return path
 
 
-def status(url: str) -> dict[str, Any]:
-    return httpx.get(url + "/v1/job", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
-
-
-def wait(url: str, until: Any, timeout: float = 300) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    s: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        try:
-            s = status(url)
-            if until(s):
-                return s
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise SystemExit(f"timed out waiting at {url}; the job's last status: {s}")
-
-
 def lose_a_trainer(folder: Path, name: str, in_place: bool) -> dict[str, Any]:
     """One job: B's trainer SIGKILLed once the job is warm; the failure's record and the fault's time."""
     config = write_config(folder, name, in_place)
-    loaded = load_config(config)
-    url = f"http://127.0.0.1:{loaded.config.scheduler.port}"
-    env = agent_environment(loaded, TOKEN, os.environ)  # both servers on this machine: its cores shared
-    command = [sys.executable, "-m", "jabascli"]
-    logs = [(folder / f"{p}.log").open("wb") for p in ("scheduler", "worker0", "worker1")]
-    procs = [subprocess.Popen([*command, "schedule", "-c", str(config)], env=env, stdout=logs[0], stderr=logs[0])]
-    for rank in (0, 1):
-        args = [*command, "worker", "-c", str(config), "--rank", str(rank)]
-        procs.append(subprocess.Popen(args, env=env, stdout=logs[rank + 1], stderr=logs[rank + 1]))
+    url, procs, logs = start_job(folder, config)
     try:
         running = wait(url, lambda s: s["state"] == "running" and len(s["trainers"]) == 2 and s["loss"] is not None)
         time.sleep(WARM_S)

@@ -84,35 +84,14 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list | tuple) else value
 
 
-def save_checkpoint(
-    store: CheckpointStore,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any | None,
-    progress: Progress,
-    workload: str,
-    config: dict[str, Any],
-    plan: dict[str, Any],
-    adaptive: dict[str, Any] | None = None,
-    grad_scaler: dict[str, Any] | None = None,
-) -> tuple[dict[str, Any], Path]:
-    """Add the checkpoint to ``store`` as its newest; returns what it holds, in memory, and its file.
+def save_checkpoint(store: CheckpointStore, *, progress: Progress, **fields: Any) -> tuple[dict[str, Any], Path]:
+    """Add the checkpoint of ``progress`` and ``fields`` (:func:`checkpoint_payload`'s) to ``store`` as its newest;
+    returns what it holds, in memory, and its file.
 
     The returned payload's tensors are the live model's and optimizer's, not copies: it equals
     the file only until they change (a trainer that stops here may resume from it, not from disk).
     """
-    payload = checkpoint_payload(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        progress=progress,
-        workload=workload,
-        config=config,
-        plan=plan,
-        adaptive=adaptive,
-        grad_scaler=grad_scaler,
-    )
+    payload = checkpoint_payload(progress=progress, **fields)
     buffer = io.BytesIO()  # serialise first: a failure cannot leave a temporary file behind
     torch.save(payload, buffer)
     path = store.write(buffer.getvalue(), step=progress.step, epoch=progress.epoch)
