@@ -39,7 +39,7 @@ def test_the_planner_sees_the_gbs_of_every_adjustment_point_and_a_failing_one_le
     commands(s, 0)
     events = [_adjustment(4, 32, 48), _adjustment(8, 48, 64), _epoch_end(0, 10)]
     commands(s, 0, events=[{"generation": 1, "event": e} for e in events])
-    assert seen == [[48, 64]] and s.gbs == 64
+    assert seen == [[48, 64]] and s.progress.gbs == 64
     assert s.status().epoch_history[0].gbs_history == [48, 64]
     commands(s, 0, events=[{"generation": 1, "event": _epoch_end(1, 20)}])  # no adjustment: its GBS counts once
     assert seen[1] == [48, 64, 64]

@@ -59,7 +59,7 @@ def test_a_moved_auto_job_gets_the_planners_layout_for_its_new_servers(tmp_path:
     for rank in (0, 1, 2):
         s.register(Registration(rank=rank, host="h", devices=DEVICES))
     [start] = commands(s, 0)  # generation 1 on fast + slow, at [batching] initial_gbs
-    assert isinstance(start, StartCommand) and start.plan["parallel"]["pp"] == 2 and s.gbs == GBS
+    assert isinstance(start, StartCommand) and start.plan["parallel"]["pp"] == 2 and s.progress.gbs == GBS
 
     with pytest.raises(InputError, match="fits servers fast: "):
         s.move(["fast"])
@@ -74,5 +74,5 @@ def test_a_moved_auto_job_gets_the_planners_layout_for_its_new_servers(tmp_path:
     commands(s, 1, exits=[TrainerExit(generation=1, rank=1, code=0)])
     [moved] = commands(s, 2)
     assert isinstance(moved, StartCommand) and moved.resume and moved.world_size == 1
-    assert moved.plan["parallel"]["pp"] == 1 and s.gbs == GBS  # the GBS kept, the layout the planner's for big
+    assert moved.plan["parallel"]["pp"] == 1 and s.progress.gbs == GBS  # the GBS kept, the layout the planner's for big
     assert "hybrid plan at GBS 8" in s.message

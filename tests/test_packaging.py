@@ -92,3 +92,26 @@ def test_no_import_circles() -> None:
     for name in sorted(graph):
         if name not in seen:
             visit(name, [name])
+
+
+def test_the_library_never_prints() -> None:
+    """Only the command line talks to the user: no module outside ``cli`` calls print or imports Rich or Typer
+    (the library returns values or raises; child-process entry points report through their exit code)."""
+    src = REPO / "src" / "jabascli"
+    protocol = {src / "profiler" / "child.py"}  # a profiling child's progress lines to its parent, on stdout
+    for path in src.rglob("*.py"):
+        if path.is_relative_to(src / "cli") or path in protocol:
+            continue
+        where = path.relative_to(REPO)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id != "print", f"{where}:{node.lineno}: prints"
+        for name in _imports(path):
+            assert name.split(".")[0] not in ("rich", "typer"), f"{where}: imports {name}"
+
+
+def test_every_module_stays_under_500_lines() -> None:
+    """docs/architecture.md: a module holds one concept; one past 500 lines is split along its concepts."""
+    src = REPO / "src"
+    sizes = {p.relative_to(REPO): len(p.read_text().splitlines()) for p in src.rglob("*.py")}
+    assert not {p: n for p, n in sizes.items() if n >= 500}, "split these along their concepts"

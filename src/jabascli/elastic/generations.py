@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from jabascli.elastic.protocol import Command, RunningTrainer, When
+from jabascli.elastic.protocol import Command, Handoff, RunningTrainer, StartCommand, When, WorkerStatus
 from jabascli.engine.plan import TrainingPlan
 
 
@@ -18,6 +18,11 @@ class Worker:
     last_seen: float
     alive: bool = True
     commands: list[Command] = field(default_factory=list)
+
+    def status(self, now: float) -> WorkerStatus:
+        return WorkerStatus(
+            rank=self.rank, server=self.server, host=self.host, alive=self.alive, seen_s_ago=now - self.last_seen
+        )
 
 
 @dataclass
@@ -37,6 +42,27 @@ class Generation:
     """Rank 0's ``stopping`` event: the step and wall time of its last iteration."""
     master: tuple[str, int] = ("", 0)
     """Where its trainers meet (the TCP store rank 0 hosts)."""
+
+    @classmethod
+    def start(cls, number: int, servers: list[str], plan: TrainingPlan, master: tuple[str, int]) -> Generation:
+        """Generation ``number`` of ``plan`` on ``servers``, meeting at ``master``."""
+        ranks_on: dict[str, list[int]] = {}
+        for r in plan.ranks:
+            ranks_on.setdefault(r.server, []).append(r.rank)
+        return cls(number, list(servers), plan, ranks_on, master=master)
+
+    def start_command(self, ranks: list[int], resume: bool, checkpoint_every: int | None) -> StartCommand:
+        """What starts ``ranks`` of it (``resume``: from the job's checkpoint)."""
+        return StartCommand(
+            generation=self.number,
+            ranks=ranks,
+            world_size=self.plan.world_size,
+            master_addr=self.master[0],
+            master_port=self.master[1],
+            plan=self.plan.to_dict(),
+            resume=resume,
+            checkpoint_every=checkpoint_every,
+        )
 
     @property
     def all_exited(self) -> bool:
@@ -61,3 +87,32 @@ class Retiring:
     def leavers_exited(self) -> bool:
         leavers = set(range(self.generation.plan.world_size)) - set(self.survivors)
         return leavers <= set(self.generation.exits)
+
+
+def record_exit(gen: Generation | None, retiring: Retiring | None, generation: int, rank: int, code: int) -> bool:
+    """Count a trainer's exit in the current generation ``gen`` or the ``retiring`` one; False if it was
+    counted before or belongs to neither.
+
+    A survivor of a move in place that exits under its old generation (before it handed over)
+    is also its new rank's exit.
+    """
+    if gen is not None and generation == gen.number:
+        if rank in gen.exits:
+            return False
+        gen.exits[rank] = code
+        gen.running.pop(rank, None)
+        return True
+    if retiring is not None and generation == retiring.generation.number:
+        if rank in retiring.generation.exits:
+            return False
+        retiring.generation.exits[rank] = code
+        if rank in retiring.survivors and gen is not None:
+            gen.exits.setdefault(retiring.survivors[rank], code)
+        return True
+    return False
+
+
+def handoff(retiring: Retiring, nxt: Generation) -> Handoff:
+    """What the trainers that stay are told of ``nxt``, the generation ``retiring`` hands over to."""
+    ranks = {str(old): new for old, new in retiring.survivors.items()}
+    return Handoff(generation=nxt.number, world_size=nxt.plan.world_size, plan=nxt.plan.to_dict(), ranks=ranks)

@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from jabascli.config import LoadedConfig
-from jabascli.elastic.generations import Generation, Retiring, Worker
-from jabascli.elastic.plans import plan_for, survivors
+from jabascli.elastic.generations import Generation, Retiring, Worker, handoff, record_exit
+from jabascli.elastic.plans import check_allocation, plan_for, survivors
+from jabascli.elastic.progress import Progress, event_float, event_int
 from jabascli.elastic.protocol import (
     Commands,
-    EpochRecord,
     Handoff,
     Heartbeat,
     JobState,
@@ -48,15 +48,13 @@ from jabascli.elastic.protocol import (
     MoveRecord,
     Registered,
     Registration,
-    StartCommand,
     StopCommand,
     When,
-    WorkerStatus,
 )
 from jabascli.elastic.recovery import Failures
 from jabascli.engine.layout import checkpoint_folder, checkpoint_store
 from jabascli.engine.plan import TrainingPlan, load_plan, plan_from_solver
-from jabascli.errors import InputError, JabasError, Problem
+from jabascli.errors import InputError, JabasError
 from jabascli.net import free_port
 
 TERMINAL: tuple[JobState, ...] = ("succeeded", "failed", "stopped")
@@ -108,16 +106,9 @@ class Scheduler:
         self.max_restarts = cfg.scheduler.max_restarts
         self.checkpoint: Path | None = checkpoint_folder(loaded) if resume else None
         """The job's checkpoint folder, once a trainer of this scheduler reported writing it (or, resuming, at once)."""
-        self.epoch, self.step = 0, 0
-        self.loss: float | None = None
-        self.initial_loss: float | None = None
-        self.checkpoint_step: int | None = None
-        self.gbs: int | None = None
+        self.progress = Progress()
         self.message = ""
         self.moves: list[MoveRecord] = []
-        self.epoch_history: list[EpochRecord] = []
-        self.adjusted: list[int] = []
-        """The GBS after each adjustment point of the current epoch (adaptive jobs' ``adjustment`` events)."""
         self.stopping: When | None = None
         self.master_addr: str | None = None
         """Where trainers rendezvous; None: the host of the allocation's first server."""
@@ -158,35 +149,13 @@ class Scheduler:
             elif self.retiring is not None and item.generation == self.retiring.generation.number:
                 self._on_event(self.retiring.generation, item.event)
         for ex in beat.exits:
-            if self._record_exit(ex.generation, ex.rank, ex.code) and ex.code != 0:
+            if record_exit(self.generation, self.retiring, ex.generation, ex.rank, ex.code) and ex.code != 0:
                 tail = ex.log_tail.strip().splitlines()
                 why = f"trainer rank {ex.rank} on {worker.server} exited with code {ex.code}"
                 self._fail(why, tail, (ex.generation, {ex.rank}))
         self._advance()
         commands, worker.commands = worker.commands, []
         return Commands(commands=commands, shutdown=self.state in TERMINAL)
-
-    def _record_exit(self, generation: int, rank: int, code: int) -> bool:
-        """Count a trainer's exit; False if it was counted before or belongs to no generation of interest.
-
-        A survivor of a move in place that exits under its old generation (before it handed over)
-        is also its new rank's exit.
-        """
-        gen, retiring = self.generation, self.retiring
-        if gen is not None and generation == gen.number:
-            if rank in gen.exits:
-                return False
-            gen.exits[rank] = code
-            gen.running.pop(rank, None)
-            return True
-        if retiring is not None and generation == retiring.generation.number:
-            if rank in retiring.generation.exits:
-                return False
-            retiring.generation.exits[rank] = code
-            if rank in retiring.survivors and gen is not None:
-                gen.exits.setdefault(retiring.survivors[rank], code)
-            return True
-        return False
 
     def check_heartbeats(self) -> None:
         """Declare lost every worker silent for ``heartbeat_timeout_s``; their ranks count as killed."""
@@ -200,7 +169,7 @@ class Scheduler:
             lost = gen.ranks_on.get(worker.server, []) if gen is not None else []
             if self.retiring is not None:
                 for r in self.retiring.generation.ranks_on.get(worker.server, []):
-                    self._record_exit(self.retiring.generation.number, r, -9)
+                    record_exit(gen, self.retiring, self.retiring.generation.number, r, -9)
             if gen is not None and any(r not in gen.exits for r in lost):
                 for r in lost:
                     gen.exits.setdefault(r, -9)
@@ -216,18 +185,13 @@ class Scheduler:
 
         Unknown servers are an InputError naming them; the running job is not touched then.
         """
-        unknown = [s for s in servers if s not in self.servers]
-        if unknown:
-            known = ", ".join(self.servers)
-            raise InputError([Problem(None, "servers", f"unknown server {s!r} (known: {known})") for s in unknown])
-        if len(set(servers)) != len(servers):
-            raise InputError.at(None, "servers", "a server is named twice")
+        check_allocation(servers, self.servers)
         if self.state in TERMINAL or self.stopping is not None:
             raise Conflict(f"the job is {self.state}")
         if self.retiring is not None and servers != self.allocation:
             raise Conflict(f"a move to {', '.join(self.allocation)} is under way: move again once it is done")
         # A server that cannot run it fails here, before anything changes (a hybrid plan: at the job's GBS).
-        plan_for(self.loaded, servers, self.gbs if self.loaded.config.hybrid_auto else None)
+        plan_for(self.loaded, servers, self.progress.gbs if self.loaded.config.hybrid_auto else None)
         self.pending, self.pending_when = list(servers), when
         self.message = f"moving to {', '.join(servers)} at the next {'epoch end' if when == 'epoch' else 'iteration'}"
         gen = self.generation
@@ -244,7 +208,7 @@ class Scheduler:
             if when == "now":
                 self.retiring.when = when
                 if old.stop_sent == "epoch":
-                    self._send_stop(old, when, self._handoff_of(self.retiring))
+                    self._send_stop(old, when, self._handoff())
         elif self.state == "moving" and gen is not None and when == "now" and gen.stop_sent == "epoch":
             self._send_stop(gen, when)
         elif self.state == "waiting":
@@ -280,72 +244,30 @@ class Scheduler:
     def _on_event(self, gen: Generation, event: dict[str, Any]) -> None:
         kind = event.get("event")
         record = self.moves[-1] if self.moves and self.moves[-1].generation == gen.number else None
-        if kind == "start":
-            self.gbs = _int(event.get("gbs"))
-            self.epoch, self.step = _int(event.get("epoch")) or 0, _int(event.get("step")) or 0
-            if record is not None:
-                record.resumed_step = self.step
-        elif kind == "step":
-            self.step = _int(event.get("step")) or self.step
-            self.gbs = _int(event.get("gbs")) or self.gbs  # an adaptive job's GBS moves within a generation
-            self.loss = _float(event.get("loss"))
-            if self.initial_loss is None:
-                self.initial_loss = self.loss
-            if record is not None and record.loss_after is None:
-                record.loss_after = self.loss
-        elif kind == "adjustment":
-            gbs = _int(event.get("new_gbs"))
-            if gbs is not None:
-                self.gbs = gbs
-                self.adjusted.append(gbs)
-        elif kind == "epoch":
-            self.epoch = (_int(event.get("epoch")) or 0) + 1
-            self.epoch_history.append(
-                EpochRecord(
-                    epoch=_int(event.get("epoch")) or 0,
-                    step=_int(event.get("step")) or 0,
-                    gbs=self.gbs,
-                    servers=list(gen.servers),
-                    train_loss=_float(event.get("train_loss")),
-                    val_loss=_float(event.get("val_loss")),
-                    val_accuracy=_float(event.get("val_accuracy")),
-                    samples_per_s=_float(event.get("samples_per_s")) or 0.0,
-                    time_s=_float(event.get("time_s")) or 0.0,
-                    gbs_history=self.adjusted,
-                )
-            )
-            self.adjusted = []
+        self.progress.record(event, gen.servers, record)
+        if kind == "epoch":
             self._consult_planner()
         elif kind == "peer_lost":
             self.failures.reported(gen, event)
         elif kind == "checkpoint":
             self.checkpoint = checkpoint_folder(self.loaded)
-            self.checkpoint_step = _int(event.get("step"))
         elif kind == "done":
             gen.done = event
             if self.retiring is not None and gen is self.retiring.generation and not event.get("stopped"):
                 self.retiring.finished = True  # the last epoch ended before the move could happen
                 if self.generation is not None:
                     self._send_stop(self.generation, "kill")  # the joiners wait for ranks that will not come
-            self.step = _int(event.get("step")) or self.step
             self.checkpoint = checkpoint_folder(self.loaded)  # written on every exit
-            self.checkpoint_step = self.step
         elif kind == "ready" and self.retiring is not None and gen is self.generation:
-            self.retiring.joiners.discard(_int(event.get("rank")) or 0)
+            self.retiring.joiners.discard(event_int(event, "rank") or 0)
             if not self.retiring.joiners and self.retiring.generation.stop_sent is None:
-                self._send_stop(self.retiring.generation, self.retiring.when, self._handoff_of(self.retiring))
+                self._send_stop(self.retiring.generation, self.retiring.when, self._handoff())
         elif kind == "stopping":
-            gen.last_iteration = (_int(event.get("step")), _float(event.get("time")))
+            gen.last_iteration = (event_int(event, "step"), event_float(event, "time"))
             if self.retiring is not None and gen is self.retiring.generation and self.moves:
                 self.moves[-1].stopped_step, self.moves[-1].last_iteration_at = gen.last_iteration
-                self.moves[-1].loss_before = self.loss
+                self.moves[-1].loss_before = self.progress.loss
         elif kind == "first_step" and record is not None:
-            ended, started = _float(event.get("time")), _float(event.get("started"))
-            record.first_iteration_at = started if started is not None else ended
-            if started is not None and ended is not None:
-                record.first_iteration_s = ended - started
-            if record.first_iteration_at is not None and record.last_iteration_at is not None:
-                record.downtime_s = record.first_iteration_at - record.last_iteration_at
             if self.retiring is not None and gen is self.generation:
                 self.retiring = None  # handed over: the old generation's leavers exit on their own
                 self.state = "running" if self.state == "moving" else self.state
@@ -355,7 +277,7 @@ class Scheduler:
         # Also while a move in place waits for its new ranks to start: the decision is logged (a move
         # elsewhere is refused until the one under way is done).
         steady = self.state == "running" or (self.state == "moving" and self.retiring is not None)
-        if self.planner is None or not steady or self.epoch >= self.loaded.config.job.epochs:
+        if self.planner is None or not steady or self.progress.epoch >= self.loaded.config.job.epochs:
             return
         try:
             decision = self.planner(self.status())
@@ -398,23 +320,17 @@ class Scheduler:
                 self._launch(self.allocation, reason=None)
         elif self.state == "running" and gen is not None and gen.all_exited:
             if gen.done is not None and not gen.done.get("stopped") and all(c == 0 for c in gen.exits.values()):
-                self.state = "succeeded"
-                self.message = f"finished {self.epoch} epochs at step {self.step}"
-                self._finish()
+                self._succeed()
             else:
                 self._fail("the trainers exited before the job was done", [])
                 self._advance()
         elif self.state == "moving" and self.retiring is not None:
             if self.retiring.finished and gen is not None and gen.all_exited and self.retiring.leavers_exited:
                 self.retiring = None
-                self.state = "succeeded"
-                self.message = f"finished {self.epoch} epochs at step {self.step}"
-                self._finish()
+                self._succeed()
         elif self.state == "moving" and gen is not None and gen.all_exited:
             if gen.done is not None and not gen.done.get("stopped"):
-                self.state = "succeeded"  # the last epoch ended before the move could happen
-                self.message = f"finished {self.epoch} epochs at step {self.step}"
-                self._finish()
+                self._succeed()  # the last epoch ended before the move could happen
             elif self.pending is not None and self._ready(self.pending):
                 self._launch(self.pending, reason="move")
         elif self.state == "restarting" and gen is not None and gen.all_exited:
@@ -438,7 +354,7 @@ class Scheduler:
                     return
                 self.retiring = None
             self.state = "stopped"
-            self.message = f"stopped at step {self.step}; checkpoint {self.checkpoint}"
+            self.message = f"stopped at step {self.progress.step}; checkpoint {self.checkpoint}"
             self._finish()
 
     def _ready(self, servers: list[str]) -> bool:
@@ -458,55 +374,31 @@ class Scheduler:
             plan = plan_from_solver(self.first.plan, "solver", self.loaded)
             source = f"solved for GBS {plan.gbs} ({self.first.source}), as jabas run plans"
         else:
-            plan, source = plan_for(self.loaded, servers, self.gbs if previous is not None else None)
+            plan, source = plan_for(self.loaded, servers, self.progress.gbs if previous is not None else None)
         first = self.loaded.config.server(servers[0])
         gen = self._new_generation(servers, plan, (self.master_addr or first.host, free_port()))
         resume = self.checkpoint is not None and bool(checkpoint_store(self.loaded).entries())
         for server, ranks in gen.ranks_on.items():
             self._send_start(gen, server, ranks, resume)
-        if reason is not None and previous is not None:
-            last = previous.last_iteration if reason == "move" else (self.step, None)
-            self.moves.append(
-                MoveRecord(
-                    generation=gen.number,
-                    from_servers=previous.servers,
-                    to_servers=list(servers),
-                    when=self.pending_when,
-                    reason="move" if reason == "move" else "restart",
-                    stopped_step=last[0],
-                    last_iteration_at=last[1],
-                    launched_at=time.time(),
-                    loss_before=self.loss,
-                    **(self.failures.restart_fields() if reason == "restart" else {}),
-                )
-            )
+        if reason == "move" and previous is not None:
+            step, at = previous.last_iteration
+            self._moved(previous, gen, self.pending_when, "move", stopped_step=step, last_iteration_at=at)
+        elif reason == "restart" and previous is not None:
+            fields = self.failures.restart_fields()
+            self._moved(previous, gen, self.pending_when, "restart", stopped_step=self.progress.step, **fields)
         self.generation, self.allocation, self.pending = gen, list(servers), None
         self.state = "running"
-        self.gbs = plan.gbs
+        self.progress.gbs = plan.gbs
         self.message = f"generation {gen.number} on {', '.join(servers)}: {plan.describe()}, {source}"
 
     def _new_generation(self, servers: list[str], plan: TrainingPlan, master: tuple[str, int]) -> Generation:
-        ranks_on: dict[str, list[int]] = {}
-        for r in plan.ranks:
-            ranks_on.setdefault(r.server, []).append(r.rank)
         self.generations += 1
-        return Generation(self.generations, list(servers), plan, ranks_on, master=master)
+        return Generation.start(self.generations, servers, plan, master)
 
     def _send_start(self, gen: Generation, server: str, ranks: list[int], resume: bool) -> None:
         worker = self._worker_of(server)
         assert worker is not None  # the servers of a generation are all alive when it starts
-        worker.commands.append(
-            StartCommand(
-                generation=gen.number,
-                ranks=ranks,
-                world_size=gen.plan.world_size,
-                master_addr=gen.master[0],
-                master_port=gen.master[1],
-                plan=gen.plan.to_dict(),
-                resume=resume,
-                checkpoint_every=self.loaded.config.scheduler.checkpoint_every,
-            )
-        )
+        worker.commands.append(gen.start_command(ranks, resume, self.loaded.config.scheduler.checkpoint_every))
 
     def _send_stop(
         self, gen: Generation, when: str, handoff: Handoff | None = None, only: set[int] | None = None
@@ -529,7 +421,7 @@ class Scheduler:
         """
         if not self.loaded.config.scheduler.in_place_moves or not self._ready(servers):
             return False  # (a server not registered yet: the move waits for it, as a restart does)
-        plan, source = plan_for(self.loaded, servers, self.gbs)
+        plan, source = plan_for(self.loaded, servers, self.progress.gbs)
         kept = survivors(gen.plan, plan)
         if kept is None:
             return False
@@ -541,19 +433,8 @@ class Scheduler:
                 self._send_start(nxt, server, joiners, resume=True)
                 self.retiring.joiners.update(joiners)
         if not self.retiring.joiners:
-            self._send_stop(gen, when, self._handoff_of(self.retiring, nxt))
-        self.moves.append(
-            MoveRecord(
-                generation=nxt.number,
-                from_servers=gen.servers,
-                to_servers=list(servers),
-                when=when,
-                reason="move",
-                in_place=True,
-                launched_at=time.time(),
-                loss_before=self.loss,
-            )
-        )
+            self._send_stop(gen, when, handoff(self.retiring, nxt))
+        self._moved(gen, nxt, when, "move", in_place=True)
         self.generation, self.allocation, self.pending = nxt, list(servers), None
         self.state = "moving"
         self.message = (
@@ -562,11 +443,29 @@ class Scheduler:
         )
         return True
 
-    def _handoff_of(self, retiring: Retiring, nxt: Generation | None = None) -> Handoff:
-        nxt = nxt or self.generation
-        assert nxt is not None
-        ranks = {str(old): new for old, new in retiring.survivors.items()}
-        return Handoff(generation=nxt.number, world_size=nxt.plan.world_size, plan=nxt.plan.to_dict(), ranks=ranks)
+    def _moved(self, previous: Generation, nxt: Generation, when: When, reason: str, **fields: Any) -> None:
+        """Record the move from ``previous`` to ``nxt``, launched now (``fields``: the record's others)."""
+        self.moves.append(
+            MoveRecord(
+                generation=nxt.number,
+                from_servers=previous.servers,
+                to_servers=list(nxt.servers),
+                when=when,
+                reason=reason,  # type: ignore[arg-type]
+                launched_at=time.time(),
+                loss_before=self.progress.loss,
+                **fields,
+            )
+        )
+
+    def _handoff(self) -> Handoff:
+        assert self.retiring is not None and self.generation is not None
+        return handoff(self.retiring, self.generation)
+
+    def _succeed(self) -> None:
+        self.state = "succeeded"
+        self.message = f"finished {self.progress.epoch} epochs at step {self.progress.step}"
+        self._finish()
 
     def _finish(self) -> None:
         self.finished_at = self.clock()
@@ -577,38 +476,20 @@ class Scheduler:
         now = self.clock()
         gen = self.generation
         cfg = self.loaded.config
-        workers = [
-            WorkerStatus(rank=w.rank, server=w.server, host=w.host, alive=w.alive, seen_s_ago=now - w.last_seen)
-            for w in sorted(self.workers.values(), key=lambda w: w.rank)
-        ]
         return JobStatus(
             job=cfg.job.name,
             state=self.state,
             allocation=list(self.allocation),
             generation=gen.number if gen else 0,
             plan=gen.plan.describe() if gen else None,
-            gbs=self.gbs,
-            epoch=self.epoch,
             epochs=cfg.job.epochs,
-            step=self.step,
-            loss=self.loss,
             restarts=self.restarts,
             max_restarts=self.max_restarts,
             checkpoint=str(self.checkpoint) if self.checkpoint else None,
-            checkpoint_step=self.checkpoint_step,
-            initial_loss=self.initial_loss,
             message=self.message,
             trainers=sorted(gen.running.values(), key=lambda t: t.rank) if gen else [],
-            workers=workers,
+            workers=[w.status(now) for w in sorted(self.workers.values(), key=lambda w: w.rank)],
             moves=[m.model_copy() for m in self.moves],
-            epoch_history=[e.model_copy() for e in self.epoch_history],
             scaling=getattr(self.planner, "last", None),
+            **self.progress.status_fields(),
         )
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _float(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

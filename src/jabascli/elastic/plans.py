@@ -7,7 +7,17 @@ import dataclasses
 
 from jabascli.config import LoadedConfig
 from jabascli.engine.plan import TrainingPlan, plan_from_config, plan_from_solver
-from jabascli.errors import InputError
+from jabascli.errors import InputError, Problem
+
+
+def check_allocation(servers: list[str], known: list[str]) -> None:
+    """An InputError naming every server of ``servers`` not in ``known``, or one named twice."""
+    unknown = [s for s in servers if s not in known]
+    if unknown:
+        names = ", ".join(known)
+        raise InputError([Problem(None, "servers", f"unknown server {s!r} (known: {names})") for s in unknown])
+    if len(set(servers)) != len(servers):
+        raise InputError.at(None, "servers", "a server is named twice")
 
 
 def survivors(old: TrainingPlan, new: TrainingPlan) -> dict[int, int] | None:

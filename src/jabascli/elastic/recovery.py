@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from jabascli.config import LoadedConfig
-from jabascli.elastic.generations import Generation, Retiring, Worker
+from jabascli.elastic.generations import Generation, Retiring, Worker, handoff
 from jabascli.elastic.plans import plan_for, survivors
-from jabascli.elastic.protocol import Handoff, JobState, MoveRecord, StopCommand, When
+from jabascli.elastic.progress import Progress
+from jabascli.elastic.protocol import JobState, MoveRecord, StopCommand, When
 from jabascli.engine.plan import TrainingPlan
 from jabascli.errors import InputError
 
@@ -56,16 +57,14 @@ class Scheduler(Protocol):
     pending: list[str] | None
     stopping: When | None
     moves: list[MoveRecord]
-    step: int
-    gbs: int | None
-    loss: float | None
+    progress: Progress
     message: str
 
     def _alive(self, server: str) -> bool: ...
     def _worker_of(self, server: str) -> Worker | None: ...
     def _new_generation(self, servers: list[str], plan: TrainingPlan, master: tuple[str, int]) -> Generation: ...
-    def _handoff_of(self, retiring: Retiring, nxt: Generation | None = None) -> Handoff: ...
     def _fail_now(self, why: str, tail: list[str]) -> None: ...
+    def _moved(self, previous: Generation, nxt: Generation, when: When, reason: str, **fields: Any) -> None: ...
     def move(self, servers: list[str], when: When = "epoch") -> Any: ...
 
 
@@ -126,7 +125,7 @@ class Failures:
             if isinstance(when, int | float) and record.failed_at is not None:
                 record.failed_at = min(record.failed_at, float(when))
         if isinstance(step, int) and gen is self.s.generation:
-            self.s.step = max(self.s.step, step)  # completed steps, exactly: the reports lag behind
+            self.s.progress.step = max(self.s.progress.step, step)  # completed steps, exactly: the reports lag behind
         if isinstance(when, int | float) and self.restart:
             self.restart["failed_at"] = min(self.restart["failed_at"], float(when))
         if not isinstance(rank, int) or not self._may_recover(gen.number):
@@ -160,7 +159,7 @@ class Failures:
         gen = self.s.generation
         assert gen is not None
         if self.pending is None or self.pending.generation != gen.number:
-            self.pending = Failure(gen.number, self.s.clock(), time.time(), why, self.s.step)
+            self.pending = Failure(gen.number, self.s.clock(), time.time(), why, self.s.progress.step)
         return self.pending
 
     # -- the decision ----------------------------------------------------------------------------------
@@ -206,7 +205,7 @@ class Failures:
         """Start the next generation on ``keep`` in place; the reason when it cannot be done."""
         s = self.s
         try:
-            plan, source = plan_for(s.loaded, keep, s.gbs)
+            plan, source = plan_for(s.loaded, keep, s.progress.gbs)
         except InputError as exc:
             return f"no plan for {', '.join(keep)}: {exc.lines()[0] if exc.lines() else exc}"
         if _sharded(plan.parallel):  # its trainers would restore their shards from the checkpoint
@@ -222,25 +221,10 @@ class Failures:
         s.retiring = Retiring(gen, kept, when="now")
         rank0 = s._worker_of(gen.servers[0])
         assert rank0 is not None  # kept, so alive
-        rank0.commands.append(
-            StopCommand(generation=gen.number, when="recover", handoff=s._handoff_of(s.retiring, nxt))
-        )
+        rank0.commands.append(StopCommand(generation=gen.number, when="recover", handoff=handoff(s.retiring, nxt)))
         gen.stop_sent = "recover"
-        s.moves.append(
-            MoveRecord(
-                generation=nxt.number,
-                from_servers=gen.servers,
-                to_servers=list(keep),
-                when="now",
-                reason="recovery",
-                in_place=True,
-                failure=failure.why,
-                failed_at=failure.at,
-                stopped_step=failure.step,
-                launched_at=time.time(),
-                loss_before=s.loss,
-            )
-        )
+        fields = {"failure": failure.why, "failed_at": failure.at, "stopped_step": failure.step}
+        s._moved(gen, nxt, "now", "recovery", in_place=True, **fields)
         self.recovering = gen.number
         self.wanted = self.wanted or list(gen.servers)
         s.generation, s.allocation, s.pending = nxt, list(keep), None
