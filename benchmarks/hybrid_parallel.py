@@ -49,8 +49,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from jabascli.builtin_models import gpt
-from jabascli.engine.parallel.layout import Layout
-from jabascli.engine.parallel.pipeline import PipelineMicroBatches, stage_ranges
+from jabascli.engine.parallel.layout import Layout, stage_ranges
+from jabascli.engine.parallel.pipeline import PipelineMicroBatches
 from jabascli.engine.parallel.replica import build_replica
 from jabascli.engine.parallel.sharding import ShardedMicroBatches
 from jabascli.engine.vsw import Emulation

@@ -98,7 +98,10 @@ def test_jabas_run_trains_three_nodes_exactly_across_a_ctrl_c(cluster_factory, t
     env = {**os.environ, **TRAINER_ENV}
 
     # 1. Under way, every listening socket of a jabas process in a node is on that node's address;
-    #    then Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it).
+    #    then Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it). Each batch takes
+    #    0.1 s more until then, so that the job is still under way however busy the machine.
+    slow = tmp_path / "samples" / "slow"
+    slow.touch()
     interruptible = [sys.executable, "-c", WITH_SIGINT, *run[3:]]  # Ctrl-C reaches it even if pytest ignores it
     first = subprocess.Popen(
         interruptible, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
@@ -113,6 +116,7 @@ def test_jabas_run_trains_three_nodes_exactly_across_a_ctrl_c(cluster_factory, t
         jabas = {node.name: set(cluster.jabas_pids_in(node)) for node in cluster.nodes}
         os.killpg(first.pid, signal.SIGINT)
         output = first.communicate(timeout=120)[0].decode()
+        slow.unlink()
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)

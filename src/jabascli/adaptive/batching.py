@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,6 @@ from jabascli.adaptive.checks import check_batching as check_batching
 from jabascli.adaptive.estimators import HalfGradients
 from jabascli.adaptive.estimators import half_split as half_split
 from jabascli.adaptive.hybrid_plans import hand_off_plans as hand_off_plans
-from jabascli.adaptive.layout_measure import LayoutFirstHalf
 from jabascli.adaptive.lr_scaling import ScaledLr, lr_factor
 from jabascli.adaptive.measure import FirstHalf
 from jabascli.adaptive.noise import NoiseScale
@@ -51,9 +50,12 @@ from jabascli.adaptive.policy import Reading, Steadiness, propose
 from jabascli.adaptive.replan import Replanner, hybrid_candidates, solver_candidates
 from jabascli.config import LoadedConfig
 from jabascli.config.models import BatchingConfig
-from jabascli.engine.parallel.replica import Replica
 from jabascli.engine.plan import TrainingPlan
 from jabascli.engine.sampler import Iteration
+
+if TYPE_CHECKING:
+    from jabascli.adaptive.layout_measure import LayoutFirstHalf
+    from jabascli.engine.parallel.replica import Replica
 
 Report = Callable[[dict[str, Any]], None]
 Replicas = Callable[[], Sequence[Sequence[nn.Parameter]]]
@@ -97,7 +99,12 @@ class AdaptiveBatching:
         self.steady = Steadiness(dead_band=min(0.05, self.settings.adjust_rate / 2))
         self.lr = ScaledLr(optimizer, scheduler)
         # Under a [parallel] layout the replica's gradient lives in shards and slices, reduced inside backward.
-        self.first_half = FirstHalf(params) if replica is None else LayoutFirstHalf(replica)
+        if replica is None:
+            self.first_half: FirstHalf | LayoutFirstHalf = FirstHalf(params)
+        else:  # DTensor and FSDP2: imported with the layout
+            from jabascli.adaptive.layout_measure import LayoutFirstHalf
+
+            self.first_half = LayoutFirstHalf(replica)
         self._halves: HalfGradients | None = None
         self.overhead_s = 0.0
         """Time this rank spent measuring and deciding (the measurement iterations' extra time)."""

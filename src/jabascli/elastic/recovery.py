@@ -193,12 +193,14 @@ class Failures:
             s._fail_now(f"{failure.why}: restarting from the checkpoint ({why_not})", [])
 
     def _why_not(self, gen: Generation, lost: set[int], keep: list[str]) -> str | None:
+        """Why the job cannot go on in place; the layout's reason first, as it holds whichever rank was lost
+        (under load a survivor's own exit may count it lost too before the scheduler decides)."""
+        if _sharded(gen.plan.parallel or self.s.loaded.config.parallel):
+            return "a [parallel] layout: no survivor holds every shard"
         if not lost:
             return "no rank was lost, yet a collective failed"
         if 0 in lost or gen.servers[0] not in keep:
             return "rank 0 was lost, and with it the job's store"
-        if _sharded(gen.plan.parallel or self.s.loaded.config.parallel):
-            return "a [parallel] layout: no survivor holds every shard"
         return None
 
     def _recover(self, gen: Generation, failure: Failure, keep: list[str], dropped: set[str]) -> str | None:

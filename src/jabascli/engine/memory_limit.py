@@ -40,12 +40,12 @@ on emulated devices), which arrive in shared memory.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from jabascli.errors import JabasError, RuntimeFailure
 from jabascli.memtrack import TensorMemoryTracker
@@ -122,5 +122,9 @@ class MemoryLimit:
 
 
 def _held(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of ``t``: a ``DTensor``'s local shard or slice (``[parallel]`` layouts), else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    """What this rank holds of ``t``: a ``DTensor``'s local shard or slice (``[parallel]`` layouts), else ``t``.
+
+    DTensor is looked up, not imported: a plain IIDP trainer never loads it (a second to import), and no
+    tensor can be a DTensor before its module is loaded."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t

@@ -13,12 +13,12 @@ built yet, rather than trained wrongly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jabascli.config import LoadedConfig
 from jabascli.config.models import ParallelConfig
 from jabascli.engine.parallel.layerwise import block_strategies, check_layers
-from jabascli.engine.parallel.pipeline import stage_ranges
 from jabascli.errors import InputError
 from jabascli.workload import Workload
 
@@ -116,3 +116,17 @@ def resolve_layout(
 
 def _declares(workload: Workload, function: str) -> bool:
     return callable(getattr(workload.module, function, None))
+
+
+def stage_ranges(block_count: int, pp: int, stages: Sequence[tuple[int, int]] | None) -> list[tuple[int, int]]:
+    """Each stage's inclusive ``(first, last)`` block: ``stages`` as given, else as even as whole blocks allow
+    (the first ``block_count % pp`` stages one block more)."""
+    if stages:
+        return [tuple(s) for s in stages]  # type: ignore[misc]
+    base, extra = divmod(block_count, pp)
+    ranges, first = [], 0
+    for i in range(pp):
+        size = base + (1 if i < extra else 0)
+        ranges.append((first, first + size - 1))
+        first += size
+    return ranges

@@ -25,7 +25,7 @@ exact for models without dropout (or with ``dropout = 0``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,20 +34,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def stage_ranges(block_count: int, pp: int, stages: Sequence[tuple[int, int]] | None) -> list[tuple[int, int]]:
-    """Each stage's inclusive ``(first, last)`` block: ``stages`` as given, else as even as whole blocks allow
-    (the first ``block_count % pp`` stages one block more)."""
-    if stages:
-        return [tuple(s) for s in stages]  # type: ignore[misc]
-    base, extra = divmod(block_count, pp)
-    ranges, first = [], 0
-    for i in range(pp):
-        size = base + (1 if i < extra else 0)
-        ranges.append((first, first + size - 1))
-        first += size
-    return ranges
 
 
 class PipelineMicroBatches:

@@ -27,6 +27,9 @@ shards), autocast under pipeline stages and BatchNorm's running statistics under
 ``tp``/``pp`` are refused in one line (:func:`check_trainer_layout_inputs`). The
 adaptive GBS measurement reads the replica's gradient before its reductions
 (:mod:`jabascli.adaptive.layout_measure`).
+
+The modules that build and save a layout (DTensor, FSDP2, pipelining, DCP: about a second to import) are
+imported where a layout is built, saved or restored, so that a plain IIDP trainer starts without them.
 """
 
 from __future__ import annotations
@@ -34,12 +37,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from jabascli.config import LoadedConfig
 from jabascli.config.models import ParallelConfig
@@ -54,17 +56,16 @@ from jabascli.engine.checkpoint import (
 )
 from jabascli.engine.checkpoint_store import CheckpointStore
 from jabascli.engine.parallel.checkpointing import checkpoint_blocks
-from jabascli.engine.parallel.dcp import load_sharded, load_whole, save_sharded
 from jabascli.engine.parallel.layout import Layout, resolve_layout
-from jabascli.engine.parallel.pipeline import PipelineMicroBatches
-from jabascli.engine.parallel.replica import Replica, build_replica, local_part
-from jabascli.engine.parallel.sharding import ShardedMicroBatches
-from jabascli.engine.parallel.tensor import tp_problem
 from jabascli.engine.plan import TrainingPlan
 from jabascli.engine.sampler import MicroBatch
 from jabascli.engine.vsw import Emulation, WorkerStep
 from jabascli.errors import InputError
 from jabascli.workload import Workload
+
+if TYPE_CHECKING:  # DTensor, FSDP2, pipelining and DCP: imported where a layout is built (module docstring)
+    from jabascli.engine.parallel.pipeline import PipelineMicroBatches
+    from jabascli.engine.parallel.replica import Replica
 
 FALLBACK = "a [parallel] layout runs one model per replica, reduced inside backward (FSDP2, TP): sequential"
 
@@ -109,6 +110,8 @@ def check_trainer_layout_inputs(loaded: LoadedConfig, layout: Layout, model: nn.
     ``tp`` that cannot split the model's blocks."""
     cfg, file = loaded.config, loaded.path
     if layout.tp > 1:
+        from jabascli.engine.parallel.tensor import tp_problem
+
         problem = tp_problem(workload.blocks(model) or [], workload, layout.tp)
         if problem is not None:
             raise InputError.at(file, "parallel.tp", problem)
@@ -142,6 +145,9 @@ class LayoutWorkers:
         last_stage = replica.stage == layout.pp - 1
         self.owns_loss = last_stage and replica.mesh.get_local_rank("tp") == 0
         """The one rank of the replica whose loss counts (TP ranks compute the same one)."""
+        from jabascli.engine.parallel.pipeline import PipelineMicroBatches
+        from jabascli.engine.parallel.sharding import ShardedMicroBatches
+
         self.dtype = next(replica.model.parameters()).dtype
         self.sharded = ShardedMicroBatches(replica.model, replica.units, layout.sharding) if replica.units else None
         self.pipeline: PipelineMicroBatches | None = None
@@ -268,6 +274,10 @@ class LayoutWorkers:
         dimensions it is sharded on, a plain (replicated) one counted once; with pipeline stages, summed
         over the stages. The factor ``min(1, X / (||g|| + 1e-6))`` is ``clip_grad_norm_``'s.
         """
+        from torch.distributed.tensor import DTensor
+
+        from jabascli.engine.parallel.replica import local_part
+
         grads = [p.grad for p in params if p.grad is not None]
         totals: dict[tuple[str, ...], torch.Tensor] = {}
         for g in grads:
@@ -317,6 +327,8 @@ def save_layout_checkpoint(
 ) -> Path:
     """Collective: every rank writes its shards (:func:`~jabascli.engine.parallel.dcp.save_sharded`), rank 0 the
     rest of the payload (``fields``: :func:`~jabascli.engine.checkpoint.extra_payload`'s); the committed folder."""
+    from jabascli.engine.parallel.dcp import save_sharded
+
     extra = extra_payload(model=model, progress=progress, **fields)
     return save_sharded(store, step=progress.step, epoch=progress.epoch, model=model, optimizer=optimizer, extra=extra)
 
@@ -326,6 +338,8 @@ def restore_layout_checkpoint(
 ) -> tuple[dict[str, Any], Progress]:
     """Collective: resume ``path`` (a checkpoint, or a job's folder: its newest intact one) of any layout, plain
     IIDP's included, resharded to this rank's part; the payload without model and optimizer, and the progress."""
+    from jabascli.engine.parallel.dcp import load_sharded, load_whole
+
     found = resolve_checkpoint(path)
     if is_sharded(found.path):
         payload = load_sharded(found.path, model, optimizer)
@@ -344,4 +358,6 @@ def build_layout_workers(model: nn.Module, workload: Workload, layout: Layout, d
 
     Build the optimizer afterwards, over ``workers.model.parameters()``: TP and sharding replace parameters.
     """
+    from jabascli.engine.parallel.replica import build_replica
+
     return LayoutWorkers(build_replica(model, workload, layout, device.type), layout, workload, device)
