@@ -104,7 +104,7 @@ EPOCHS = 2
 def _config(folder: Path, cluster: EmulatedCluster, epochs: int = EPOCHS, release_idle: bool = False) -> Path:
     (folder / "samples").mkdir(parents=True, exist_ok=True)
     (folder / "recorded_digits.py").write_text(RECORDED_DIGITS)
-    # device type, VSW, emulated slowdown: slow enough that a scancel lands while it trains
+    # device type, VSW, emulated slowdown (what must land while the job trains waits on samples/slow instead)
     shapes = {"n0": ("fast", 2, 20.0), "n1": ("fast", 2, 20.0), "n2": ("slow", 1, 60.0)}
     servers = [
         {
@@ -158,7 +158,7 @@ def _wait_done(slurm: SlurmCluster, job_id: str, folder: Path, timeout: float = 
     deadline = time.monotonic() + timeout
     while slurm.queue():
         assert time.monotonic() < deadline, _output(folder, job_id)
-        time.sleep(0.5)
+        time.sleep(0.2)
     return slurm.job_state(job_id)
 
 
@@ -189,10 +189,25 @@ def _exact(config: Path, folder: Path) -> None:
 
 
 @pytest.mark.slow
-def test_slurm_submit_trains_exactly_and_scancel_checkpoints(cluster_factory, slurm_factory, tmp_path: Path) -> None:  # noqa: F811
+def test_slurm_submit_scancel_checkpoints_then_release_idle_gives_a_het_component_back_and_it_trains_exactly(
+    cluster_factory,  # noqa: F811
+    slurm_factory,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """One job config (with ``release_idle``) submitted twice to the same Slurm: most of a job's time on two busy
+    cores is its start-up (the scheduler, three agents and their trainers each import torch), so the scancel and
+    the give-back share the jobs and the exactness check.
+
+    1. Submitted, then cancelled under way: the trainers stop after the same iteration and checkpoint.
+    2. Submitted again: it continues from that checkpoint; a move off n2 (the slow component) gives that component
+       back to Slurm while the job trains on to the end, where every sample was used once per epoch and the
+       parameters equal one process of the same GBS history.
+    """
     cluster: EmulatedCluster = cluster_factory(NODES)
     slurm: SlurmCluster = slurm_factory(cluster, SLURM_NODES)
-    config = _config(tmp_path, cluster)
+    config = _config(tmp_path, cluster, release_idle=True)
+    slow = tmp_path / "samples" / "slow"
+    slow.touch()  # each micro-batch 0.1 s longer until n2 is given back: the scancel and the move land while it trains
 
     # 1. Submitted, then cancelled under way: the trainers stop after the same iteration and checkpoint.
     first = _submit(slurm, config, tmp_path)
@@ -215,14 +230,33 @@ def test_slurm_submit_trains_exactly_and_scancel_checkpoints(cluster_factory, sl
     assert stopped["step"] >= step and stopped["epoch"] < EPOCHS, (stopped, _output(tmp_path, first))
     assert "stopped" in _output(tmp_path, first), _output(tmp_path, first)
 
-    # 2. Submitted again: it continues from that checkpoint and trains to the end.
+    # 2. Submitted again: it continues from that checkpoint.
     second = _submit(slurm, config, tmp_path)
+    deadline = time.monotonic() + 180
+    while _step(tmp_path) < stopped["step"] + 3:
+        assert slurm.queue(), _output(tmp_path, second)
+        assert time.monotonic() < deadline, _output(tmp_path, second)
+        time.sleep(0.2)
+    # It moves off n2 (the slow component, 1) while it trains (the scheduler's API, as `jabas job move --now` calls
+    # it, without the CLI's start-up): its component is given back while the job trains on.
+    moved = _api(tmp_path, "POST", "/v1/job/move", {"servers": ["n0", "n1"], "when": "now"})
+    assert moved.status_code == 200, moved.text
+    deadline = time.monotonic() + 120
+    while (queue := slurm.queue()) != [f"{second}+0 RUNNING"] or slurm.states()["n2"] != "idle":
+        assert time.monotonic() < deadline, (queue, slurm.states(), _output(tmp_path, second))
+        time.sleep(0.2)
+    shown = slurm.run(["scontrol", "show", "job", second]).stdout
+    assert re.search(r"HetJobOffset=0 .*?JobState=RUNNING .*?\n   NodeList=n\[0-1\]", shown, re.S), shown
+    assert re.search(r"HetJobOffset=1 .*?JobState=CANCELLED", shown, re.S), shown
+    slow.unlink()  # the rest at full speed
+
     assert _wait_done(slurm, second, tmp_path) == "COMPLETED", _output(tmp_path, second)
     assert slurm.queue() == []
     assert cluster.jabas_left() == {}, _output(tmp_path, second)
-    assert "resuming from its checkpoint" in _output(tmp_path, second), _output(tmp_path, second)
-    assert "restart" not in _output(tmp_path, second), _output(tmp_path, second)  # no stale stop request
-    assert "succeeded" in _output(tmp_path, second), _output(tmp_path, second)
+    output = _output(tmp_path, second)
+    assert "resuming from its checkpoint" in output, output
+    assert "restart" not in output, output  # no stale stop request
+    assert f"gave back n2 (servers n2) to Slurm: scancel {second}+1" in output and "succeeded" in output, output
     _exact(config, tmp_path)
 
 
@@ -331,34 +365,3 @@ def test_worker_outside_slurm_needs_a_rank(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 2 and "--rank" in result.stderr, result.stderr
-
-
-@pytest.mark.slow
-def test_release_idle_gives_a_het_component_back_after_a_move(cluster_factory, slurm_factory, tmp_path: Path) -> None:  # noqa: F811
-    cluster: EmulatedCluster = cluster_factory(NODES)
-    slurm: SlurmCluster = slurm_factory(cluster, SLURM_NODES)
-    config = _config(tmp_path, cluster, release_idle=True)
-    job = _submit(slurm, config, tmp_path)
-    deadline = time.monotonic() + 180
-    while _step(tmp_path) < 3:
-        assert slurm.queue(), _output(tmp_path, job)
-        assert time.monotonic() < deadline, _output(tmp_path, job)
-        time.sleep(0.2)
-
-    # The job moves off n2 (the slow component, 1), early in the first epoch (the scheduler's API, as `jabas job
-    # move --now` calls it, without the CLI's start-up): its component is given back while the job trains on.
-    moved = _api(tmp_path, "POST", "/v1/job/move", {"servers": ["n0", "n1"], "when": "now"})
-    assert moved.status_code == 200, moved.text
-    deadline = time.monotonic() + 120
-    while (queue := slurm.queue()) != [f"{job}+0 RUNNING"] or slurm.states()["n2"] != "idle":
-        assert time.monotonic() < deadline, (queue, slurm.states(), _output(tmp_path, job))
-        time.sleep(0.2)
-    shown = slurm.run(["scontrol", "show", "job", job]).stdout
-    assert re.search(r"HetJobOffset=0 .*?JobState=RUNNING .*?\n   NodeList=n\[0-1\]", shown, re.S), shown
-    assert re.search(r"HetJobOffset=1 .*?JobState=CANCELLED", shown, re.S), shown
-
-    assert _wait_done(slurm, job, tmp_path) == "COMPLETED", _output(tmp_path, job)
-    assert cluster.jabas_left() == {}, _output(tmp_path, job)
-    output = _output(tmp_path, job)
-    assert f"gave back n2 (servers n2) to Slurm: scancel {job}+1" in output and "succeeded" in output, output
-    _exact(config, tmp_path)
