@@ -90,7 +90,10 @@ def train(
         metrics=metrics,
     )
     # What the imports made never becomes garbage: frozen, it is left out of the full collection a
-    # move in place makes (engine/handoff.py), which would otherwise take a good part of a second.
+    # move in place or a recovery makes (engine/process.py), which would otherwise take 50-100 ms. DDP
+    # imports torch._dynamo when it is first built (a third of those objects): imported first, to be frozen too.
+    import torch._dynamo  # noqa: F401
+
     gc.freeze()
     run_trainer(loaded, options, on_event=events_from_environment() or _print_epoch)
 
