@@ -29,7 +29,7 @@ from jabascli.solver.plan import read_plan
 from tests.elastic_support import auth, jabas, load, used_samples, wait_status, write_config
 from tests.engine_support import checkpoint_of, max_abs_diff
 
-EPOCHS = 3
+EPOCHS = 2  # the first on A, the second moved to A+B at its start and to B alone early in it
 N = 1438  # digits' training samples (sklearn's 1797, less the 20 % validation split)
 
 

@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -42,14 +43,24 @@ checkpoint_dir = "checkpoints"
 RUN_PNGS = {"loss.png", "accuracy.png", "gbs.png", "lr.png", "throughput.png"}
 
 
+# The tests that read the trained run share one worker under `make test`, so that it is trained once.
+SHARED_RUN = pytest.mark.xdist_group("report-run")
+
+
 @pytest.fixture(scope="module")
-def run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Digits trained for one short epoch by the real `jabas run`."""
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Digits trained for one short epoch by the real `jabas run`, once for the module; tests read it only."""
     folder = tmp_path_factory.mktemp("report")
     (folder / "jabas.toml").write_text(JOB)
     result = run_jabas("run", "-c", "jabas.toml", cwd=folder)
     assert result.returncode == 0, result.stdout + result.stderr
     return folder / "runs" / "rep"
+
+
+@pytest.fixture
+def run_folder(trained_run: Path, tmp_path: Path) -> Path:
+    """This test's own copy of the trained run folder, which it may add to (decisions, a report, ended.json)."""
+    return Path(shutil.copytree(trained_run, tmp_path / "rep"))
 
 
 class LinearCostModel:
@@ -90,6 +101,7 @@ def check_pngs_and_index(folder: Path, expected: set[str]) -> str:
     return index
 
 
+@SHARED_RUN
 def test_report_of_a_finished_run_with_scaling_decisions(cli: CliRunner, run_folder: Path) -> None:
     records = log_two_decisions(run_folder)
     assert records[0]["choice"] and records[1]["forecast"][0] > 512  # the growth is forecast, not mean-reverted
@@ -104,6 +116,7 @@ def test_report_of_a_finished_run_with_scaling_decisions(cli: CliRunner, run_fol
     assert "2 (" in index  # two scaling decisions
 
 
+@SHARED_RUN
 def test_report_of_a_run_still_being_written(cli: CliRunner, run_folder: Path, tmp_path: Path) -> None:
     """Half-written last lines (a trainer mid-write) are skipped; a run without epochs yet still plots."""
     live = tmp_path / "live"
@@ -243,6 +256,7 @@ def test_bad_input_exits_2(cli: CliRunner, tmp_path: Path, content: str | None, 
     assert expected in result.stderr and "Traceback" not in result.output
 
 
+@SHARED_RUN
 def test_a_runs_failures_are_summed_up_from_its_ended_record(cli: CliRunner, run_folder: Path) -> None:
     moves = [
         {

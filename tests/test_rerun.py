@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from jabascli.cli.app import app
@@ -46,27 +47,53 @@ def _ends_as_uninterrupted(config: Path) -> None:
     assert max(max_abs_diff(final["model"], reference.state_dict()).values()) < 1e-9
 
 
-def test_a_rerun_resumes_the_job_and_fresh_moves_the_old_run_aside(tmp_path: Path) -> None:
-    config = _job(tmp_path)
-    checkpoints = tmp_path / "checkpoints" / "job"
+# The two tests that go on from the job's first 12 iterations run on one worker under `make test`, so that
+# those iterations are trained once.
+FROM_TWELVE_STEPS = pytest.mark.xdist_group("rerun-twelve-steps")
+
+
+@pytest.fixture(scope="module")
+def _twelve_steps_trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The job's first run, 12 of its 20 iterations, once for the module: its folder and a copy of it as it was."""
+    folder = tmp_path_factory.mktemp("rerun") / "job"
+    config = _job(folder)
     first = run_jabas("run", "-c", str(config), "--max-steps", "12", "--checkpoint-every", "5")
     assert first.returncode == 0, first.stderr
+    checkpoints = folder / "checkpoints" / "job"
     assert sorted(p.name for p in checkpoints.glob("*.pt")) == ["checkpoint-10.pt", "checkpoint-12.pt"]  # keep 2
+    as_left = folder.parent / "as-left"
+    shutil.copytree(folder, as_left, symlinks=True)
+    return folder, as_left
+
+
+@pytest.fixture
+def twelve_steps(_twelve_steps_trained: tuple[Path, Path]) -> Path:
+    """The job's folder, at the same path every time, as its first run left it (a test changes it at will)."""
+    folder, as_left = _twelve_steps_trained
+    shutil.rmtree(folder)
+    shutil.copytree(as_left, folder, symlinks=True)
+    return folder
+
+
+@FROM_TWELVE_STEPS
+def test_a_rerun_resumes_the_job_and_fresh_moves_the_old_run_aside(twelve_steps: Path) -> None:
+    config = twelve_steps / "job.toml"
+    checkpoints = twelve_steps / "checkpoints" / "job"
     kept = (checkpoints / "checkpoint-12.pt").read_bytes()
-    metrics = (tmp_path / "runs" / "job" / "steps.csv").read_text()
+    metrics = (twelve_steps / "runs" / "job" / "steps.csv").read_text()
 
     fewer = run_jabas("run", "-c", str(config), "--max-steps", "7")  # the issue's rerun: it destroyed step 12
     assert fewer.returncode == 0, fewer.stderr
     assert "nothing to train: the job is already at step 12" in fewer.stderr
     assert (checkpoints / "checkpoint-12.pt").read_bytes() == kept
-    assert (tmp_path / "runs" / "job" / "steps.csv").read_text() == metrics
+    assert (twelve_steps / "runs" / "job" / "steps.csv").read_text() == metrics
 
     rest = run_jabas("run", "-c", str(config))
     assert rest.returncode == 0, rest.stderr
     assert f"resuming job from {checkpoints / 'checkpoint-12.pt'} (epoch 2, step 12)" in rest.stdout
-    assert (tmp_path / "runs" / "job" / "steps.csv").read_text().startswith(metrics)  # appended, never truncated
-    assert _steps(tmp_path)[-1] == STEPS
-    tensorboard = tmp_path / "runs" / "job" / "tensorboard"
+    assert (twelve_steps / "runs" / "job" / "steps.csv").read_text().startswith(metrics)  # appended, never truncated
+    assert _steps(twelve_steps)[-1] == STEPS
+    tensorboard = twelve_steps / "runs" / "job" / "tensorboard"
     assert sorted(p.name for p in tensorboard.iterdir()) == ["attempt-1", "attempt-2"]
     _ends_as_uninterrupted(config)
 
@@ -76,17 +103,16 @@ def test_a_rerun_resumes_the_job_and_fresh_moves_the_old_run_aside(tmp_path: Pat
     final = (checkpoints / f"checkpoint-{STEPS}.pt").read_bytes()
     fresh = run_jabas("run", "-c", str(config), "--fresh", "--max-steps", "3")
     assert fresh.returncode == 0, fresh.stderr
-    [aside] = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("job.")]
+    [aside] = [p for p in (twelve_steps / "checkpoints").iterdir() if p.name.startswith("job.")]
     assert f"moved {checkpoints} aside to {aside}" in fresh.stderr
     assert (aside / f"checkpoint-{STEPS}.pt").read_bytes() == final  # the old run is kept whole
-    assert read_checkpoint(checkpoints)["progress"]["step"] == 3 and _steps(tmp_path)[-1] == 3
+    assert read_checkpoint(checkpoints)["progress"]["step"] == 3 and _steps(twelve_steps)[-1] == 3
 
 
-def test_a_cut_off_newest_checkpoint_falls_back_to_the_previous_and_training_stays_exact(tmp_path: Path) -> None:
-    config = _job(tmp_path)
-    checkpoints = tmp_path / "checkpoints" / "job"
-    first = run_jabas("run", "-c", str(config), "--max-steps", "12", "--checkpoint-every", "5")
-    assert first.returncode == 0, first.stderr
+@FROM_TWELVE_STEPS
+def test_a_cut_off_newest_checkpoint_falls_back_to_the_previous_and_training_stays_exact(twelve_steps: Path) -> None:
+    config = twelve_steps / "job.toml"
+    checkpoints = twelve_steps / "checkpoints" / "job"
     newest = checkpoints / "checkpoint-12.pt"
     whole = newest.read_bytes()
     newest.write_bytes(whole[: len(whole) // 2])
@@ -111,36 +137,53 @@ def test_a_cut_off_newest_checkpoint_falls_back_to_the_previous_and_training_sta
     assert len(broken.stderr.strip().splitlines()) == 1
 
 
+def _start(config: Path) -> subprocess.Popen[str]:
+    """`jabas run` with Ctrl-C delivered to it as a user's terminal does, checkpointing every 2 iterations."""
+    return subprocess.Popen(
+        [sys.executable, "-c", WITH_SIGINT, "run", "-c", str(config), "--checkpoint-every", "2"],
+        env={**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"},  # what it printed before a kill -9 too
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _checkpointed(proc: subprocess.Popen[str], manifest: Path, step: int) -> int:
+    """Wait until the running job has checkpointed ``step`` or later; the step it checkpointed."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if manifest.exists() and (now := read_checkpoint(manifest.parent)["progress"]["step"]) >= step:
+            return int(now)
+        time.sleep(0.05)
+    raise AssertionError(proc.communicate())
+
+
 def test_a_rerun_after_ctrl_c_or_kill_9_resumes_the_checkpoint_the_run_left(tmp_path: Path) -> None:
+    """Ctrl-C the run; its rerun resumes where it stopped, and is killed -9 mid-training; the next rerun resumes."""
     config = _job(tmp_path, sleep=0.3)
     manifest = tmp_path / "checkpoints" / "job" / "checkpoints.json"
-    for how in (signal.SIGINT, signal.SIGKILL):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", WITH_SIGINT, "run", "-c", str(config), "--checkpoint-every", "2"],
-            env={**os.environ, "COLUMNS": "200"},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if manifest.exists() and read_checkpoint(manifest.parent)["progress"]["step"] >= 4:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.communicate()
-        if how == signal.SIGKILL:  # the machine is lost: the launcher and its trainers at once
-            for pid in [proc.pid, *live_trainers(config)]:
-                os.kill(pid, signal.SIGKILL)
-        else:
-            proc.send_signal(how)
-        _, stderr = proc.communicate(timeout=60)
-        if how == signal.SIGINT:
-            assert f"`jabas run -c {config}` resumes from the last checkpoint" in stderr
-        left = read_checkpoint(manifest.parent)["progress"]["step"]
-        rerun = run_jabas("run", "-c", str(config), "--max-steps", str(left + 1))
-        assert rerun.returncode == 0, rerun.stderr
-        assert f"(epoch 1, step {left})" in rerun.stdout or f"(epoch 2, step {left})" in rerun.stdout
-        assert read_checkpoint(manifest.parent)["progress"]["step"] == left + 1
+
+    interrupted = _start(config)
+    _checkpointed(interrupted, manifest, 4)
+    interrupted.send_signal(signal.SIGINT)
+    _, stderr = interrupted.communicate(timeout=60)
+    assert f"`jabas run -c {config}` resumes from the last checkpoint" in stderr
+    left = read_checkpoint(manifest.parent)["progress"]["step"]
+
+    # The rerun after Ctrl-C resumes that checkpoint and trains on, until the machine is lost: the launcher
+    # and its trainers are killed at once, once it has checkpointed an iteration beyond the one it resumed.
+    killed = _start(config)
+    _checkpointed(killed, manifest, left + 1)
+    for pid in [killed.pid, *live_trainers(config)]:
+        os.kill(pid, signal.SIGKILL)
+    stdout, _ = killed.communicate(timeout=60)
+    assert f"(epoch 1, step {left})" in stdout or f"(epoch 2, step {left})" in stdout, stdout
+    left = read_checkpoint(manifest.parent)["progress"]["step"]
+
+    rerun = run_jabas("run", "-c", str(config), "--max-steps", str(left + 1))
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"(epoch 1, step {left})" in rerun.stdout or f"(epoch 2, step {left})" in rerun.stdout
+    assert read_checkpoint(manifest.parent)["progress"]["step"] == left + 1
     steps = _steps(tmp_path)
     assert steps[0] <= 2 and steps[-1] == left + 1  # every attempt's rows, the first run's included
 
