@@ -313,27 +313,3 @@ def test_a_hung_rank_is_the_one_that_did_not_report_and_a_lost_rank_0_restarts(t
     clock.now += 2.0  # rank 1 never reports: decided without it
     s.check_heartbeats()
     assert s.state == "restarting" and "rank 0 was lost, and with it the job's store" in s.message
-
-
-def test_the_scheduler_may_end_once_every_live_worker_heard_that_the_job_is_over(tmp_path: Path) -> None:
-    """The service ends when all_told_to_end() holds (elastic/service.py), not a fixed time after the end."""
-    s = running_on_a(tmp_path)
-    done = _event(1, "done", step=10, stopped=False, results=[])
-    commands(s, 0, events=[done], exits=[TrainerExit(generation=1, rank=0, code=0)])
-    assert s.state == "succeeded" and not s.all_told_to_end()  # A heard it in that reply; B not yet
-    assert s.heartbeat(1, Heartbeat()).shutdown
-    assert s.all_told_to_end()
-
-
-def test_a_lost_worker_is_not_waited_for_to_hear_the_end(tmp_path: Path) -> None:
-    s, clock = scheduler(tmp_path)
-    register(s, 0)
-    register(s, 1)
-    commands(s, 0)
-    clock.now = 60.0  # B silent past heartbeat_timeout_s: declared lost
-    s.heartbeat(0, Heartbeat())
-    s.check_heartbeats()
-    s.stop()
-    assert s.state in ("stopping", "stopped")
-    commands(s, 0, exits=[TrainerExit(generation=1, rank=0, code=0)])
-    assert s.state == "stopped" and s.all_told_to_end()  # A heard it; B is lost

@@ -18,8 +18,6 @@ class Worker:
     last_seen: float
     alive: bool = True
     commands: list[Command] = field(default_factory=list)
-    told_to_end: bool = False
-    """Its last heartbeat's reply said the job is over."""
 
     def status(self, now: float) -> WorkerStatus:
         return WorkerStatus(

@@ -93,7 +93,8 @@ class Scheduler:
         self.state: JobState = "waiting"
         self.allocation = [s.name for s in cfg.available()]
         self.first = solve_for_run(loaded, None, cfg.job.plan is not None, servers)
-        """The first generation's plan, as ``jabas run`` plans the config (None: the plan file's or VSW/GA's)."""
+        """The first generation's plan, planned as ``jabas run`` plans the same config (None: the plan file's, or
+        the configured VSW/GA); its servers are the first allocation."""
         if self.first is not None:
             self.allocation = self.first.plan.servers()
         self.pending: list[str] | None = None
@@ -154,8 +155,7 @@ class Scheduler:
                 self._fail(why, tail, (ex.generation, {ex.rank}))
         self._advance()
         commands, worker.commands = worker.commands, []
-        worker.told_to_end = self.state in TERMINAL
-        return Commands(commands=commands, shutdown=worker.told_to_end)
+        return Commands(commands=commands, shutdown=self.state in TERMINAL)
 
     def check_heartbeats(self) -> None:
         """Declare lost every worker silent for ``heartbeat_timeout_s``; their ranks count as killed."""
@@ -461,10 +461,6 @@ class Scheduler:
     def _handoff(self) -> Handoff:
         assert self.retiring is not None and self.generation is not None
         return handoff(self.retiring, self.generation)
-
-    def all_told_to_end(self) -> bool:
-        """The job is over and every live worker has heard it (its agent then ends its processes and exits)."""
-        return self.state in TERMINAL and all(w.told_to_end for w in self.workers.values() if w.alive)
 
     def _succeed(self) -> None:
         self.state = "succeeded"

@@ -174,7 +174,7 @@ async def _watchdog(scheduler: Scheduler) -> None:
 
 
 def serve(scheduler: Scheduler, token: str, host: str, port: int, linger_s: float = 3.0) -> Any:
-    """Serve until the job is over and every live worker has heard it (at most ``linger_s`` more); its status."""
+    """Serve until the job is over (and ``linger_s`` more, so that workers hear it); returns its status."""
     import threading
     import time
 
@@ -189,8 +189,8 @@ def serve(scheduler: Scheduler, token: str, host: str, port: int, linger_s: floa
         while not server.should_exit:
             time.sleep(0.1)
             with scheduler.lock:
-                over, told = scheduler.finished_at, scheduler.all_told_to_end()
-            if over is not None and (told or scheduler.clock() - over >= linger_s):
+                over = scheduler.finished_at
+            if over is not None and scheduler.clock() - over >= linger_s:
                 server.should_exit = True
 
     watcher = threading.Thread(target=until_over, daemon=True)
