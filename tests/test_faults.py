@@ -179,3 +179,46 @@ def test_a_sharded_layout_that_loses_a_shard_restarts_from_the_newest_checkpoint
     reference, _ = reference_run(loaded, load_plan(loaded), steps=final["progress"]["step"], schedule=history)
     diffs = max_abs_diff(final["model"], reference.state_dict())
     assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}
+
+
+def _agreement_rank(rank: int, port: int, out: str) -> None:
+    """Two survivors with the same state, then rank 1's parameter nudged by 1e-12 (as a lost update would)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from jabascli.engine.checkpoint import Progress
+    from jabascli.engine.recovery import check_agreement
+    from jabascli.errors import RuntimeFailure
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    trainer = type("Survivor", (), {"model": model, "optimizer": optimizer, "progress": Progress(step=1)})()
+    check_agreement(trainer, torch.device("cpu"))  # the same state: no error
+    with torch.no_grad():
+        if rank == 1:
+            model.bias[0] += 1e-12
+    try:
+        check_agreement(trainer, torch.device("cpu"))
+        seen = "agreed"
+    except RuntimeFailure as exc:
+        seen = str(exc)
+    with open(f"{out}-{rank}", "w") as f:
+        f.write(seen)
+    dist.destroy_process_group()
+
+
+def test_survivors_check_they_hold_the_same_state_before_training_on(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "seen"
+    mp.spawn(_agreement_rank, args=(free_port(), str(out)), nprocs=2)
+    for rank in (0, 1):  # both ranks see it, so both stop
+        seen = Path(f"{out}-{rank}").read_text()
+        assert "the survivors of a lost peer disagree on where training stands" in seen, seen

@@ -144,25 +144,30 @@ def check_agreement(trainer: Recoverable, device: torch.device) -> None:
     """Every survivor of a recovery holds the same state (RuntimeFailure otherwise): one all-reduce of
     the progress and of sums over the parameters and the optimizer's state, as their maxima and minima."""
     p = trainer.progress
-    numbers = [float(p.epoch), float(p.position), float(p.step)]
+    numbers = [torch.tensor(float(v), dtype=torch.float64, device=device) for v in (p.epoch, p.position, p.step)]
+    zero = torch.zeros((), dtype=torch.float64, device=device)
     with torch.no_grad():
-        params = [t for t in trainer.model.parameters()]
+        params = list(trainer.model.parameters())
         state = [
             t
             for s in trainer.optimizer.state.values()
             for t in s.values()
             if isinstance(t, torch.Tensor) and t.is_floating_point()
         ]
-        for tensors in (params, state):
-            numbers.append(float(sum(t.double().sum() for t in tensors)) if tensors else 0.0)
-            numbers.append(float(sum(t.double().square().sum() for t in tensors)) if tensors else 0.0)
-    values = torch.tensor(numbers, dtype=torch.float64, device=device)
+        for tensors in (params, state):  # reduced in float64 without a float64 copy of each tensor
+            numbers.append(sum((t.sum(dtype=torch.float64).to(device) for t in tensors), zero))
+            squares = (torch.linalg.vector_norm(t, dtype=torch.float64).square().to(device) for t in tensors)
+            numbers.append(sum(squares, zero))
+    values = torch.stack(numbers)
     both = torch.cat([values, -values])
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     n = len(numbers)
     if not torch.equal(both[:n], -both[n:]):
         raise RuntimeFailure.at(
-            None, None, f"the survivors of a lost peer disagree on where training stands (rank sums {numbers[:3]})"
+            None,
+            None,
+            f"the survivors of a lost peer disagree on where training stands (epoch, position, step: {p.epoch}, "
+            f"{p.position}, {p.step})",
         )
 
 
