@@ -33,12 +33,12 @@ from tests.test_hybrid_exactness import BASE_OPTIONS, WORKLOAD
 
 def auto_moving_job(folder: Path, slowdown: float) -> Path:
     """tests/test_hybrid_elastic_plan.py's `plan = "auto"` job (fast + slow, 11 GB each for the planner: two
-    pipeline stages; big, 40 GB: one), training tiny GPT in float64 for 3 epochs of 10 iterations, every
+    pipeline stages; big, 40 GB: one), training tiny GPT in float64 for 2 epochs of 10 iterations, every
     server emulated ``slowdown`` times slower (sleeps) so that the moves land mid-job."""
     path = auto_job(folder)
     config = tomllib.loads(path.read_text())
     options = {"base": "gpt", "optimizer": "adam", **BASE_OPTIONS["gpt"], "synthetic_size": 10 * GBS}
-    config["job"] |= {"workload": str(WORKLOAD), "epochs": 3, "seed": 3, "options": options}
+    config["job"] |= {"workload": str(WORKLOAD), "epochs": 2, "seed": 3, "options": options}
     for server in config["cluster"]["servers"]:
         budget = server.pop("memory_bytes", None) or server["emulate"]["memory_bytes"]
         server["emulate"] = {"slowdown": slowdown, "memory_bytes": budget}
@@ -82,7 +82,7 @@ def test_an_auto_planned_job_takes_the_planners_layout_on_each_allocation_and_eq
 
     final = read_checkpoint(checkpoint_folder(loaded))
     history = final["progress"]["gbs_history"]
-    assert {h["gbs"] for h in history} == {GBS} and final["progress"]["step"] == 30, history
-    reference, _ = reference_run(loaded, plan_for(loaded, ["fast", "slow"], GBS)[0], steps=30, schedule=history)
+    assert {h["gbs"] for h in history} == {GBS} and final["progress"]["step"] == 20, history
+    reference, _ = reference_run(loaded, plan_for(loaded, ["fast", "slow"], GBS)[0], steps=20, schedule=history)
     diffs = max_abs_diff(final["model"], reference.state_dict())
     assert max(diffs.values()) <= 1e-9, {k: v for k, v in diffs.items() if v > 1e-9}
