@@ -208,7 +208,11 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_jabas_run_elastic_runs_the_scheduler_and_an_agent_per_server_and_can_be_steered(tmp_path: Path) -> None:
-    config = write_config(tmp_path, available=["A", "B"], epochs=2, slowdown=(20.0, 30.0))
+    config = write_config(tmp_path, available=["A", "B"], epochs=2, slowdown=(20.0, 30.0), record=True)
+    # Each batch takes 0.1 s more until the move is accepted, so that it lands at the first epoch's end (not at
+    # the job's, where no iteration follows to time its downtime) however long `jabas job move` takes to start.
+    slow = tmp_path / "samples" / "slow"
+    slow.touch()
     env = {k: v for k, v in os.environ.items() if k != "JABAS_TOKEN"}  # it makes its own
     env.update(OMP_NUM_THREADS="1", COLUMNS="200")
     run = subprocess.Popen(
@@ -248,6 +252,7 @@ def test_jabas_run_elastic_runs_the_scheduler_and_an_agent_per_server_and_can_be
         timeout=60,
     )
     assert move.returncode == 0, move.stderr
+    slow.unlink()
     stdout, stderr = run.communicate(timeout=300)
     assert run.returncode == 0, stderr
     assert f"token in {token_file} (steer it: `jabas job status -c {config}`)" in stdout
