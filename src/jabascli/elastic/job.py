@@ -45,6 +45,7 @@ from jabascli.elastic.protocol import (
     Heartbeat,
     JobState,
     JobStatus,
+    MoveReason,
     MoveRecord,
     Registered,
     Registration,
@@ -443,7 +444,7 @@ class Scheduler:
         )
         return True
 
-    def _moved(self, previous: Generation, nxt: Generation, when: When, reason: str, **fields: Any) -> None:
+    def _moved(self, previous: Generation, nxt: Generation, when: When, reason: MoveReason, **fields: Any) -> None:
         """Record the move from ``previous`` to ``nxt``, launched now (``fields``: the record's others)."""
         self.moves.append(
             MoveRecord(
@@ -451,7 +452,7 @@ class Scheduler:
                 from_servers=previous.servers,
                 to_servers=list(nxt.servers),
                 when=when,
-                reason=reason,  # type: ignore[arg-type]
+                reason=reason,
                 launched_at=time.time(),
                 loss_before=self.progress.loss,
                 **fields,

@@ -184,13 +184,16 @@ class WorkerStatus(Message):
     seen_s_ago: float
 
 
+MoveReason = Literal["move", "restart", "recovery"]
+
+
 class MoveRecord(Message):
     generation: int
     """The generation started by the move."""
     from_servers: list[str]
     to_servers: list[str]
     when: When
-    reason: Literal["move", "restart", "recovery"]
+    reason: MoveReason
     """``recovery``: a failure recovered in place; ``restart``: one recovered from the checkpoint."""
     in_place: bool = False
     """The trainers that stayed carried on (a move in place); False: every trainer was restarted."""
