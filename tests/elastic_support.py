@@ -75,6 +75,14 @@ def synthetic_batch(batch_size, options):
 TRAINER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
+def slow_down(folder: Path) -> Path:
+    """Each batch of RECORDED_DIGITS recording into ``folder/samples`` takes 0.1 s more until the file returned
+    is removed: for a test that must act while the job is still under way, however busy the machine."""
+    path = folder / "samples" / "slow"
+    path.touch()
+    return path
+
+
 def write_config(
     folder: Path,
     *,

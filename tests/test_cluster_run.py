@@ -28,7 +28,7 @@ from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from tests.cluster import EmulatedCluster, NodeSpec, cluster_factory  # noqa: F401 (the fixture)
 from tests.conftest import WITH_SIGINT
-from tests.elastic_support import RECORDED_DIGITS, TRAINER_ENV, load, used_samples
+from tests.elastic_support import RECORDED_DIGITS, TRAINER_ENV, load, slow_down, used_samples
 from tests.engine_support import checkpoint_of, max_abs_diff
 from tests.sshd import require_sshd
 
@@ -100,8 +100,7 @@ def test_jabas_run_trains_three_nodes_exactly_across_a_ctrl_c(cluster_factory, t
     # 1. Under way, every listening socket of a jabas process in a node is on that node's address;
     #    then Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it). Each batch takes
     #    0.1 s more until then, so that the job is still under way however busy the machine.
-    slow = tmp_path / "samples" / "slow"
-    slow.touch()
+    slow = slow_down(tmp_path)
     interruptible = [sys.executable, "-c", WITH_SIGINT, *run[3:]]  # Ctrl-C reaches it even if pytest ignores it
     first = subprocess.Popen(
         interruptible, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
@@ -222,8 +221,7 @@ def test_a_node_cut_off_and_a_frozen_node_are_recovered_in_place_and_taken_back(
         _wait(tmp_path, job, lambda s: s["state"] == "running" and len(s["moves"]) == 1, "the recovery")
         # Until a node is taken back, each batch takes 0.1 s more, so that the job cannot end before its
         # agents have registered again on a busy host; the rest of the job then runs as before.
-        slow = tmp_path / "samples" / "slow"
-        slow.touch()
+        slow = slow_down(tmp_path)
         cluster.link_up("slow2")
         cluster.thaw("slow1")
         _wait(tmp_path, job, _taken_back, "taking a node back", timeout=240)

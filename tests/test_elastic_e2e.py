@@ -26,7 +26,7 @@ from jabascli.elastic.job import TERMINAL
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from jabascli.solver.plan import read_plan
-from tests.elastic_support import auth, jabas, load, used_samples, wait_status, write_config
+from tests.elastic_support import auth, jabas, load, slow_down, used_samples, wait_status, write_config
 from tests.engine_support import checkpoint_of, max_abs_diff
 
 EPOCHS = 2  # the first on A, the second moved to A+B at its start and to B alone early in it
@@ -211,8 +211,7 @@ def test_jabas_run_elastic_runs_the_scheduler_and_an_agent_per_server_and_can_be
     config = write_config(tmp_path, available=["A", "B"], epochs=2, slowdown=(20.0, 30.0), record=True)
     # Each batch takes 0.1 s more until the move is accepted, so that it lands at the first epoch's end (not at
     # the job's, where no iteration follows to time its downtime) however long `jabas job move` takes to start.
-    slow = tmp_path / "samples" / "slow"
-    slow.touch()
+    slow = slow_down(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "JABAS_TOKEN"}  # it makes its own
     env.update(OMP_NUM_THREADS="1", COLUMNS="200")
     run = subprocess.Popen(

@@ -31,7 +31,7 @@ from jabascli.engine.reference import reference_run
 from jabascli.errors import InputError
 from tests.cluster import EmulatedCluster, NodeSpec, cluster_factory  # noqa: F401 (the fixture)
 from tests.conftest import run_jabas
-from tests.elastic_support import RECORDED_DIGITS, TRAINER_ENV, load, used_samples
+from tests.elastic_support import RECORDED_DIGITS, TRAINER_ENV, load, slow_down, used_samples
 from tests.engine_support import checkpoint_of, max_abs_diff
 from tests.slurm import SlurmCluster, SlurmNodeSpec, slurm_factory  # noqa: F401 (the fixture)
 
@@ -206,8 +206,7 @@ def test_slurm_submit_scancel_checkpoints_then_release_idle_gives_a_het_componen
     cluster: EmulatedCluster = cluster_factory(NODES)
     slurm: SlurmCluster = slurm_factory(cluster, SLURM_NODES)
     config = _config(tmp_path, cluster, release_idle=True)
-    slow = tmp_path / "samples" / "slow"
-    slow.touch()  # each micro-batch 0.1 s longer until n2 is given back: the scancel and the move land while it trains
+    slow = slow_down(tmp_path)  # until n2 is given back: the scancel and the move land while it trains
 
     # 1. Submitted, then cancelled under way: the trainers stop after the same iteration and checkpoint.
     first = _submit(slurm, config, tmp_path)
