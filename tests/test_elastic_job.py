@@ -293,6 +293,20 @@ def test_a_lost_rank_is_recovered_in_place_and_its_server_taken_back_at_the_epoc
     assert isinstance(start, StartCommand) and (start.generation, start.ranks, start.resume) == (3, [1], True)
 
 
+def test_a_lost_rank_is_named_as_the_cause_when_a_survivors_report_came_first(tmp_path: Path) -> None:
+    """On a busy host the survivor's failed collective can reach the scheduler before the dead rank's exit:
+    the recovery still names the exit, the cause, not the symptom."""
+    s, _ = scheduler(tmp_path, available=["A", "B"])
+    register(s, 0)
+    register(s, 1)
+    commands(s, 0), commands(s, 1)
+    commands(s, 0, events=[_event(1, "peer_lost", rank=0, step=7, time=100.0, in_place=True)])
+    assert s.state == "running"  # B has a second to exit or report
+    commands(s, 1, exits=[TrainerExit(generation=1, rank=1, code=-9)])
+    assert s.state == "moving" and s.allocation == ["A"]
+    assert "rank 1 on B exited with code -9" in s.moves[0].failure, s.moves[0].failure
+
+
 def test_a_hung_rank_is_the_one_that_did_not_report_and_a_lost_rank_0_restarts(tmp_path: Path) -> None:
     s, clock = scheduler(tmp_path, available=["A", "B"])
     register(s, 0)

@@ -76,6 +76,7 @@ class Failure:
     at: float
     """Wall time it was first seen (a survivor's report carries its own)."""
     why: str
+    """Its cause: a lost rank's exit once one is known, else the first survivor's report."""
     step: int
     """The last completed step reported before it."""
     lost: set[int] = field(default_factory=set)
@@ -111,7 +112,10 @@ class Failures:
         if not self._may_recover(generation):
             self.restart = self.restart or {"failure": why, "failed_at": time.time()}  # the first one, for the record
             return False
-        self._failure(why).lost |= lost
+        failure = self._failure(why)
+        if failure.lost <= failure.dirty:  # only survivors spoke before it: a lost rank is the cause
+            failure.why = why
+        failure.lost |= lost
         self.decide()
         return True
 
