@@ -115,3 +115,36 @@ def test_every_module_stays_under_500_lines() -> None:
     src = REPO / "src"
     sizes = {p.relative_to(REPO): len(p.read_text().splitlines()) for p in src.rglob("*.py")}
     assert not {p: n for p, n in sizes.items() if n >= 500}, "split these along their concepts"
+
+
+# The names of every profile file (docs/formats.md): only ``profiles`` may spell them.
+PROFILE_FILE_NAMES = (
+    "max_memory_profile_info",
+    "_comp_profile.json",
+    "_bucket_size_profile",
+    "_comm_profile_data",
+    "_comm_profile_meta",
+    "blocks.json",
+    "device-",
+    "network.json",
+    "refit-",
+)
+
+
+def test_profiles_is_the_one_place_that_knows_file_formats() -> None:
+    """docs/architecture.md: no module outside ``profiles`` names a profile file in its code (docstrings and
+    help text may); every other module asks ``profiles`` for the path or the parsed content."""
+    src = REPO / "src" / "jabascli"
+    for path in src.rglob("*.py"):
+        if path.is_relative_to(src / "profiles"):
+            continue
+        tree = ast.parse(path.read_text())
+        prose = {  # docstrings (of modules, classes, functions and attributes) and --help text
+            id(node.value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Expr | ast.keyword) and (isinstance(node, ast.Expr) or node.arg == "help")
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+                named = [name for name in PROFILE_FILE_NAMES if name in node.value]
+                assert not named, f"{path.relative_to(REPO)}:{node.lineno}: names a profile file ({named[0]})"

@@ -24,7 +24,6 @@ Methods: ``sequential``, ``overlap``, and ``recommend`` (:func:`recommend_weight
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -232,18 +231,6 @@ def bucket_sizes(model: nn.Module, cap_mb: float | None = None) -> list[int]:
     if current:
         sizes.append(current)
     return sizes
-
-
-def read_bucket_profile(folder: Path | None, model_name: str) -> list[float] | None:
-    """Bucket sizes (MB) from a seed bucket profile, ``<model>_bucket_size_profile.json``, if there is one."""
-    if folder is None:
-        return None
-    path = folder / f"{model_name}_bucket_size_profile.json"
-    try:
-        sizes = json.loads(path.read_text(encoding="utf-8"))["bucket_size_distribution"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return [float(s) for s in sizes] if isinstance(sizes, list) and sizes else None
 
 
 def recommend_weight_sync(

@@ -38,8 +38,8 @@ from jabascli.engine.weight_sync import (
     GradientSync,
     bucket_sizes,
     choose_weight_sync,
-    read_bucket_profile,
 )
+from jabascli.profiles.formats import profiled_bucket_sizes
 from jabascli.workload import Workload
 
 
@@ -149,7 +149,7 @@ def plain_workers(trainer: WorkerInputs, same_start: bool) -> RankWorkers:
         configured=loaded.config.job.weight_sync,
         where=loaded.path,
         buckets_mb=lambda: (
-            read_bucket_profile(loaded.profile_dirs().bucket, trainer.workload.name)
+            profiled_bucket_sizes(loaded.profile_dirs().bucket, trainer.workload.name)
             or [size / 1e6 for size in bucket_sizes(model, cap_mb)]
         ),
     )

@@ -27,7 +27,7 @@ from jabascli.errors import InputError
 from jabascli.hybrid.costmodel import CostModel
 from jabascli.hybrid.plan import Plan
 from jabascli.hybrid.search import Choice, ServerGroup, search
-from jabascli.profiles.hybrid import HybridProfiles, read_profiles
+from jabascli.profiles.hybrid import HybridProfiles, blocks_file, device_file, profiled_models, read_profiles
 from jabascli.solver.plan import Assignment
 from jabascli.solver.plan import Plan as PlanFile
 
@@ -60,7 +60,7 @@ class HybridJob:
         for device, degrees in have.items():
             if self.tp not in degrees:
                 raise InputError.at(
-                    self.folder / f"device-{device}.json",
+                    device_file(self.folder, device),
                     "times",
                     f"no block times at TP degree {self.tp} (have {degrees})",
                 )
@@ -93,7 +93,7 @@ def model_name(loaded: LoadedConfig, root: Path, model: str | None = None) -> st
     """``model``, else the only model under ``<root>/hybrid/``, else the job's workload name."""
     if model is not None:
         return model
-    found = sorted(p.parent.name for p in (root / "hybrid").glob("*/blocks.json"))
+    found = profiled_models(root)
     if len(found) == 1:
         return found[0]
     workload = loaded.config.job.workload
@@ -132,7 +132,7 @@ def load_job(
         if device not in devices:
             have = ", ".join(sorted(devices)) or "none"
             raise InputError.at(
-                folder / f"device-{device}.json",
+                device_file(folder, device),
                 None,
                 f"no hybrid profile of device type {device!r} (server {of_type[0].name}; have: {have})",
             )
@@ -162,14 +162,14 @@ def check_blocks(profiles: HybridProfiles, folder: Path) -> None:
             for t, rows in sorted(per_tp.items()):
                 if len(rows) != n:
                     raise InputError.at(
-                        folder / f"device-{name}.json",
+                        device_file(folder, name),
                         f"times.{b}.{t}",
-                        f"{len(rows)} blocks timed at micro-batch size {b}, TP degree {t}; blocks.json has {n}",
+                        f"{len(rows)} blocks timed at micro-batch size {b}, TP degree {t}; the block profile has {n}",
                     )
                 if t > 1 and any(
                     t not in blk.params_bytes and 1 not in blk.params_bytes for blk in profiles.blocks.blocks
                 ):
-                    raise InputError.at(folder / "blocks.json", "blocks", f"no parameter bytes at TP degree {t}")
+                    raise InputError.at(blocks_file(folder), "blocks", f"no parameter bytes at TP degree {t}")
 
 
 def solve(job: HybridJob, gbs: int) -> Choice:

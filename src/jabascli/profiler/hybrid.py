@@ -62,7 +62,10 @@ from jabascli.profiles.hybrid import (
     ModelBlocks,
     Network,
     ShardedTimes,
+    blocks_file,
+    device_file,
     model_dir,
+    network_file,
     write_profiles,
 )
 
@@ -104,7 +107,7 @@ def profile_hybrid(
     root = ensure_writable(out or loaded.config.profiles.dir or loaded.folder / "profiles")
     folder = model_dir(root, workload.name)
     types = sorted({s.device_type for s in mine})
-    if not force and (folder / "blocks.json").is_file() and all((folder / f"device-{t}.json").is_file() for t in types):
+    if not force and blocks_file(folder).is_file() and all(device_file(folder, t).is_file() for t in types):
         reporter.note(f"hybrid profiles already measured ({folder})")
         return HybridRun(workload.name, [], types, skipped=True)
     targets = {t: resolve_target(loaded, next(s for s in mine if s.device_type == t).name) for t in types}
@@ -326,7 +329,7 @@ def link_network(network: Network, rows: list[CollectiveTime], source: str) -> N
 def write_link(root: Path, rows: list[CollectiveTime], source: str) -> Path:
     """Replace the ``inter`` link of ``<root>/hybrid/network.json`` (``jabas profile hybrid`` wrote it) by ``rows``
     measured between two nodes (:func:`link_network`), atomically; the path."""
-    path = root / "hybrid" / "network.json"
+    path = network_file(root)
     return atomic_write_json(path, link_network(read_network(path), rows, source).model_dump(mode="json"))
 
 

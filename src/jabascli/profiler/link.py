@@ -20,7 +20,7 @@ from jabascli.errors import InputError
 from jabascli.hybrid.job import profiles_root
 from jabascli.profiler.common import Reporter, ensure_writable
 from jabascli.profiler.hybrid import bus_bandwidth_fit, measure_link, read_network, write_link
-from jabascli.profiles.hybrid import CollectiveTime
+from jabascli.profiles.hybrid import CollectiveTime, network_file
 
 LINK_SOURCE = "jabas profile link"
 """How the ``inter`` link's source begins in ``network.json`` once :func:`profile_link` measured it."""
@@ -50,7 +50,7 @@ class LinkRun:
 
 def network_path(loaded: LoadedConfig, out: Path | None = None) -> Path:
     """Where ``jabas profile hybrid -c CONFIG`` writes the job's network profile: ``<profiles>/hybrid/network.json``."""
-    return profiles_root(loaded, out) / "hybrid" / "network.json"
+    return network_file(profiles_root(loaded, out))
 
 
 def require_network(loaded: LoadedConfig, out: Path | None = None) -> Path:

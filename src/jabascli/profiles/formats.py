@@ -259,6 +259,13 @@ def read_bucket_profile(folder: Path, model: str | None = None) -> BucketProfile
     return _parse(BucketProfile, path)
 
 
+def profiled_bucket_sizes(folder: Path | None, model: str) -> list[float] | None:
+    """The bucket sizes (MB) of ``model``'s bucket profile in ``folder``; None when it has none."""
+    if folder is None or not bucket_profile_path(folder, model).is_file():
+        return None
+    return read_bucket_profile(folder, model).bucket_size_distribution or None
+
+
 def read_comm_profile(folder: Path, kind: CommKind) -> CommProfile | None:
     """The intra- or inter-node all-reduce profile, or None when it was not measured."""
     path = comm_profile_path(folder, kind)

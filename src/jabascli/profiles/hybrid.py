@@ -215,16 +215,35 @@ class HybridProfiles(BaseModel):
 
 
 def model_dir(folder: Path, model: str) -> Path:
+    """``<folder>/hybrid/<model>``: one model's block and device files."""
     return folder / "hybrid" / model
+
+
+def blocks_file(model_folder: Path) -> Path:
+    return model_folder / "blocks.json"
+
+
+def device_file(model_folder: Path, device: str) -> Path:
+    return model_folder / f"device-{device}.json"
+
+
+def network_file(folder: Path) -> Path:
+    """``<folder>/hybrid/network.json``, shared by every model profiled under ``folder``."""
+    return folder / "hybrid" / "network.json"
+
+
+def profiled_models(folder: Path) -> list[str]:
+    """The models with a block profile under ``<folder>/hybrid/``, sorted."""
+    return sorted(p.parent.name for p in (folder / "hybrid").glob(f"*/{blocks_file(Path()).name}"))
 
 
 def write_profiles(folder: Path, profiles: HybridProfiles) -> list[Path]:
     """Write one model's hybrid profiles (each file atomically) and return the paths."""
     where = model_dir(folder, profiles.blocks.model)
-    written = [atomic_write_json(where / "blocks.json", profiles.blocks.model_dump(mode="json"), indent=1)]
+    written = [atomic_write_json(blocks_file(where), profiles.blocks.model_dump(mode="json"), indent=1)]
     for name, dev in sorted(profiles.devices.items()):
-        written.append(atomic_write_json(where / f"device-{name}.json", dev.model_dump(mode="json"), indent=1))
-    written.append(atomic_write_json(folder / "hybrid" / "network.json", profiles.network.model_dump(mode="json")))
+        written.append(atomic_write_json(device_file(where, name), dev.model_dump(mode="json"), indent=1))
+    written.append(atomic_write_json(network_file(folder), profiles.network.model_dump(mode="json")))
     return written
 
 
@@ -240,14 +259,14 @@ def _parse(model: type[BaseModel], path: Path) -> BaseModel:
 def read_profiles(folder: Path, model: str) -> HybridProfiles:
     """Read one model's hybrid profiles from ``<folder>/hybrid/``."""
     where = model_dir(folder, model)
-    if not (where / "blocks.json").is_file():
-        raise InputError.at(where / "blocks.json", None, "no hybrid block profile (run `jabas profile import`)")
-    blocks = _parse(ModelBlocks, where / "blocks.json")
+    if not blocks_file(where).is_file():
+        raise InputError.at(blocks_file(where), None, "no hybrid block profile (run `jabas profile import`)")
+    blocks = _parse(ModelBlocks, blocks_file(where))
     devices = {}
-    for path in sorted(where.glob("device-*.json")):
+    for path in sorted(where.glob(device_file(Path(), "*").name)):
         dev = _parse(DeviceTimes, path)
         assert isinstance(dev, DeviceTimes)
         devices[dev.device] = dev
-    network = _parse(Network, folder / "hybrid" / "network.json")
+    network = _parse(Network, network_file(folder))
     assert isinstance(blocks, ModelBlocks) and isinstance(network, Network)
     return HybridProfiles(blocks=blocks, devices=devices, network=network)
