@@ -47,7 +47,7 @@ import torch
 from jabascli.config import load_config
 from jabascli.elastic.job import TERMINAL
 from jabascli.elastic.local import agent_environment
-from jabascli.engine.checkpoint import read_checkpoint, restore_checkpoint, save_checkpoint
+from jabascli.engine.checkpoint import CheckpointState, Progress, read_checkpoint, restore_checkpoint, save_checkpoint
 from jabascli.engine.checkpoint_store import CheckpointStore
 from jabascli.engine.layout import checkpoint_folder
 from jabascli.net import free_port
@@ -156,23 +156,21 @@ def checkpoint_alone(name: str, path: Path, threads: int, repeats: int = 15) -> 
     optimizer = workload.optimizer(model.parameters())
     scheduler = workload.lr_scheduler(optimizer)
     restore_checkpoint(payload, path, model=model, optimizer=optimizer, scheduler=scheduler)
-    from jabascli.engine.checkpoint import Progress
-
+    state = CheckpointState(
+        model,
+        optimizer,
+        scheduler,
+        Progress(**payload["progress"]),
+        workload=workload.name,
+        config=payload["config"],
+        plan=payload["plan"],
+    )
     writes, reads = [], []
     with tempfile.TemporaryDirectory() as tmp:
         store = CheckpointStore(Path(tmp))
         for _ in range(repeats):
             start = time.perf_counter()
-            _, target = save_checkpoint(
-                store,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                progress=Progress(**payload["progress"]),
-                workload=workload.name,
-                config=payload["config"],
-                plan=payload["plan"],
-            )
+            _, target = save_checkpoint(store, state)
             writes.append(time.perf_counter() - start)
             start = time.perf_counter()
             fresh = workload.build_model()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from jabascli.config import load_config
 from jabascli.engine.checkpoint import (
+    CheckpointState,
     Progress,
     extra_payload,
     read_checkpoint,
@@ -122,11 +123,14 @@ def _save(
     optimizer: torch.optim.Optimizer,
     layout: Layout,
 ) -> None:
-    job = {"model": model, "scheduler": None, "progress": progress, "workload": "hybrid", "config": {}}
+    plan = {} if whole_model else {"layout": repr(layout)}
+    state = CheckpointState(
+        model, optimizer, scheduler=None, progress=progress, workload="hybrid", config={}, plan=plan
+    )
     if whole_model:
-        save_checkpoint(store, optimizer=optimizer, plan={}, **job)
+        save_checkpoint(store, state)
     else:
-        extra = extra_payload(plan={"layout": repr(layout)}, **job)
+        extra = extra_payload(state)
         save_sharded(store, step=progress.step, epoch=progress.epoch, model=model, optimizer=optimizer, extra=extra)
 
 

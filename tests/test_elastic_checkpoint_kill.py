@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from jabascli.engine.checkpoint import Progress, save_checkpoint
+from jabascli.engine.checkpoint import CheckpointState, Progress, save_checkpoint
 from jabascli.engine.checkpoint_store import CheckpointStore
 
 torch.manual_seed(0)
@@ -30,8 +30,8 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(1, 1000):
     with torch.no_grad():
         model.bias.fill_(step)
-    save_checkpoint(CheckpointStore(Path(sys.argv[1])), model=model, optimizer=optimizer, scheduler=None,
-                    progress=Progress(step=step), workload="big", config={}, plan={})
+    state = CheckpointState(model, optimizer, None, Progress(step=step), workload="big", config={}, plan={})
+    save_checkpoint(CheckpointStore(Path(sys.argv[1])), state)
     print(step, flush=True)
 """
 

@@ -13,7 +13,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from jabascli.cli.app import app
-from jabascli.engine.checkpoint import Progress, read_checkpoint, save_checkpoint
+from jabascli.engine.checkpoint import CheckpointState, Progress, read_checkpoint, save_checkpoint
 from jabascli.engine.checkpoint_store import CheckpointStore
 from jabascli.engine.launch import run_local
 from jabascli.engine.layout import checkpoint_folder
@@ -100,17 +100,8 @@ def test_a_killed_job_resumes_mid_epoch_under_another_world_size_and_equals_an_u
 def _other_model_checkpoint(store: CheckpointStore) -> Path:
     model = nn.Sequential(nn.Linear(6, 32), nn.Linear(32, 4)).double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    config: dict[str, Any] = {}
-    _, path = save_checkpoint(
-        store,
-        model=model,
-        optimizer=optimizer,
-        scheduler=None,
-        progress=Progress(),
-        workload="other",
-        config=config,
-        plan={},
-    )
+    state = CheckpointState(model, optimizer, scheduler=None, progress=Progress(), workload="other", config={}, plan={})
+    _, path = save_checkpoint(store, state)
     return path
 
 
@@ -142,17 +133,9 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> N
             return {"f": lambda: None}
 
     model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1)
     with pytest.raises(Exception, match="lambda"):
-        save_checkpoint(
-            store,
-            model=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=1),
-            scheduler=Unsaveable(),
-            progress=Progress(),
-            workload="x",
-            config={},
-            plan={},
-        )
+        save_checkpoint(store, CheckpointState(model, optimizer, Unsaveable(), Progress(), "x", config={}, plan={}))
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     assert read_checkpoint(tmp_path)["workload"] == "other" and read_checkpoint(path)["workload"] == "other"
     with pytest.raises(InputError, match="checkpoint not found"):

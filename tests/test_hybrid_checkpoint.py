@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from jabascli.cli.app import app
-from jabascli.engine.checkpoint import Progress, check_resumable, extra_payload, read_checkpoint
+from jabascli.engine.checkpoint import CheckpointState, Progress, check_resumable, extra_payload, read_checkpoint
 from jabascli.engine.checkpoint_store import CheckpointStore
 from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.parallel.dcp import load_sharded, save_sharded
@@ -136,8 +136,9 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad()
 
 
-def _extra(model: torch.nn.Module, step: int) -> dict[str, Any]:
-    return extra_payload(model=model, scheduler=None, progress=Progress(step=step), workload="gpt", config={}, plan={})
+def _extra(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    state = CheckpointState(model, optimizer, None, Progress(step=step), workload="gpt", config={}, plan={})
+    return extra_payload(state)
 
 
 def test_dcp_checkpoint_reads_back_as_the_plain_payload(tmp_path: Path) -> None:
@@ -145,7 +146,7 @@ def test_dcp_checkpoint_reads_back_as_the_plain_payload(tmp_path: Path) -> None:
     model, optimizer = _tiny_gpt()
     _step(model, optimizer)
     path = save_sharded(
-        CheckpointStore(tmp_path), step=1, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, 1)
+        CheckpointStore(tmp_path), step=1, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, optimizer, 1)
     )
     payload = read_checkpoint(tmp_path)
     assert payload["progress"]["step"] == 1 and path == tmp_path / "checkpoint-1.dcp"
@@ -160,7 +161,9 @@ def test_dcp_checkpoint_reads_back_as_the_plain_payload(tmp_path: Path) -> None:
 def test_checkpoint_before_the_first_step_leaves_adam_fresh(tmp_path: Path) -> None:
     """Saved and restored before any optimizer step: Adam keeps no state (its first step stays its first)."""
     model, optimizer = _tiny_gpt()
-    save_sharded(CheckpointStore(tmp_path), step=0, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, 0))
+    save_sharded(
+        CheckpointStore(tmp_path), step=0, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, optimizer, 0)
+    )
     assert not optimizer.state
     restored, fresh = _tiny_gpt(seed=1)
     load_sharded(tmp_path / "checkpoint-0.dcp", restored, fresh)
@@ -173,13 +176,13 @@ def test_a_save_cut_off_before_its_commit_is_never_resumed(tmp_path: Path) -> No
     model, optimizer = _tiny_gpt()
     _step(model, optimizer)
     store = CheckpointStore(tmp_path)
-    save_sharded(store, step=1, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, 1))
+    save_sharded(store, step=1, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, optimizer, 1))
     _step(model, optimizer)
-    save_sharded(store, step=2, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, 2))
+    save_sharded(store, step=2, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, optimizer, 2))
     (tmp_path / "checkpoint-2.dcp").rename(store.staging(3))
     found = store.newest()
     assert found is not None and found.path.name == "checkpoint-1.dcp"
-    save_sharded(store, step=4, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, 4))
+    save_sharded(store, step=4, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, optimizer, 4))
     # The next commit removes what the cut-off save left, and all but the newest two the manifest names.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4.dcp", "checkpoints.json"]
 
@@ -188,7 +191,7 @@ def test_export_of_a_missing_or_cut_off_checkpoint_writes_nothing(tmp_path: Path
     model, optimizer = _tiny_gpt()
     _step(model, optimizer)
     path = save_sharded(
-        CheckpointStore(tmp_path), step=1, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, 1)
+        CheckpointStore(tmp_path), step=1, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, optimizer, 1)
     )
     (path / ".metadata").unlink()
     out = tmp_path / "model.pt"
@@ -203,7 +206,9 @@ def test_workload_model_loads_the_export(tmp_path: Path, cli) -> None:
     """What the user does with the file: the workload's fresh model loads it strictly."""
     model, optimizer = _tiny_gpt()
     _step(model, optimizer)
-    save_sharded(CheckpointStore(tmp_path), step=1, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, 1))
+    save_sharded(
+        CheckpointStore(tmp_path), step=1, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, optimizer, 1)
+    )
     result = cli.invoke(app, ["checkpoint", "export", str(tmp_path), "-o", str(tmp_path / "m.pt")])
     assert result.exit_code == 0, result.output
     fresh = load_workload("gpt", {"variant": "tiny", "context": 8}).build_model()
@@ -214,7 +219,9 @@ def test_workload_model_loads_the_export(tmp_path: Path, cli) -> None:
 def test_resume_check_reads_a_dcp_checkpoints_fingerprint(tmp_path: Path) -> None:
     """``jabas train --resume`` checks the model from DCP's metadata: the same workload passes, another fails."""
     model, optimizer = _tiny_gpt()
-    save_sharded(CheckpointStore(tmp_path), step=0, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, 0))
+    save_sharded(
+        CheckpointStore(tmp_path), step=0, epoch=0, model=model, optimizer=optimizer, extra=_extra(model, optimizer, 0)
+    )
     found = check_resumable(tmp_path, load_workload("gpt", {"variant": "tiny", "context": 8}))
     assert found.path == tmp_path / "checkpoint-0.dcp"
     with pytest.raises(InputError, match="another model"):
@@ -227,6 +234,6 @@ def test_a_rerun_starts_from_the_newest_dcp_checkpoint(tmp_path: Path) -> None:
     model, optimizer = _tiny_gpt()
     _step(model, optimizer)
     store = CheckpointStore(checkpoint_folder(loaded))
-    save_sharded(store, step=3, epoch=1, model=model, optimizer=optimizer, extra=_extra(model, 3))
+    save_sharded(store, step=3, epoch=1, model=model, optimizer=optimizer, extra=_extra(model, optimizer, 3))
     start = choose_start(loaded, resume=None, fresh=False, max_steps=None)
     assert (start.resume, start.step, start.epoch, start.done) == (store.folder / "checkpoint-3.dcp", 3, 1, None)

@@ -14,6 +14,7 @@ which keeps the last few, each with its digest: an interrupted save leaves the
 previous checkpoints in place, and a damaged newest one falls back to the one before.
 A hybrid layout's checkpoint is a ``.dcp`` folder written by every rank
 (:mod:`jabascli.engine.parallel.dcp`); it reads back here as the same payload.
+Every writer (here and the layout's) takes the trainer's live objects as one :class:`CheckpointState`.
 """
 
 from __future__ import annotations
@@ -84,77 +85,62 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list | tuple) else value
 
 
-def save_checkpoint(store: CheckpointStore, *, progress: Progress, **fields: Any) -> tuple[dict[str, Any], Path]:
-    """Add the checkpoint of ``progress`` and ``fields`` (:func:`checkpoint_payload`'s) to ``store`` as its newest;
-    returns what it holds, in memory, and its file.
+@dataclass(frozen=True)
+class CheckpointState:
+    """What a checkpoint of a trainer holds: the live objects, not copies."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any | None
+    progress: Progress
+    workload: str
+    config: dict[str, Any]
+    plan: dict[str, Any]
+    """The plan the job resumes with (the plan file form)."""
+    adaptive: dict[str, Any] | None = None
+    grad_scaler: dict[str, Any] | None = None
+
+
+def save_checkpoint(store: CheckpointStore, state: CheckpointState) -> tuple[dict[str, Any], Path]:
+    """Add the checkpoint of ``state`` to ``store`` as its newest; returns what it holds, in memory, and its file.
 
     The returned payload's tensors are the live model's and optimizer's, not copies: it equals
     the file only until they change (a trainer that stops here may resume from it, not from disk).
     """
-    payload = checkpoint_payload(progress=progress, **fields)
+    payload = checkpoint_payload(state)
     buffer = io.BytesIO()  # serialise first: a failure cannot leave a temporary file behind
     torch.save(payload, buffer)
-    path = store.write(buffer.getvalue(), step=progress.step, epoch=progress.epoch)
+    path = store.write(buffer.getvalue(), step=state.progress.step, epoch=state.progress.epoch)
     return payload, path
 
 
-def checkpoint_payload(
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any | None,
-    progress: Progress,
-    workload: str,
-    config: dict[str, Any],
-    plan: dict[str, Any],
-    adaptive: dict[str, Any] | None = None,
-    grad_scaler: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """What a checkpoint holds, in memory: the live model's and optimizer's tensors, not copies."""
-    names = {p: name for name, p in model.named_parameters()}
+def checkpoint_payload(state: CheckpointState) -> dict[str, Any]:
+    """What a checkpoint of ``state`` holds, in memory: the live model's and optimizer's tensors, not copies."""
+    names = {p: name for name, p in state.model.named_parameters()}
     return {
-        **extra_payload(
-            model=model,
-            scheduler=scheduler,
-            progress=progress,
-            workload=workload,
-            config=config,
-            plan=plan,
-            adaptive=adaptive,
-            grad_scaler=grad_scaler,
-        ),
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        **extra_payload(state),
+        "model": state.model.state_dict(),
+        "optimizer": state.optimizer.state_dict(),
         # Which parameter each of the optimizer's numbers is: lets a sharded or split layout restore it.
-        "parameter_names": [[names[p] for p in group["params"]] for group in optimizer.param_groups],
+        "parameter_names": [[names[p] for p in group["params"]] for group in state.optimizer.param_groups],
     }
 
 
-def extra_payload(
-    *,
-    model: nn.Module,
-    scheduler: Any | None,
-    progress: Progress,
-    workload: str,
-    config: dict[str, Any],
-    plan: dict[str, Any],
-    adaptive: dict[str, Any] | None = None,
-    grad_scaler: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """A checkpoint's payload without model and optimizer: what rank 0 writes beside a ``.dcp`` checkpoint's
-    shards (engine/parallel/dcp.py: save_sharded's ``extra``)."""
+def extra_payload(state: CheckpointState) -> dict[str, Any]:
+    """A checkpoint's payload without model and optimizer (``state.optimizer`` is not read): what rank 0 writes
+    beside a ``.dcp`` checkpoint's shards (engine/parallel/dcp.py: save_sharded's ``extra``)."""
     return {
         "format": FORMAT,
         "version": VERSION,
-        "workload": workload,
-        "fingerprint": fingerprint(model),
-        "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+        "workload": state.workload,
+        "fingerprint": fingerprint(state.model),
+        "lr_scheduler": None if state.scheduler is None else state.scheduler.state_dict(),
         "rng": rng_states(),
-        "progress": asdict(progress),
-        "config": config,
-        "plan": plan,
-        "adaptive": adaptive,
-        "grad_scaler": grad_scaler or {},  # fp16's loss scale (engine/step_policy.py); empty otherwise
+        "progress": asdict(state.progress),
+        "config": state.config,
+        "plan": state.plan,
+        "adaptive": state.adaptive,
+        "grad_scaler": state.grad_scaler or {},  # fp16's loss scale (engine/step_policy.py); empty otherwise
     }
 
 

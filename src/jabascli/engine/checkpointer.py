@@ -6,7 +6,7 @@ checkpoint, one ``.pt`` file in the job's checkpoint store
 ``[parallel]`` layout no rank may hold the whole model: every rank writes its
 shards (DCP, :mod:`jabascli.engine.parallel.dcp`), together, and reads them back
 into the built layout. Either way a checkpoint holds the same state:
-:class:`CheckpointState`.
+:class:`~jabascli.engine.checkpoint.CheckpointState`.
 """
 
 from __future__ import annotations
@@ -18,29 +18,9 @@ from typing import Any
 import torch
 
 from jabascli.config import LoadedConfig
-from jabascli.engine.checkpoint import Progress, read_checkpoint, restore_checkpoint, save_checkpoint
+from jabascli.engine.checkpoint import CheckpointState, Progress, read_checkpoint, restore_checkpoint, save_checkpoint
 from jabascli.engine.layout import checkpoint_store
 from jabascli.engine.parallel.runner import restore_layout_checkpoint, save_layout_checkpoint
-
-
-@dataclass(frozen=True)
-class CheckpointState:
-    """What a checkpoint of a trainer holds: the live objects, not copies."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any | None
-    progress: Progress
-    workload: str
-    config: dict[str, Any]
-    plan: dict[str, Any]
-    """The plan the job resumes with (the plan file form)."""
-    adaptive: dict[str, Any] | None
-    grad_scaler: dict[str, Any] | None
-
-    def fields(self) -> dict[str, Any]:
-        """As the checkpoint writers' keyword arguments."""
-        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
@@ -61,10 +41,10 @@ class Checkpointer:
         """
         store = checkpoint_store(self.loaded)
         if self.sharded:
-            return save_layout_checkpoint(store, **state.fields()), None
+            return save_layout_checkpoint(store, state), None
         if self.rank != 0:
             return None, None
-        payload, path = save_checkpoint(store, **state.fields())
+        payload, path = save_checkpoint(store, state)
         return path, payload
 
     def restore(

@@ -47,7 +47,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from jabascli.engine.checkpoint import checkpoint_payload
+from jabascli.engine.checkpoint import CheckpointState, checkpoint_payload
 from jabascli.engine.distributed import DistEnv, rendezvous_store
 from jabascli.engine.events import EventSink
 from jabascli.engine.handoff import MAX_BYTES, Handoff
@@ -72,7 +72,7 @@ class Recoverable(Protocol):
     optimizer: torch.optim.Optimizer
     control: Any
 
-    def checkpoint_state(self) -> Any: ...
+    def checkpoint_state(self) -> CheckpointState: ...
 
 
 def updates_applied(trainer: Any) -> int:
@@ -137,7 +137,7 @@ def lost_peer(
 
 def in_memory_checkpoint(trainer: Recoverable) -> dict[str, Any]:
     """The trainer's state as a checkpoint holds it, without writing one (the live tensors)."""
-    return checkpoint_payload(**trainer.checkpoint_state().fields())
+    return checkpoint_payload(trainer.checkpoint_state())
 
 
 def check_agreement(trainer: Recoverable, device: torch.device) -> None:

@@ -36,8 +36,8 @@ from jabascli.adaptive.batching import AdaptiveBatching, FixedBatching
 from jabascli.adaptive.batching import build as build_adaptive
 from jabascli.config import LoadedConfig
 from jabascli.engine.buffers import BufferSync
-from jabascli.engine.checkpoint import Progress
-from jabascli.engine.checkpointer import Checkpointer, CheckpointState
+from jabascli.engine.checkpoint import CheckpointState, Progress
+from jabascli.engine.checkpointer import Checkpointer
 from jabascli.engine.control import StopControl
 from jabascli.engine.data import BatchLoader
 from jabascli.engine.events import EventSink

@@ -47,6 +47,7 @@ from jabascli.config import LoadedConfig
 from jabascli.config.models import ParallelConfig
 from jabascli.engine.buffers import BufferSync, norm_layers
 from jabascli.engine.checkpoint import (
+    CheckpointState,
     Progress,
     extra_payload,
     is_sharded,
@@ -317,20 +318,15 @@ def _replicas(world: int, ranks: Sequence[int]) -> list[range]:
     return [range(first, first + size) for first in range(0, world, size)]
 
 
-def save_layout_checkpoint(
-    store: CheckpointStore,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    progress: Progress,
-    **fields: Any,
-) -> Path:
-    """Collective: every rank writes its shards (:func:`~jabascli.engine.parallel.dcp.save_sharded`), rank 0 the
-    rest of the payload (``fields``: :func:`~jabascli.engine.checkpoint.extra_payload`'s); the committed folder."""
+def save_layout_checkpoint(store: CheckpointStore, state: CheckpointState) -> Path:
+    """Collective: every rank writes its shards of ``state``'s model and optimizer
+    (:func:`~jabascli.engine.parallel.dcp.save_sharded`), rank 0 the rest of the payload
+    (:func:`~jabascli.engine.checkpoint.extra_payload`); the committed folder."""
     from jabascli.engine.parallel.dcp import save_sharded
 
-    extra = extra_payload(model=model, progress=progress, **fields)
-    return save_sharded(store, step=progress.step, epoch=progress.epoch, model=model, optimizer=optimizer, extra=extra)
+    p = state.progress
+    extra = extra_payload(state)
+    return save_sharded(store, step=p.step, epoch=p.epoch, model=state.model, optimizer=state.optimizer, extra=extra)
 
 
 def restore_layout_checkpoint(
