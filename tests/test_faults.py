@@ -22,7 +22,7 @@ from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from jabascli.errors import InputError
 from jabascli.net import free_port
-from tests.elastic_support import jabas, wait_status, write_config
+from tests.elastic_support import jabas, slow_down, wait_status, write_config
 from tests.engine_support import TRAINER_ENV, checkpoint_of, load, max_abs_diff, write_job
 from tests.test_hybrid_exactness import write_config as hybrid_config
 
@@ -111,6 +111,23 @@ def _finish(folder: Path, config: Path, processes: list[subprocess.Popen[bytes]]
     return status
 
 
+def _slow_until_taken_back(folder: Path, config: Path) -> None:
+    """From the recovery until B's joiner trains, each batch takes 0.1 s more: on a busy host the joiner's
+    start-up could otherwise outlast the job, and the move back would land at its end, with nothing to train."""
+    url = f"http://127.0.0.1:{load(config).config.scheduler.port}"
+    over = TERMINAL
+    wait_status(url, lambda s: bool(s["moves"]) or s["state"] in over, timeout=180)
+    slow = slow_down(folder)
+    try:
+        wait_status(url, lambda s: _trains_again(s["moves"]) or s["state"] in over, timeout=180)
+    finally:
+        slow.unlink()
+
+
+def _trains_again(moves: list[dict]) -> bool:
+    return len(moves) > 1 and moves[1]["resumed_step"] is not None
+
+
 def _logs(folder: Path) -> str:
     return "\n".join(f"== {p.name}\n{p.read_text()[-2500:]}" for p in sorted(folder.rglob("*.log")))
 
@@ -127,6 +144,7 @@ def test_a_lost_or_hung_rank_is_recovered_in_place_without_a_checkpoint_and_ends
     the job ends as one process that followed the same GBS history. Under either weight sync: with ``overlap``
     no bucket is updated from the failed iteration (each is updated once its own all-reduce succeeded)."""
     config, processes = _elastic_job(tmp_path, f"1:31:{kind}", weight_sync)
+    _slow_until_taken_back(tmp_path, config)
     status = _finish(tmp_path, config, processes)
     moves = json.dumps(status["moves"], indent=1)
     assert status["state"] == "succeeded" and status["restarts"] == 0, moves + _logs(tmp_path)
