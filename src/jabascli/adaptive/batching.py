@@ -46,6 +46,7 @@ from jabascli.adaptive.hybrid_plans import hand_off_plans as hand_off_plans
 from jabascli.adaptive.lr_scaling import ScaledLr, lr_factor
 from jabascli.adaptive.measure import FirstHalf
 from jabascli.adaptive.noise import NoiseScale
+from jabascli.adaptive.online_refit import RunRefit
 from jabascli.adaptive.policy import Reading, Steadiness, propose
 from jabascli.adaptive.replan import Replanner, hybrid_candidates, solver_candidates
 from jabascli.config import LoadedConfig
@@ -93,7 +94,10 @@ class AdaptiveBatching:
         self.loaded, self.settings, self.rank = loaded, loaded.config.batching, rank
         self.dataset_size = dataset_size
         self.low, self.high = bounds(self.settings, dataset_size)
+        self.loaded = loaded
         self.replanner = make_replanner(loaded, plan, dataset_size)
+        self.refit = RunRefit(loaded) if rank == 0 and self.replanner.source == "solver" else None
+        """Rank 0 refits the solver's model from the iterations it times (:mod:`jabascli.adaptive.online_refit`)."""
         self.initial_gbs = plan.gbs
         self.noise = NoiseScale()
         self.steady = Steadiness(dead_band=min(0.05, self.settings.adjust_rate / 2))
@@ -126,6 +130,11 @@ class AdaptiveBatching:
 
     def lr_factor(self) -> float:
         return self.lr.factor
+
+    def trains_with(self, weight_sync: str) -> None:
+        """The weight sync the trainer chose: the one the iterations it times ran."""
+        if self.refit is not None:
+            self.refit.weight_sync = weight_sync
 
     def plan_to_start(self, plan: TrainingPlan, state: dict[str, Any] | None) -> TrainingPlan:
         """The plan to start with: a resumed job's (``state``: its checkpoint's), else :meth:`starting_plan`."""
@@ -189,6 +198,17 @@ class AdaptiveBatching:
         self, step: int, plan: TrainingPlan, where: dict[str, int], report: Report | None
     ) -> TrainingPlan | None:
         """After ``step`` iterations: on measurement iterations, the plan to continue with if it or the LR changes."""
+        if self.refit is None:
+            return self._after_step(step, plan, where, report)
+        self.refit.ended(plan, timed=not self.measuring(step - 1))
+        try:
+            return self._after_step(step, plan, where, report)
+        finally:
+            self.refit.started()
+
+    def _after_step(
+        self, step: int, plan: TrainingPlan, where: dict[str, int], report: Report | None
+    ) -> TrainingPlan | None:
         if step % self.settings.adjust_interval:
             return None
         start = time.perf_counter()
@@ -224,8 +244,10 @@ class AdaptiveBatching:
 
     def _decide(self, plan: TrainingPlan, halves: HalfGradients | None) -> tuple[TrainingPlan | None, dict[str, Any]]:
         s = self.settings
+        refit = self._refit(plan)
         if halves is not None and not halves.finite():
-            return None, self._kept(plan, "keep: the gradient was not finite (fp16 skipped the step): no measurement")
+            kept = self._kept(plan, "keep: the gradient was not finite (fp16 skipped the step): no measurement")
+            return None, {**kept, **refit}
         similarity = None
         grad_sq = trace = None
         if halves is not None:
@@ -280,8 +302,40 @@ class AdaptiveBatching:
             "reason": reason,
             "source": self.replanner.source,
             "lr_factor": factor,
+            **refit,
         }
         return new, event
+
+    def _refit(self, plan: TrainingPlan) -> dict[str, Any]:
+        """Rank 0, at a decision: refit the model from ``plan``'s timed iterations when there are enough, and build
+        the solver's candidates again on it; the adjustment event's ``refit`` field (empty when none was made)."""
+        current = [(r.vsw, r.ga) for r in plan.ranks]
+        predicted = next(
+            (
+                c.plan.gbs / c.throughput
+                for c in self.replanner.candidates(plan)
+                if c.throughput and c.plan.lbs == plan.lbs and [(r.vsw, r.ga) for r in c.plan.ranks] == current
+            ),
+            None,
+        )
+        learned = self.refit.learn(plan, predicted) if self.refit is not None else None
+        if learned is None:
+            return {}
+        candidates = solver_candidates(self.loaded, plan, self.low, self.high)
+        if candidates:
+            self.replanner = Replanner(candidates, self.low, self.high, self.replanner.start)
+        observed = learned.record.observations[-1]
+        return {
+            "refit": {
+                "generation": learned.record.generation,
+                "path": str(learned.path),
+                "measured_s": observed.measured_s,
+                "iterations": observed.iterations,
+                "predicted_before_s": predicted,
+                "predicted_after_s": learned.predicted_after_s,
+                "disturbed": observed.disturbed,
+            }
+        }
 
     def _kept(self, plan: TrainingPlan, reason: str) -> dict[str, Any]:
         """The event of an adjustment that measured nothing and changes nothing."""
@@ -341,6 +395,9 @@ class FixedBatching:
 
     def lr_factor(self) -> float:
         return 1.0
+
+    def trains_with(self, weight_sync: str) -> None:
+        pass
 
     def state_dict(self, plan: TrainingPlan) -> dict[str, Any] | None:
         return None

@@ -362,6 +362,8 @@ class _RunDisplay:
             self.adjustments.append(event)
             if not self.disable and (event["changed"] or event["reason"].startswith("keep: no plan")):
                 self.progress.console.print(_adjustment_line(event), highlight=False, markup=False)
+            if not self.disable and event.get("refit"):
+                self.progress.console.print(_refit_line(event), highlight=False, markup=False)
 
         elif kind == "relayout" and not self.disable:  # the next start line names the new layout
             line = f"step {event['step']}: GBS {event['gbs']} runs under another layout: checkpointed, going on"
@@ -370,6 +372,19 @@ class _RunDisplay:
             where = "its latest checkpoint" if event["resume"] != "None" else "the start"
             line = f"restart {event['restarts']} from {where}: {event['reason']}"
             self.progress.console.print(line, highlight=False, markup=False)
+
+
+def _refit_line(e: dict[str, Any]) -> str:
+    """``step 32: performance model refit to 12 iterations of this plan: measured 7.3 ms, predicted 28.5 ms, now
+    20.3 ms; generation 2, runs/job/perfmodel/refit-2.json``."""
+    r = e["refit"]
+    before = f"predicted {r['predicted_before_s'] * 1e3:.1f} ms, " if r.get("predicted_before_s") else ""
+    busy = " (host busy: weighed as the profile)" if r.get("disturbed") else ""
+    return (
+        f"step {e['step']}: performance model refit to {r['iterations']} iterations of this plan{busy}: measured "
+        f"{r['measured_s'] * 1e3:.1f} ms, {before}now {r['predicted_after_s'] * 1e3:.1f} ms; "
+        f"generation {r['generation']}, {r['path']}"
+    )
 
 
 def _adjustment_line(e: dict[str, Any]) -> str:

@@ -204,6 +204,7 @@ class Trainer:
         # How this rank runs its workers and combines gradients (engine/workers.py).
         self.emulation = Emulation(self.me.slowdown)
         self.workers = rank_workers(self, same_start=payload is not None)
+        self.adaptive.trains_with(self.workers.weight_sync)
         self.vsw = self.workers.workers
         self.buffers = self.workers.start(plan)
         self.buffers.broadcast_all()

@@ -160,9 +160,6 @@ def learn_from_run(
     prior_iterations: float = PRIOR_ITERATIONS,
 ) -> Learned:
     """Add a run's measured plan to the job's observations, refit from the measured profiles, write a generation."""
-    measured = measured_profiles(loaded)
-    in_use = refit_in_use(loaded, measured)
-    history = list(in_use.record.observations) if in_use is not None else []
     this = ObservedPlan(
         lbs=plan.lbs,
         weight_sync=plan.weight_sync,
@@ -174,11 +171,19 @@ def learn_from_run(
         predicted_s=plan.iteration_time_s,
         time=round(time.time(), 3),
     )
-    history.append(this)
+    return learn(loaded, this, prior_iterations)
+
+
+def learn(loaded: LoadedConfig, this: ObservedPlan, prior_iterations: float = PRIOR_ITERATIONS) -> Learned:
+    """Add ``this`` (a plan as it trained, with what the model that chose it predicted) to the job's observations,
+    refit from the measured profiles and write the next generation in the job's run folder."""
+    measured = measured_profiles(loaded)
+    in_use = refit_in_use(loaded, measured)
+    history = [*(in_use.record.observations if in_use is not None else []), this]
     refit = fit(measured, observations(loaded, measured, history), prior_iterations)
     latest = observations(loaded, measured, [this])
-    after = predict(refit.apply(measured), latest[0]) if latest else plan.iteration_time_s or measured_s
-    before = plan.iteration_time_s
+    after = predict(refit.apply(measured), latest[0]) if latest else this.predicted_s or this.measured_s
+    before = this.predicted_s
     folder = job_run_folder(loaded)
     generations = refit_generations(folder)
     record = RefitRecord(
@@ -188,8 +193,8 @@ def learn_from_run(
         compute=refit.compute,
         comm=refit.comm,
         observations=history,
-        error_before=(measured_s - before) / before if before else None,
-        error_after=(measured_s - after) / after,
+        error_before=(this.measured_s - before) / before if before else None,
+        error_after=(this.measured_s - after) / after,
         time=this.time,
     )
     return Learned(record, write_refit(folder, record), after)
