@@ -37,3 +37,28 @@ def test_mode_follows_umask_and_keeps_an_existing_files_mode(tmp_path: Path) -> 
     fresh.chmod(0o640)
     atomic_write_json(fresh, {"again": True})
     assert fresh.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_stop_landing_as_the_temporary_file_is_created_leaves_no_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer's SIGTERM becomes SystemExit between any two bytecodes; one that lands right after the temporary
+    file was created (before its name was returned to the writer) must not leave the empty file behind (seen
+    once: ``.checkpoint-4.pt.<random>.tmp``, 0 bytes, after Ctrl-C of ``jabas run``)."""
+    import os
+
+    target = tmp_path / "checkpoint-4.pt"
+    target.write_bytes(b"old")
+    real_open = os.open
+
+    def open_then_stopped(path: object, *args: object, **kwargs: object) -> int:
+        fd = real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+        os.close(fd)
+        raise SystemExit(143)
+
+    monkeypatch.setattr(os, "open", open_then_stopped)
+    with pytest.raises(SystemExit):
+        atomic_write(target, lambda f: f.write(b"new"))
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4.pt"]
+    assert target.read_bytes() == b"old"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -20,9 +20,14 @@ def atomic_write(path: Path | str, write: Callable[[IO[bytes]], Any], *, mode: i
     """Call ``write(f)`` on a temporary file, then move it to ``path`` (with ``mode``, else a plain open()'s)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # The temporary file's name is chosen before it is created, so that an exception at any point (a stop signal
+    # turned into SystemExit lands between any two bytecodes) finds the name to remove: with mkstemp, one landing
+    # after the file was created and before its name was returned left an empty file behind.
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        # mkstemp creates 0600; give the file the mode a plain open() would (or the old file's).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        # Created 0600 (no other user reads it half-written); the file gets the mode a plain open() would give
+        # (or the old file's).
         os.fchmod(fd, _mode_for(path) if mode is None else mode)
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -30,7 +35,7 @@ def atomic_write(path: Path | str, write: Callable[[IO[bytes]], Any], *, mode: i
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
     return path
