@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import tomli_w
+import tomllib
 import uvicorn
 
 from jabascli.config import LoadedConfig, load_config
@@ -171,6 +172,31 @@ def jabas(*args: str, env: dict[str, str] | None = None, log: Path | None = None
     return subprocess.Popen(
         [sys.executable, "-m", "jabascli", *args], env=full_env, stdout=out, stderr=subprocess.STDOUT
     )
+
+
+def start_scheduler(
+    config: Path, log: Path, env: dict[str, str] | None = None, tries: int = 3
+) -> subprocess.Popen[bytes]:
+    """``jabas schedule -c config``, once it listens. The config's port was free when the test chose it, but
+    another process (the other xdist worker's) can take it before the scheduler binds it (seen once under
+    `make test`: every agent then waited 60 s for a scheduler that had exited); the scheduler is then started
+    again on another free port, written into the config before any agent reads it."""
+    for attempt in range(tries):
+        proc = jabas("schedule", "-c", str(config), env=env, log=log)
+        url = f"http://127.0.0.1:{load_config(config).config.scheduler.port}/v1/job"
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                httpx.get(url, headers=auth(), timeout=2)
+                return proc
+            except httpx.TransportError:
+                time.sleep(0.05)
+        if proc.poll() is None or attempt == tries - 1 or "in use" not in log.read_text():
+            return proc  # alive (the caller's waits time out with its log), or a failure of another kind
+        data = tomllib.loads(config.read_text())
+        data["scheduler"]["port"] = free_port()
+        config.write_bytes(tomli_w.dumps(data).encode())
+    raise AssertionError("unreachable")
 
 
 def wait_status(url: str, until: Any, timeout: float = 120.0) -> dict[str, Any]:

@@ -26,7 +26,16 @@ from jabascli.elastic.job import TERMINAL
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from jabascli.solver.plan import read_plan
-from tests.elastic_support import auth, jabas, load, slow_down, used_samples, wait_status, write_config
+from tests.elastic_support import (
+    auth,
+    jabas,
+    load,
+    slow_down,
+    start_scheduler,
+    used_samples,
+    wait_status,
+    write_config,
+)
 from tests.engine_support import checkpoint_of, max_abs_diff
 
 EPOCHS = 2  # the first on A, the second moved to A+B at its start and to B alone early in it
@@ -38,9 +47,9 @@ class Cluster:
 
     def __init__(self, folder: Path, config: Path, servers: int = 2) -> None:
         self.folder, self.config = folder, config
-        self.loaded = load(config)
+        self.scheduler = start_scheduler(config, folder / "scheduler.log")
+        self.loaded = load(config)  # its port: the one the scheduler listens on
         self.url = f"http://127.0.0.1:{self.loaded.config.scheduler.port}"
-        self.scheduler = jabas("schedule", "-c", str(config), log=folder / "scheduler.log")
         self.workers = [
             jabas("worker", "-c", str(config), "--rank", str(r), log=folder / f"worker{r}.log") for r in range(servers)
         ]

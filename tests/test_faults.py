@@ -22,7 +22,7 @@ from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
 from jabascli.errors import InputError
 from jabascli.net import free_port
-from tests.elastic_support import jabas, slow_down, wait_status, write_config
+from tests.elastic_support import jabas, slow_down, start_scheduler, wait_status, write_config
 from tests.engine_support import TRAINER_ENV, checkpoint_of, load, max_abs_diff, write_job
 from tests.test_hybrid_exactness import write_config as hybrid_config
 
@@ -91,7 +91,7 @@ def _elastic_job(folder: Path, fault: str, weight_sync: str) -> tuple[Path, list
 
 def _start(folder: Path, config: Path, fault: str) -> list[subprocess.Popen[bytes]]:
     env = {FAULT_ENV: fault}
-    processes = [jabas("schedule", "-c", str(config), env=env, log=folder / "scheduler.log")]
+    processes = [start_scheduler(config, folder / "scheduler.log", env)]
     for rank in (0, 1):
         processes.append(jabas("worker", "-c", str(config), "--rank", str(rank), env=env, log=folder / f"w{rank}.log"))
     return processes
