@@ -47,11 +47,11 @@ def test_profile_parses_back_and_plans(tmp_path: Path) -> None:
         plain, emulated = fast.times[b][1], slow.times[b][1]
         assert sum(fs + gs for fs, gs, _ in emulated) > 1.5 * sum(f + g for f, g, _ in plain)
         assert [u for _, _, u in emulated] == pytest.approx([u for _, _, u in plain])  # the update is not slowed
-        # every block checkpointed, as the runtime does it: its forward and backward with the recompute cost more
+        # every block checkpointed, as the runtime does it: its forward and backward with the recompute cost more,
+        # summed over the blocks (one block's is about a millisecond here, and a busy host's noise flipped one once)
         for dev in (fast, slow):
-            assert len(dev.checkpointed[b]) == 4
-            for (f, g, _), (fc, gc) in zip(dev.times[b][1], dev.checkpointed[b], strict=True):
-                assert fc + gc > f + g
+            assert len(dev.checkpointed[b]) == 4 and all(fc > 0 and gc > 0 for fc, gc in dev.checkpointed[b])
+            assert sum(fc + gc for fc, gc in dev.checkpointed[b]) > sum(f + g for f, g, _ in dev.times[b][1])
         # TP 2, measured on two processes: the emulated device sleeps twice each block's CPU time on top
         assert len(fast.times[b][2]) == len(slow.times[b][2]) == 4
         for (f, g, u), (fs, gs, us) in zip(fast.times[b][2], slow.times[b][2], strict=True):
