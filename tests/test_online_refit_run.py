@@ -93,14 +93,17 @@ def test_an_adaptive_run_refits_from_the_iterations_it_times_and_plans_on_the_re
         assert trained == (plan["lbs"], plan["assignments"])
         assert observed.iterations >= 10 and observed.measured_s == refit["measured_s"]
         assert observed.predicted_s == refit["predicted_before_s"]
-        # Towards the measurement (far below the 30 ms profile), not past it; by how much depends on the host's
-        # load (a busy host's measurement weighs as the profile: tests/test_perfmodel_online.py).
-        assert observed.measured_s < refit["predicted_after_s"] < refit["predicted_before_s"], refit
+        # Towards the measurement, not past it; by how much depends on the host's load (a busy host's measurement
+        # weighs as the profile: tests/test_perfmodel_online.py). Once earlier refits brought the model near the
+        # measurement, the next measurement may lie on either side of what it predicts.
+        low, high = sorted((observed.measured_s, refit["predicted_before_s"]))
+        assert low <= refit["predicted_after_s"] <= high, refit
         assert max(record.compute.values()) < 1.0, record.compute
     # Each decision after a refit plans with it: the same plan is predicted as that refit predicted it.
     for (_, first), (_, second) in itertools.pairwise(refits):
         assert second["predicted_before_s"] == pytest.approx(first["predicted_after_s"], rel=1e-9)
     assert refits[0][1]["predicted_before_s"] == pytest.approx(2 * 0.030, rel=0.05)  # the profile's two micro-steps
+    assert refits[0][1]["measured_s"] < refits[0][1]["predicted_after_s"] < refits[0][1]["predicted_before_s"]
     assert _digests(profiles) == before
     in_use = job_refit(loaded)  # the next run of the job starts from the newest
     assert in_use is not None and in_use.record.generation == len(refits)
