@@ -94,7 +94,6 @@ class AdaptiveBatching:
         self.loaded, self.settings, self.rank = loaded, loaded.config.batching, rank
         self.dataset_size = dataset_size
         self.low, self.high = bounds(self.settings, dataset_size)
-        self.loaded = loaded
         self.replanner = make_replanner(loaded, plan, dataset_size)
         self.refit = RunRefit(loaded) if rank == 0 and self.replanner.source == "solver" else None
         """Rank 0 refits the solver's model from the iterations it times (:mod:`jabascli.adaptive.online_refit`)."""
@@ -309,6 +308,8 @@ class AdaptiveBatching:
     def _refit(self, plan: TrainingPlan) -> dict[str, Any]:
         """Rank 0, at a decision: refit the model from ``plan``'s timed iterations when there are enough, and build
         the solver's candidates again on it; the adjustment event's ``refit`` field (empty when none was made)."""
+        if self.refit is None or not self.refit.ready:
+            return {}
         current = [(r.vsw, r.ga) for r in plan.ranks]
         predicted = next(
             (
@@ -318,7 +319,7 @@ class AdaptiveBatching:
             ),
             None,
         )
-        learned = self.refit.learn(plan, predicted) if self.refit is not None else None
+        learned = self.refit.learn(plan, predicted)
         if learned is None:
             return {}
         candidates = solver_candidates(self.loaded, plan, self.low, self.high)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from jabascli.config import LoadedConfig
@@ -64,11 +65,17 @@ class RunRefit:
         """The next iteration starts now (after the decision point's own work)."""
         self._started = self.clock()
 
+    @property
+    def ready(self) -> bool:
+        """Whether there are :data:`MIN_ITERATIONS` timed iterations, of a weight sync the model predicts."""
+        return len(self.times) >= MIN_ITERATIONS and self.weight_sync in ("sequential", "overlap")
+
     def learn(self, plan: TrainingPlan, predicted_s: float | None) -> Learned | None:
-        """Refit from ``plan``'s timed iterations, once there are :data:`MIN_ITERATIONS`; None until then, or when
-        the model cannot take them (a weight sync it does not predict, profiles it cannot read or write)."""
-        if len(self.times) < MIN_ITERATIONS or self.weight_sync not in ("sequential", "overlap"):
+        """Refit from ``plan``'s timed iterations once :attr:`ready`; None until then, or when the profiles cannot
+        be read or the refit written."""
+        if not self.ready:
             return None
+        assert self.weight_sync is not None
         load = os.getloadavg()[0]
         this = ObservedPlan(
             lbs=plan.lbs,
@@ -90,7 +97,5 @@ class RunRefit:
 
 def assignments(plan: TrainingPlan) -> list[ObservedAssignment]:
     """``plan``'s ranks as the solver's assignments: the devices of one server with the same (VSW, GA)."""
-    counts: dict[tuple[str, int, int], int] = {}
-    for r in plan.ranks:
-        counts[(r.server, r.vsw, r.ga)] = counts.get((r.server, r.vsw, r.ga), 0) + 1
+    counts = Counter((r.server, r.vsw, r.ga) for r in plan.ranks)
     return [ObservedAssignment(server=s, gpus=n, vsw=v, ga=g) for (s, v, g), n in counts.items()]

@@ -234,7 +234,7 @@ def network_file(folder: Path) -> Path:
 
 def profiled_models(folder: Path) -> list[str]:
     """The models with a block profile under ``<folder>/hybrid/``, sorted."""
-    return sorted(p.parent.name for p in (folder / "hybrid").glob(f"*/{blocks_file(Path()).name}"))
+    return sorted(p.parent.name for p in (folder / "hybrid").glob("*/blocks.json"))
 
 
 def write_profiles(folder: Path, profiles: HybridProfiles) -> list[Path]:
@@ -263,7 +263,7 @@ def read_profiles(folder: Path, model: str) -> HybridProfiles:
         raise InputError.at(blocks_file(where), None, "no hybrid block profile (run `jabas profile import`)")
     blocks = _parse(ModelBlocks, blocks_file(where))
     devices = {}
-    for path in sorted(where.glob(device_file(Path(), "*").name)):
+    for path in sorted(where.glob("device-*.json")):
         dev = _parse(DeviceTimes, path)
         assert isinstance(dev, DeviceTimes)
         devices[dev.device] = dev
