@@ -245,11 +245,13 @@ def test_after_a_short_digits_run_the_refit_predicts_it_and_the_next_run_starts_
     write_comp_profile(profiles / "computation", "fast", comp)
     write_bucket_profile(profiles / "bucket", BucketProfile(model="digits", bucket_size_distribution=[0.1]))
     write_comm_profile(profiles / "comm", CommProfile(kind="intra", ideal_ms=[0.1, 1.0], measured_ms=[0.2, 1.1]))
-    job = {"name": "digits", "workload": "digits", "lbs": 32, "epochs": 2, "options": {"width": 4}}
+    job = {"name": "digits", "workload": "digits", "lbs": 32, "epochs": 4, "options": {"width": 4}}
     config = job_config(tmp_path, [{"name": "fast", "device_type": "cpu", "devices": 1}], profiles, job)
     before = digests(profiles)
 
-    first = run_digits(config, "--gbs", "64", "--max-steps", "30")
+    # 75 timed iterations: the profile, worth 2 iterations, keeps under 3% of the way in log time, so the refit
+    # lands within 5% of the measurement even where this host runs twice as fast as the profiles say.
+    first = run_digits(config, "--gbs", "64", "--max-steps", "80")
     assert first.returncode == 0, first.stderr + first.stdout
     run = tmp_path / "runs" / "digits"
     record = read_refit(run / "perfmodel" / "refit-1.json")
@@ -259,7 +261,7 @@ def test_after_a_short_digits_run_the_refit_predicts_it_and_the_next_run_starts_
     # The measurement, read from steps.csv here: its rows' medians, each counted once per iteration it covers.
     with (run / "steps.csv").open() as f:
         rows = [(int(r["step"]), float(r["iteration_s"])) for r in csv.DictReader(f)]
-    assert rows[-1][0] == 30 and observed.measured_s == pytest.approx(_median_after_warmup(rows))
+    assert rows[-1][0] == 80 and observed.measured_s == pytest.approx(_median_after_warmup(rows))
     after = predicted_before * record.compute["fast"]  # every term of a one-server plan is computation
     assert (observed.measured_s - after) / after == pytest.approx(record.error_after, rel=1e-6, abs=1e-9)
     assert f"generation 1, {run / 'perfmodel' / 'refit-1.json'}" in first.stdout.replace("\n", "")
