@@ -240,3 +240,37 @@ def test_survivors_check_they_hold_the_same_state_before_training_on(tmp_path: P
     for rank in (0, 1):  # both ranks see it, so both stop
         seen = Path(f"{out}-{rank}").read_text()
         assert "the survivors of a lost peer disagree on where training stands" in seen, seen
+
+
+def _late_rank(rank: int, port: int, generation: int | None, out: str) -> None:
+    """Rank 1 comes 2.5 s late to a group whose collective timeout is 1 s; then one all-reduce."""
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from jabascli.engine.distributed import DistEnv, init_process_group, wait_for_generation
+
+    env = DistEnv(rank, 2, rank, "127.0.0.1", port, generation)
+    if rank == 1:
+        time.sleep(2.5)
+    wait_for_generation(env)
+    init_process_group(env, torch.device("cpu"), timedelta(seconds=1))
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    Path(f"{out}-{rank}").write_text(str(total.item()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("generation", [None, 1])
+def test_a_rank_slower_to_start_than_the_collective_timeout_still_forms_the_group(
+    tmp_path: Path, generation: int | None
+) -> None:
+    """The collective timeout is for a peer lost in training: a rank still importing torch on a busy host (a
+    restart's) joins as long as the store waits, with a plain rendezvous and with an elastic generation's."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "sum"
+    mp.spawn(_late_rank, args=(free_port(), generation, str(out)), nprocs=2)
+    assert [Path(f"{out}-{rank}").read_text() for rank in (0, 1)] == ["3.0", "3.0"]

@@ -140,10 +140,21 @@ def init_process_group(env: DistEnv, device: torch.device, timeout: timedelta = 
         assert env.master_addr is not None and env.master_port is not None
         bind_gloo_towards(env.master_addr)
         store = rendezvous_store(env.master_addr, env.master_port, env.rank == 0)
+        _all_arrived(store, env)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     else:
         _join_generation(env, backend, timeout)
     return True
+
+
+def _all_arrived(store: dist.Store, env: DistEnv) -> None:
+    """Wait (as long as the store waits) until every rank has come to form the group.
+
+    The group's own connection step is bound by ``timeout``, the collective timeout, which is meant for
+    a peer lost in training, not for one still starting (importing torch, loading data on a busy host).
+    """
+    store.set(f"arrived/{env.rank}", "1")
+    store.wait([f"arrived/{r}" for r in range(env.world_size)], STORE_TIMEOUT)
 
 
 def rejoin(env: DistEnv, device: torch.device, timeout: timedelta = COLLECTIVE_TIMEOUT) -> None:
@@ -219,6 +230,7 @@ def _join_generation(env: DistEnv, backend: str, timeout: timedelta) -> None:
     bind_gloo_towards(env.master_addr)
     wait_for_generation(env)
     store = dist.PrefixStore(f"g{env.generation}/", _store(env))
+    _all_arrived(store, env)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
