@@ -23,6 +23,22 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"]
 
 
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_failed_write_keeps_the_old_file_durable_or_not(tmp_path: Path, durable: bool) -> None:
+    """Not durable (an agent's order to its trainer) skips the fsyncs, never the rename."""
+    target = tmp_path / "control-g1"
+    atomic_write(target, lambda f: f.write(b"epoch"), durable=durable)
+
+    def explode(f):  # type: ignore[no-untyped-def]
+        f.write(b'{"when": "rec')
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        atomic_write(target, explode, durable=durable)
+    assert target.read_text() == "epoch"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["control-g1"]
+
+
 def test_creates_missing_folders(tmp_path: Path) -> None:
     target = tmp_path / "a" / "b" / "c.json"
     atomic_write_json(target, [1, 2])

@@ -73,6 +73,9 @@ LOG_TAIL = 4000
 URGENT_S, URGENT_FOR_S = 0.01, 5.0
 """After a trainer's ``peer_lost`` (engine/recovery.py), heartbeats every URGENT_S for at most URGENT_FOR_S, or
 until it hands over: the recovery order comes in a heartbeat's reply."""
+ORDER_WAIT_S = 0.25
+"""Once every trainer here waits for its recovery order (nothing else will come from them), a heartbeat asks the
+scheduler to hold its reply this long: the order comes back the moment it is decided."""
 BACKOFF_S = (0.2, 5.0)
 """First and largest wait between attempts to reach the scheduler."""
 
@@ -107,6 +110,8 @@ class Trainer:
     buffer: bytes = b""
     kill_at: float | None = None
     reported: bool = False
+    awaits_order: bool = False
+    """It lost a peer and waits for its recovery order (until it hands over)."""
 
 
 @dataclass
@@ -218,13 +223,14 @@ class WorkerAgent:
                 wait = min(wait * 2, BACKOFF_S[1])
 
     def _beat(self) -> Heartbeat:
-        running = [
-            RunningTrainer(generation=t.generation, rank=t.rank, pid=t.proc.pid)
-            for r in self.runs
-            for t in r.trainers
-            if t.proc.poll() is None
-        ]
-        return Heartbeat(running=running, events=list(self.pending_events), exits=list(self.pending_exits))
+        live = [t for r in self.runs for t in r.trainers if t.proc.poll() is None]
+        waiting = bool(live) and all(t.awaits_order for t in live)
+        return Heartbeat(
+            running=[RunningTrainer(generation=t.generation, rank=t.rank, pid=t.proc.pid) for t in live],
+            events=list(self.pending_events),
+            exits=list(self.pending_exits),
+            wait_s=ORDER_WAIT_S if waiting else 0.0,
+        )
 
     # -- commands ----------------------------------------------------------------------------------
 
@@ -342,9 +348,9 @@ class WorkerAgent:
                         t.kill_at = deadline
             elif run.control is not None and command.handoff is not None:
                 request = {"when": command.when, "handoff": command.handoff.model_dump()}
-                atomic_write_text(run.control, json.dumps(request))
+                atomic_write_text(run.control, json.dumps(request), durable=False)  # read at once, or never
             elif run.control is not None:
-                atomic_write_text(run.control, command.when)
+                atomic_write_text(run.control, command.when, durable=False)
 
     # -- trainers ----------------------------------------------------------------------------------
 
@@ -371,9 +377,10 @@ class WorkerAgent:
                     if isinstance(event, dict):
                         if event.get("event") == "handoff":
                             run = self._handed_over(run, t, event)
-                            self.urgent_until = 0.0
+                            self.urgent_until, t.awaits_order = 0.0, False
                         elif event.get("event") == "peer_lost":  # its order is on the way: fetch it soon
                             self.urgent_until = self.clock() + URGENT_FOR_S
+                            t.awaits_order = event.get("in_place") is not False  # False: it exits instead
                         self.pending_events.append(TrainerEvent(generation=run.generation, event=finite_only(event)))
 
     def _handed_over(self, run: Run, t: Trainer, event: dict[str, object]) -> Run:

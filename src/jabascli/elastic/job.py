@@ -155,6 +155,17 @@ class Scheduler:
                 why = f"trainer rank {ex.rank} on {worker.server} exited with code {ex.code}"
                 self._fail(why, tail, (ex.generation, {ex.rank}))
         self._advance()
+        return self.commands_for(rank)
+
+    def has_commands(self, rank: int) -> bool:
+        """A command waits for worker ``rank``, or the job is over (what a held heartbeat waits for)."""
+        worker = self.workers.get(rank)
+        return self.state in TERMINAL or (worker is not None and bool(worker.commands))
+
+    def commands_for(self, rank: int) -> Commands:
+        """The commands waiting for worker ``rank`` (handed over once), and whether the job is over."""
+        worker = self.workers[rank]
+        worker.last_seen = self.clock()  # a held heartbeat: its agent was there all along
         commands, worker.commands = worker.commands, []
         return Commands(commands=commands, shutdown=self.state in TERMINAL)
 

@@ -107,6 +107,11 @@ class TrainerEvent(Message):
         return event
 
 
+MAX_HEARTBEAT_WAIT_S = 2.0
+"""The longest a heartbeat may ask to be held (:attr:`Heartbeat.wait_s`); the scheduler holds it at most half
+its ``heartbeat_timeout_s`` too."""
+
+
 class RunningTrainer(Message):
     generation: NonNegativeInt
     rank: NonNegativeInt
@@ -118,6 +123,9 @@ class Heartbeat(Message):
     """The trainers still running on this node."""
     events: list[TrainerEvent] = Field(default_factory=list, max_length=10_000)
     exits: list[TrainerExit] = Field(default_factory=list, max_length=10_000)
+    wait_s: float = Field(0.0, ge=0.0, le=MAX_HEARTBEAT_WAIT_S)
+    """How long the scheduler may hold the reply until a command for this node is due (every trainer here
+    waits for its recovery order: the reply goes out the moment the order is decided, not a beat later)."""
 
 
 class StartCommand(Message):

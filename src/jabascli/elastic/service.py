@@ -8,13 +8,18 @@ number included) gets 422 naming the offending fields, with at most a short
 excerpt of the input, never a traceback; a body over ``[scheduler]
 max_body_bytes`` gets 413 before it is read whole. Library errors map to
 HTTP: :class:`InputError` -> 422, :class:`Conflict` -> 409.
+
+A heartbeat may ask to be held (``wait_s``: its node's trainers wait for a
+recovery order): its reply then goes out as soon as any request or the watchdog
+gives that node a command, instead of at its next beat.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -38,9 +43,18 @@ def create_app(scheduler: Scheduler, token: str, max_body_bytes: int = DEFAULT_M
     """The API of ``scheduler``, answering only requests that present ``token`` with bodies of at most
     ``max_body_bytes``."""
 
+    changed = threading.Condition(scheduler.lock)
+    """Notified after every call that may have changed the job: a held heartbeat looks for its commands."""
+
+    @contextlib.contextmanager
+    def changing() -> Iterator[None]:
+        with changed:
+            yield
+            changed.notify_all()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(_watchdog(scheduler))
+        task = asyncio.create_task(_watchdog(scheduler, changing))
         try:
             yield
         finally:
@@ -84,13 +98,19 @@ def create_app(scheduler: Scheduler, token: str, max_body_bytes: int = DEFAULT_M
 
     @app.post("/v1/workers", responses={409: {"description": "rank already registered"}})
     def register(registration: Registration) -> Registered:
-        with scheduler.lock:
+        with changing():
             return scheduler.register(registration)
 
     @app.post("/v1/workers/{rank}/heartbeat", responses={409: {"description": "worker not registered"}})
     def heartbeat(rank: int, beat: Heartbeat) -> Commands:
-        with scheduler.lock:
-            return scheduler.heartbeat(rank, beat)
+        with changing():
+            reply = scheduler.heartbeat(rank, beat)
+            if reply.commands or reply.shutdown or beat.wait_s <= 0:
+                return reply
+            changed.notify_all()  # this beat's own news first: it may be what the others wait for
+            hold = min(beat.wait_s, scheduler.loaded.config.scheduler.heartbeat_timeout_s / 2)  # never "silent"
+            changed.wait_for(lambda: scheduler.has_commands(rank), timeout=hold)
+            return scheduler.commands_for(rank)
 
     @app.get("/v1/job")
     def job() -> JobStatus:
@@ -99,12 +119,12 @@ def create_app(scheduler: Scheduler, token: str, max_body_bytes: int = DEFAULT_M
 
     @app.post("/v1/job/move", responses={409: {"description": "the job is over or stopping"}})
     def move(request: MoveRequest) -> JobStatus:
-        with scheduler.lock:
+        with changing():
             return scheduler.move(request.servers, request.when)
 
     @app.post("/v1/job/stop")
     def stop(request: StopRequest) -> JobStatus:
-        with scheduler.lock:
+        with changing():
             return scheduler.stop(request.when)
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # the outermost: before anything reads a body
@@ -166,10 +186,10 @@ class BodyLimit:
         await JSONResponse({"detail": detail}, status_code=413)(scope, receive, send)
 
 
-async def _watchdog(scheduler: Scheduler) -> None:
+async def _watchdog(scheduler: Scheduler, changing: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
     while True:
         await asyncio.sleep(WATCHDOG_S)
-        with scheduler.lock:
+        with changing():
             scheduler.check_heartbeats()
 
 
