@@ -1,8 +1,9 @@
 """What a trainer's process keeps across a move in place: the workload, its datasets and loader workers.
 
-None of it depends on the plan or the world. A warm spare (:mod:`jabascli.cli.spare`) prepares them
-before it becomes a trainer (:func:`prepare_inputs`), so that a rank started for a move has its data
-before the move happens rather than during it.
+None of it depends on the plan or the world; nor does a freshly built model, which a survivor of a lost
+peer builds ahead while its recovery order travels (:func:`fresh_model`). A warm spare
+(:mod:`jabascli.cli.spare`) prepares them before it becomes a trainer (:func:`prepare_inputs`), so that a
+rank started for a move has its data before the move happens rather than during it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from jabascli.config import LoadedConfig
 from jabascli.engine.loader import MicroBatchFeed
@@ -25,6 +28,16 @@ class Inputs:
     val_set: Any
     feed: MicroBatchFeed | None
     """The loader workers (persistent processes), or None when loading in the trainer."""
+    model: torch.nn.Module | None = None
+    """The next trainer's model, built ahead by :func:`fresh_model` (its state is restored next); None: the
+    trainer builds it."""
+
+
+def fresh_model(workload: Workload, seed: int, device: torch.device) -> torch.nn.Module:
+    """The workload's model as a trainer builds it: the global RNG seeded with the job's seed first, so that
+    the RNG stands where building leaves it whichever of the two built it."""
+    torch.manual_seed(seed)
+    return workload.build_model().to(device)
 
 
 _prepared: tuple[tuple[str, ...], Inputs] | None = None

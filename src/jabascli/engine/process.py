@@ -33,7 +33,7 @@ from jabascli.engine.distributed import (
     wait_for_generation,
 )
 from jabascli.engine.events import EventSink
-from jabascli.engine.inputs import take_prepared
+from jabascli.engine.inputs import fresh_model, take_prepared
 from jabascli.engine.layout import checkpoint_folder, run_folder
 from jabascli.engine.metrics import EpochResult, MetricsWriter, open_metrics
 from jabascli.engine.options import TrainOptions
@@ -99,13 +99,18 @@ def run_trainer(
                     results += trainer.fit(metrics)
                 except Exception as exc:
                     # A lost peer (engine/recovery.py): wait for the controller's order, or raise as always.
-                    order = lost_peer(trainer, env, exc, on_event)
-                    if order is None:
+                    survivor = lost_peer(trainer, env, exc, on_event)
+                    if survivor is None:
                         raise
-                    if order.env is None:
-                        return results  # its server is left out of the next generation
+                    # While the report travels and the controller decides: the old trainer goes (a reference
+                    # cycle holds it), and the next one's model is built (it depends on neither plan nor world).
                     inputs, trainer = trainer.inputs(), None
                     gc.collect()
+                    model = fresh_model(inputs.workload, loaded.config.job.seed, device)
+                    order = survivor.wait_for_order()
+                    if order.env is None:
+                        return results  # its server is left out of the next generation
+                    inputs = dataclasses.replace(inputs, model=model)
                     written, env = order.payload, order.env
                     plan = plan_from_dict(order.handoff.plan, loaded, "recovery order")
                     options = dataclasses.replace(options, resume=checkpoint_folder(loaded))  # read from memory

@@ -17,7 +17,8 @@ Under an elastic controller (``JABAS_GENERATION`` set) a plain IIDP trainer then
    bucket of ``overlap`` already stepped) cannot be undone here: the trainer
    raises, and the controller restarts the job from its checkpoint;
 2. reports it (``peer_lost`` event: its rank, step, when, and whether it can
-   recover) and waits for the controller's order, a *recovery handoff*
+   recover), frees its old trainer and builds the next one's model while the
+   report travels, and waits for the controller's order, a *recovery handoff*
    (:class:`~jabascli.engine.handoff.Handoff`: the next generation, old -> new
    ranks, the plan for the servers left). Rank 0 reads it from its control file
    (``{"when": "recover", "handoff": {...}}``) and publishes it as JSON under
@@ -41,6 +42,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -55,7 +57,10 @@ from jabascli.errors import JabasError, RuntimeFailure
 
 RECOVER = "recover"
 """The ``when`` of a recovery order in rank 0's control file, and the store key it is published under."""
-POLL_S = 0.005
+POLL_S = 0.001
+"""How often rank 0 looks for its recovery order in its control file."""
+STORE_WAIT = timedelta(seconds=1)
+"""The other survivors wait on the store's key in waits this long."""
 
 
 class Recoverable(Protocol):
@@ -93,15 +98,33 @@ class Order:
     failed_at: float
 
 
+@dataclass(frozen=True)
+class Survivor:
+    """A trainer that lost a peer and goes on from memory once the controller's order comes."""
+
+    env: DistEnv
+    control: Path | None
+    """Rank 0's control file, where its order comes."""
+    payload: dict[str, Any]
+    failed_at: float
+
+    def wait_for_order(self) -> Order:
+        """Wait here until the controller's order comes (or a stop signal)."""
+        handoff = _wait_for_order(self.env, self.control)
+        return Order(handoff, handoff.env_for(self.env), self.payload, self.failed_at)
+
+
 def lost_peer(
     trainer: Recoverable | None, env: DistEnv, exc: BaseException, on_event: EventSink | None
-) -> Order | None:
-    """After ``exc`` ended training: the recovery order, or None when this is no case for recovery in place.
+) -> Survivor | None:
+    """After ``exc`` ended training: this trainer as a survivor, or None when this is no case for recovery
+    in place.
 
     None (the caller re-raises) outside an elastic controller, on one rank, for bad input, under a
     ``[parallel]`` layout, and with ``[scheduler] recover_in_place = false`` (after its report). A trainer
-    whose failed iteration already applied an update reports that and raises. Otherwise it waits here until
-    the controller's order comes (or it is stopped by signal).
+    whose failed iteration already applied an update reports that and raises. Otherwise it has reported,
+    and its state is kept: the caller frees the old trainer and builds ahead while the order travels, then
+    waits for it (:meth:`Survivor.wait_for_order`).
     """
     if trainer is None or env.generation is None or env.world_size == 1:
         return None
@@ -130,9 +153,7 @@ def lost_peer(
         ) from exc
     if trainer.in_flight is not None:
         trainer.buffers.abandon()
-    payload = in_memory_checkpoint(trainer)
-    handoff = _wait_for_order(env, trainer.control.path)
-    return Order(handoff, handoff.env_for(env), payload, failed_at)
+    return Survivor(env, trainer.control.path, in_memory_checkpoint(trainer), failed_at)
 
 
 def in_memory_checkpoint(trainer: Recoverable) -> dict[str, Any]:
@@ -142,7 +163,10 @@ def in_memory_checkpoint(trainer: Recoverable) -> dict[str, Any]:
 
 def check_agreement(trainer: Recoverable, device: torch.device) -> None:
     """Every survivor of a recovery holds the same state (RuntimeFailure otherwise): one all-reduce of
-    the progress and of sums over the parameters and the optimizer's state, as their maxima and minima."""
+    the progress and of sums over the parameters and the optimizer's state, as their maxima and minima.
+    A lone survivor has no one to disagree with."""
+    if dist.get_world_size() == 1:
+        return
     p = trainer.progress
     numbers = [torch.tensor(float(v), dtype=torch.float64, device=device) for v in (p.epoch, p.position, p.step)]
     zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -180,8 +204,12 @@ def _wait_for_order(env: DistEnv, control: Path | None) -> Handoff:
         data = _take_order(control)
         store.set(key, json.dumps(data).encode())
     else:
-        while not store.check([key]):
-            time.sleep(POLL_S)
+        while True:
+            try:
+                store.wait([key], STORE_WAIT)  # wakes the moment rank 0 publishes it
+                break
+            except dist.DistStoreError:  # not yet: wait again (a stop signal gets in between); a lost store
+                continue  # raises DistNetworkError, which ends this trainer
         raw = store.get(key)
         if len(raw) > MAX_BYTES:
             raise RuntimeFailure.at(None, None, f"a recovery order of {len(raw)} bytes")

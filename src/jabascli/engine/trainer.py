@@ -42,7 +42,7 @@ from jabascli.engine.control import StopControl
 from jabascli.engine.data import BatchLoader
 from jabascli.engine.events import EventSink
 from jabascli.engine.faults import FaultInjector
-from jabascli.engine.inputs import Inputs
+from jabascli.engine.inputs import Inputs, fresh_model
 from jabascli.engine.layout import run_folder
 from jabascli.engine.loader import MicroBatchFeed, default_loader_workers
 from jabascli.engine.memory_limit import MemoryLimit
@@ -107,8 +107,8 @@ class Trainer:
 
         # What to train, and where training stands.
         self.workload: Workload = inputs.workload if inputs else workload_of(loaded)
-        torch.manual_seed(cfg.job.seed)
-        model = self.workload.build_model().to(device)
+        built = inputs.model if inputs is not None else None
+        model = built if built is not None else fresh_model(self.workload, cfg.job.seed, device)
         # [parallel] (docs/hybrid.md): a layout is built once the process group exists (connect).
         self.layout = trainer_layout(loaded, self.workload, model, plan.parallel)
         if self.layout is not None:
