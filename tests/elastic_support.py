@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -145,9 +145,12 @@ def write_config(
 
 
 @contextmanager
-def serving(loaded: LoadedConfig, token: str = TOKEN) -> Iterator[tuple[str, Scheduler]]:
-    """A real scheduler server on loopback, in a thread; yields its base URL and its state."""
-    scheduler = Scheduler(loaded)
+def serving(
+    loaded: LoadedConfig, token: str = TOKEN, clock: Callable[[], float] | None = None
+) -> Iterator[tuple[str, Scheduler]]:
+    """A real scheduler server on loopback, in a thread; yields its base URL and its state. ``clock``: the
+    scheduler's (its timeouts), when not the real one."""
+    scheduler = Scheduler(loaded) if clock is None else Scheduler(loaded, clock)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(create_app(scheduler, token), host="127.0.0.1", port=port, log_level="error")

@@ -157,6 +157,11 @@ class Scheduler:
         self._advance()
         return self.commands_for(rank)
 
+    def deciding(self) -> bool:
+        """A failure was seen and is not decided yet: a recovery order may be on its way (a heartbeat is held
+        only then)."""
+        return self.failures.pending is not None
+
     def has_commands(self, rank: int) -> bool:
         """A command waits for worker ``rank``, or the job is over (what a held heartbeat waits for)."""
         worker = self.workers.get(rank)

@@ -10,8 +10,9 @@ max_body_bytes`` gets 413 before it is read whole. Library errors map to
 HTTP: :class:`InputError` -> 422, :class:`Conflict` -> 409.
 
 A heartbeat may ask to be held (``wait_s``: its node's trainers wait for a
-recovery order): its reply then goes out as soon as any request or the watchdog
-gives that node a command, instead of at its next beat.
+recovery order). While a failure is being decided, its reply then goes out as
+soon as any request or the watchdog gives that node a command or decides the
+failure, instead of at its next beat.
 """
 
 from __future__ import annotations
@@ -105,11 +106,11 @@ def create_app(scheduler: Scheduler, token: str, max_body_bytes: int = DEFAULT_M
     def heartbeat(rank: int, beat: Heartbeat) -> Commands:
         with changing():
             reply = scheduler.heartbeat(rank, beat)
-            if reply.commands or reply.shutdown or beat.wait_s <= 0:
+            if reply.commands or reply.shutdown or beat.wait_s <= 0 or not scheduler.deciding():
                 return reply
             changed.notify_all()  # this beat's own news first: it may be what the others wait for
             hold = min(beat.wait_s, scheduler.loaded.config.scheduler.heartbeat_timeout_s / 2)  # never "silent"
-            changed.wait_for(lambda: scheduler.has_commands(rank), timeout=hold)
+            changed.wait_for(lambda: scheduler.has_commands(rank) or not scheduler.deciding(), timeout=hold)
             return scheduler.commands_for(rank)
 
     @app.get("/v1/job")
