@@ -85,6 +85,8 @@ def _elastic_job(folder: Path, fault: str, weight_sync: str) -> tuple[Path, list
     )
     data = tomllib.loads(config.read_text())
     data["job"]["weight_sync"] = weight_sync
+    if weight_sync == "overlap":
+        data["job"]["bucket_cap_mb"] = 0.004  # about 3 buckets of digits' float64 gradients: overlap interleaves
     config.write_bytes(tomli_w.dumps(data).encode())
     return config, _start(folder, config, fault)
 
@@ -133,7 +135,9 @@ def _logs(folder: Path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "weight_sync"), [("kill", "sequential"), ("hang", "overlap")])
+@pytest.mark.parametrize(
+    ("kind", "weight_sync"), [("kill", "sequential"), ("hang", "overlap"), ("kill_mid_update", "overlap")]
+)
 def test_a_lost_or_hung_rank_is_recovered_in_place_without_a_checkpoint_and_ends_exact(
     tmp_path: Path, kind: str, weight_sync: str
 ) -> None:
@@ -142,7 +146,9 @@ def test_a_lost_or_hung_rank_is_recovered_in_place_without_a_checkpoint_and_ends
     timeout), the scheduler drops B and sends A the recovery order: the same process trains on alone from its
     memory at step 30, not from the checkpoint, B is taken back at a later epoch end as a move in place, and
     the job ends as one process that followed the same GBS history. Under either weight sync: with ``overlap``
-    no bucket is updated from the failed iteration (each is updated once its own all-reduce succeeded)."""
+    no bucket is updated from the failed iteration (each is updated once its own all-reduce succeeded), or,
+    when B dies right after its first bucket update (``kill_mid_update``), A puts back the buckets it had
+    updated from the interrupted step (engine/bucket_undo.py) and redoes it whole."""
     config, processes = _elastic_job(tmp_path, f"1:31:{kind}", weight_sync)
     _slow_until_taken_back(tmp_path, config)
     status = _finish(tmp_path, config, processes)
@@ -154,9 +160,11 @@ def test_a_lost_or_hung_rank_is_recovered_in_place_without_a_checkpoint_and_ends
     assert 0 < recovery["recovered_s"] < 30, recovery
     assert (
         "rank 1 on B exited with code -9" in recovery["failure"]
-        if kind == "kill"
+        if kind.startswith("kill")
         else "collective" in recovery["failure"]
     )
+    # B died after its first bucket update: A had applied it too (its all-reduce completed) and took it back.
+    assert (recovery["updates_taken_back"] or 0) >= (1 if kind == "kill_mid_update" else 0), recovery
     assert (back["reason"], back["in_place"], back["to_servers"]) == ("move", True, ["A", "B"]), back
     # Rank 0 is the process it was before the failure (no trainer was started for generation 2): it read no
     # checkpoint, it went on from memory; B's rank came back as a joiner of generation 3.

@@ -446,6 +446,8 @@ def move_line(move: MoveRecord) -> str:
     where = f"{','.join(move.from_servers)} -> {','.join(move.to_servers)}"
     if move.reason == "recovery":
         lost = "" if move.steps_lost is None else f", {move.steps_lost} steps lost"
+        if move.updates_taken_back:
+            lost += f", {move.updates_taken_back} bucket updates of the interrupted step taken back"
         head = f"recovered {where} in place after a failure ({move.failure}){lost}"
     elif move.reason == "restart":
         head = f"restarted {where} after a failure"

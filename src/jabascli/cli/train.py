@@ -86,7 +86,7 @@ def train(
         resume=resume,
         checkpoint_every=checkpoint_every,
         max_steps=max_steps,
-        bucket_cap_mb=bucket_cap_mb,
+        bucket_cap_mb=bucket_cap_mb if bucket_cap_mb is not None else loaded.config.job.bucket_cap_mb,
         metrics=metrics,
     )
     # What the imports made never becomes garbage: frozen, it is left out of the full collection a

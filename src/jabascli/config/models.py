@@ -56,6 +56,9 @@ class JobConfig(Section):
     """Clip the GBS gradient to this global L2 norm; None: the workload's ``clip_grad_norm``, if any."""
     loader_workers: NonNegativeInt | None = None
     """DataLoader worker processes per trainer; None: 0 on a CPU or emulated device, 2 per GPU."""
+    bucket_cap_mb: float | None = Field(None, gt=0)
+    """DDP's gradient bucket size in MiB for every trainer (``jabas train --bucket-cap-mb`` wins); None: DDP's
+    own (25 MiB after a first bucket of 1 MiB), the buckets the bucket profiler measures."""
 
 
 class ProfilesConfig(Section):

@@ -175,23 +175,9 @@ class Scheduler:
         return Commands(commands=commands, shutdown=self.state in TERMINAL)
 
     def check_heartbeats(self) -> None:
-        """Declare lost every worker silent for ``heartbeat_timeout_s``; their ranks count as killed."""
-        timeout = self.loaded.config.scheduler.heartbeat_timeout_s
-        now = self.clock()
-        silent = [w for w in self.workers.values() if w.alive and now - w.last_seen > timeout]
-        for worker in silent:  # all of them first: a recovery decided on the first keeps none of the others
-            worker.alive = False
-        for worker in silent:
-            gen = self.generation
-            lost = gen.ranks_on.get(worker.server, []) if gen is not None else []
-            if self.retiring is not None:
-                for r in self.retiring.generation.ranks_on.get(worker.server, []):
-                    record_exit(gen, self.retiring, self.retiring.generation.number, r, -9)
-            if gen is not None and any(r not in gen.exits for r in lost):
-                for r in lost:
-                    gen.exits.setdefault(r, -9)
-                why = f"worker {worker.rank} ({worker.server}) missed heartbeats for {timeout:g} s"
-                self._fail(why, [], (gen.number, set(lost)))
+        """Declare lost every worker silent for ``heartbeat_timeout_s`` (their ranks count as killed), and decide
+        a failure whose time is up (elastic/recovery.py)."""
+        self.failures.silent_workers()
         self.failures.decide()  # a hung rank: lost once the others have reported their failed collective
         self._advance()
 

@@ -213,6 +213,9 @@ class MoveRecord(Message):
     """From ``failed_at`` to the end of the first iteration after."""
     steps_lost: int | None = None
     """Completed steps done again after a failure: 0 in place, back to the checkpoint's step on a restart."""
+    updates_taken_back: int | None = None
+    """Bucket updates of the interrupted iteration that a survivor had applied and put back (``overlap`` weight
+    sync, recovery in place: engine/bucket_undo.py); the most any survivor reported."""
     stopped_step: int | None = None
     """The last step before: where the trainers stopped (a move), or the last one reported (a failure)."""
     resumed_step: int | None = None

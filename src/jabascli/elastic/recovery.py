@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from jabascli.config import LoadedConfig
-from jabascli.elastic.generations import Generation, Retiring, Worker, handoff
+from jabascli.elastic.generations import Generation, Retiring, Worker, handoff, record_exit
 from jabascli.elastic.plans import plan_for, survivors
 from jabascli.elastic.progress import Progress
 from jabascli.elastic.protocol import JobState, MoveReason, MoveRecord, StopCommand, When
@@ -59,10 +59,12 @@ class Scheduler(Protocol):
     moves: list[MoveRecord]
     progress: Progress
     message: str
+    workers: dict[int, Worker]
 
     def _alive(self, server: str) -> bool: ...
     def _worker_of(self, server: str) -> Worker | None: ...
     def _new_generation(self, servers: list[str], plan: TrainingPlan, master: tuple[str, int]) -> Generation: ...
+    def _fail(self, why: str, tail: list[str], lost: tuple[int, set[int]] | None = None) -> None: ...
     def _fail_now(self, why: str, tail: list[str]) -> None: ...
     def _moved(self, previous: Generation, nxt: Generation, when: When, reason: MoveReason, **fields: Any) -> None: ...
     def move(self, servers: list[str], when: When = "epoch") -> Any: ...
@@ -84,6 +86,8 @@ class Failure:
     """Ranks that said their collective failed and wait for the recovery order."""
     dirty: set[int] = field(default_factory=set)
     """Ranks that said their failed iteration had applied part of an update (they exit)."""
+    taken_back: int = 0
+    """The most bucket updates a survivor put back (``overlap``)."""
 
 
 class Failures:
@@ -122,8 +126,11 @@ class Failures:
     def reported(self, gen: Generation, event: dict[str, Any]) -> None:
         """A survivor's ``peer_lost`` event: its collective raised, and it waits for the order."""
         rank, step, when, moves = event.get("rank"), event.get("step"), event.get("time"), self.s.moves
+        taken_back = event.get("taken_back")
         if self.recovering == gen.number and moves:  # decided before this survivor spoke: its figures are better
             record = moves[-1]
+            if isinstance(taken_back, int) and taken_back > 0:
+                record.updates_taken_back = max(record.updates_taken_back or 0, taken_back)
             if isinstance(step, int) and record.stopped_step is not None:
                 record.stopped_step = max(record.stopped_step, step)
             if isinstance(when, int | float) and record.failed_at is not None:
@@ -142,6 +149,8 @@ class Failures:
             self.decide()
             return
         failure.reported.add(rank)
+        if isinstance(taken_back, int):
+            failure.taken_back = max(failure.taken_back, taken_back)
         if isinstance(step, int):
             failure.step = max(failure.step, step)  # the scheduler's own is the last reported, maybe older
         if isinstance(when, int | float):
@@ -165,6 +174,26 @@ class Failures:
         if self.pending is None or self.pending.generation != gen.number:
             self.pending = Failure(gen.number, self.s.clock(), time.time(), why, self.s.progress.step)
         return self.pending
+
+    def silent_workers(self) -> None:
+        """Declare lost every worker silent for ``heartbeat_timeout_s``; their ranks count as killed."""
+        s = self.s
+        timeout = s.loaded.config.scheduler.heartbeat_timeout_s
+        now = s.clock()
+        silent = [w for w in s.workers.values() if w.alive and now - w.last_seen > timeout]
+        for worker in silent:  # all of them first: a recovery decided on the first keeps none of the others
+            worker.alive = False
+        for worker in silent:
+            gen = s.generation
+            lost = gen.ranks_on.get(worker.server, []) if gen is not None else []
+            if s.retiring is not None:
+                for r in s.retiring.generation.ranks_on.get(worker.server, []):
+                    record_exit(gen, s.retiring, s.retiring.generation.number, r, -9)
+            if gen is not None and any(r not in gen.exits for r in lost):
+                for r in lost:
+                    gen.exits.setdefault(r, -9)
+                why = f"worker {worker.rank} ({worker.server}) missed heartbeats for {timeout:g} s"
+                s._fail(why, [], (gen.number, set(lost)))
 
     # -- the decision ----------------------------------------------------------------------------------
 
@@ -230,6 +259,8 @@ class Failures:
         rank0.commands.append(StopCommand(generation=gen.number, when="recover", handoff=handoff(s.retiring, nxt)))
         gen.stop_sent = "recover"
         fields = {"failure": failure.why, "failed_at": failure.at, "stopped_step": failure.step}
+        if failure.taken_back:
+            fields["updates_taken_back"] = failure.taken_back
         s._moved(gen, nxt, "now", "recovery", in_place=True, **fields)
         self.recovering = gen.number
         self.wanted = self.wanted or list(gen.servers)

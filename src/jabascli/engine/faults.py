@@ -5,7 +5,11 @@
 - ``exit``: the process ends at once with code 3, without cleanups (as a crash does);
 - ``kill``: it sends itself SIGKILL (as the out-of-memory killer or a lost node does);
 - ``hang``: it stops making progress and never returns (a deadlock, a frozen device), while
-  its process stays alive.
+  its process stays alive;
+- ``kill_mid_update``: it sends itself SIGKILL right after its first bucket update of the
+  step, with ``overlap`` weight sync (a job whose gradients fill two buckets or more), so the
+  other ranks have applied part of the step's update when their next bucket's all-reduce
+  fails (:mod:`jabascli.engine.bucket_undo`). Without ``overlap`` it never fires.
 
 Rank ``RANK`` fires the fault as it begins step ``STEP`` (1 is the first iteration of the
 job), so the other ranks are inside that iteration's collectives when it fails. Each fault
@@ -30,8 +34,8 @@ from typing import Literal, cast
 from jabascli.errors import InputError
 
 FAULT_ENV = "JABAS_FAULT"
-FaultKind = Literal["exit", "kill", "hang"]
-KINDS: tuple[FaultKind, ...] = ("exit", "kill", "hang")
+FaultKind = Literal["exit", "kill", "hang", "kill_mid_update"]
+KINDS: tuple[FaultKind, ...] = ("exit", "kill", "hang", "kill_mid_update")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,13 @@ class FaultInjector:
     def __init__(self, faults: list[Fault], rank: int, folder: Path) -> None:
         self.faults = [f for f in faults if f.rank == rank]
         self.folder = folder
+        self._armed: Fault | None = None
+        """A ``kill_mid_update`` of the step under way, fired by :meth:`after_bucket_update`."""
+
+    @property
+    def in_updates(self) -> bool:
+        """A fault fires inside a step's bucket updates: :meth:`after_bucket_update` must be called."""
+        return any(f.kind == "kill_mid_update" for f in self.faults)
 
     @classmethod
     def from_environ(cls, rank: int, run_folder: Path, environ: Mapping[str, str] | None = None) -> FaultInjector:
@@ -76,9 +87,18 @@ class FaultInjector:
 
     def before_step(self, step: int) -> None:
         """Fire a fault of ``step`` (the step about to run) that has not fired in this job yet."""
+        self._armed = None
         for fault in self.faults:
-            if fault.step == step and self._first_time(fault):
+            if fault.step == step and fault.kind == "kill_mid_update":
+                self._armed = fault
+            elif fault.step == step and self._first_time(fault):
                 _fire(fault.kind)
+
+    def after_bucket_update(self) -> None:
+        """A bucket of the step under way was just updated (``overlap``; called from a communication thread)."""
+        fault, self._armed = self._armed, None
+        if fault is not None and self._first_time(fault):
+            _fire("kill")
 
     def _first_time(self, fault: Fault) -> bool:
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ A collective raises when a peer is gone (gloo: its connection closed) or does no
 answer within ``[scheduler] collective_timeout_s`` (hung, frozen, unreachable).
 Under an elastic controller (``JABAS_GENERATION`` set) a plain IIDP trainer then:
 
-1. abandons the iteration under way, if it changed nothing yet: the optimizer
+1. abandons the iteration under way, which changed nothing: the optimizer
    applied no update from it (with ``overlap`` weight sync no bucket was updated
    either: a bucket updates only once its own all-reduce succeeded,
    :mod:`jabascli.engine.weight_sync`), and the running statistics its forwards
@@ -13,9 +13,12 @@ Under an elastic controller (``JABAS_GENERATION`` set) a plain IIDP trainer then
    optimizer and LR scheduler state, progress (step, sampler position) and GBS
    history are those after the last completed iteration, so the next one redoes
    the failed iteration's samples (the RNG is not rewound: its draws in the
-   failed iteration stay drawn). A failure after an update was applied (a
-   bucket of ``overlap`` already stepped) cannot be undone here: the trainer
-   raises, and the controller restarts the job from its checkpoint;
+   failed iteration stay drawn). With ``overlap`` weight sync, the buckets the
+   failed iteration had already updated are first put back from their undo log
+   (:mod:`jabascli.engine.bucket_undo`). A failure after an update that has no
+   undo log was applied (outside an elastic controller that recovers in place)
+   cannot be undone here: the trainer raises, and the job restarts from its
+   checkpoint;
 2. reports it (``peer_lost`` event: its rank, step, when, and whether it can
    recover), frees its old trainer and builds the next one's model while the
    report travels, and waits for the controller's order, a *recovery handoff*
@@ -23,7 +26,7 @@ Under an elastic controller (``JABAS_GENERATION`` set) a plain IIDP trainer then
    ranks, the plan for the servers left). Rank 0 reads it from its control file
    (``{"when": "recover", "handoff": {...}}``) and publishes it as JSON under
    ``g<N>/recover`` in the job's TCP store, which every trainer is connected to;
-   the others poll that key. Nothing received is unpickled;
+   the others wait on that key. Nothing received is unpickled;
 3. joins the next generation's process group through that store
    (:func:`jabascli.engine.distributed.rejoin`), builds its trainer for the new
    plan from its own state in memory (:func:`in_memory_checkpoint`: the live
@@ -41,19 +44,25 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from jabascli.config import LoadedConfig
+from jabascli.engine.bucket_undo import UndoLog
 from jabascli.engine.checkpoint import CheckpointState, checkpoint_payload
-from jabascli.engine.distributed import DistEnv, rendezvous_store
+from jabascli.engine.distributed import GENERATION_ENV, DistEnv, rendezvous_store
 from jabascli.engine.events import EventSink
 from jabascli.engine.handoff import MAX_BYTES, Handoff
 from jabascli.errors import JabasError, RuntimeFailure
+
+if TYPE_CHECKING:
+    from jabascli.engine.weight_sync import BucketOptimizer
 
 RECOVER = "recover"
 """The ``when`` of a recovery order in rank 0's control file, and the store key it is published under."""
@@ -80,10 +89,30 @@ class Recoverable(Protocol):
     def checkpoint_state(self) -> CheckpointState: ...
 
 
+def _bucket_optimizer(trainer: Any) -> BucketOptimizer | None:
+    return getattr(getattr(getattr(trainer, "workers", None), "gradients", None), "optimizer", None)
+
+
 def updates_applied(trainer: Any) -> int:
     """Optimizer updates a trainer applied so far: its steps, and with ``overlap`` its bucket updates."""
-    bucket = getattr(getattr(getattr(trainer, "workers", None), "gradients", None), "optimizer", None)
-    return int(trainer.step_policy.applied) + int(getattr(bucket, "applied", 0))
+    bucket = _bucket_optimizer(trainer)
+    return int(trainer.step_policy.applied) + int(bucket.applied if bucket is not None else 0)
+
+
+def iteration_begins(trainer: Any) -> int:
+    """An iteration begins: the updates applied so far (what a failure in it is measured against); the bucket
+    updates of the one before are kept for good."""
+    bucket = _bucket_optimizer(trainer)
+    if bucket is not None and bucket.undo is not None:
+        bucket.undo.begin()
+    return updates_applied(trainer)
+
+
+def undo_log(loaded: LoadedConfig, environ: Mapping[str, str] | None = None) -> UndoLog | None:
+    """An undo log for ``overlap``'s bucket updates where a failure is recovered in place (under an elastic
+    controller, ``[scheduler] recover_in_place``), else None (engine/bucket_undo.py)."""
+    env = os.environ if environ is None else environ
+    return UndoLog() if GENERATION_ENV in env and loaded.config.scheduler.recover_in_place else None
 
 
 @dataclass(frozen=True)
@@ -131,6 +160,11 @@ def lost_peer(
     if isinstance(exc, JabasError) or not isinstance(exc, RuntimeError) or trainer.layout is not None:
         return None
     failed_at = time.time()
+    bucket, taken_back = _bucket_optimizer(trainer), 0
+    if trainer.in_flight is not None and bucket is not None and bucket.undo is not None:
+        # overlap: the buckets already updated in the failed iteration are put back (engine/bucket_undo.py)
+        taken_back = bucket.undo.take_back(bucket.optimizer.state)
+        bucket.applied = trainer.in_flight - int(trainer.step_policy.applied)  # none of its updates stands
     dirty = trainer.in_flight is not None and updates_applied(trainer) != trainer.in_flight
     if on_event is not None:
         with contextlib.suppress(OSError):
@@ -142,6 +176,7 @@ def lost_peer(
                     "step": trainer.progress.step,
                     "time": failed_at,
                     "in_place": not dirty,
+                    "taken_back": taken_back,
                     "message": f"{type(exc).__name__}: {exc}"[:300],
                 }
             )

@@ -55,7 +55,7 @@ from jabascli.engine.parallel.runner import (
     trainer_layout,
 )
 from jabascli.engine.plan import TrainingPlan
-from jabascli.engine.recovery import updates_applied
+from jabascli.engine.recovery import iteration_begins
 from jabascli.engine.relayout import changes_layout
 from jabascli.engine.sampler import IIDPSampler, Iteration
 from jabascli.engine.step_policy import StepPolicy, check_precision, step_settings
@@ -335,7 +335,7 @@ class Trainer:
     def train_step(self, iteration: Iteration) -> torch.Tensor:
         """One iteration of this rank; returns the mean loss over all workers of the job."""
         timer = self.timer
-        self.in_flight = updates_applied(self)  # engine/recovery.py: what a failure in this iteration changed
+        self.in_flight = iteration_begins(self)  # engine/recovery.py: what a failure in this iteration changed
         timer.mark("overhead")  # the training loop since the last iteration
         self.vsw.zero_grad()
         self.buffers.begin()

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from jabascli.engine.bucket_undo import UndoLog
 from jabascli.engine.buffers import BufferSync
 from jabascli.engine.options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB
 from jabascli.errors import InputError
@@ -76,7 +77,7 @@ class BucketOptimizer:
     communication threads, one at a time (a lock).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, undo: UndoLog | None = None) -> None:
         if not supports_overlap(optimizer):
             raise ValueError(f"{type(optimizer).__name__} cannot be applied per bucket")
         self.optimizer = optimizer
@@ -84,6 +85,8 @@ class BucketOptimizer:
         self._lock = threading.Lock()
         self.applied = 0
         """Bucket updates applied so far (engine/recovery.py: did a failed iteration change anything?)."""
+        self.undo = undo
+        """Where a job recovers in place: what each update overwrites, to take an interrupted iteration back."""
 
     def step(self, params: Sequence[torch.Tensor]) -> None:
         groups = self.optimizer.param_groups
@@ -93,6 +96,8 @@ class BucketOptimizer:
             if i is not None:
                 subsets[i].append(p)
         with self._lock:
+            if self.undo is not None and not self.undo.save([p for ps in subsets for p in ps], self.optimizer.state):
+                return  # the iteration was taken back: a late all-reduce changes nothing
             saved = [g["params"] for g in groups]
             try:
                 for g, subset in zip(groups, subsets, strict=True):
@@ -116,7 +121,8 @@ class GradientSync:
     SUM-all-reduce in place together with the last bucket (only those of the
     bucket's dtype are asked for). ``tap(params)`` sees replica 0's gradients of
     each bucket before anything is added or reduced (adaptive batching's
-    first-half measurement).
+    first-half measurement). ``after_update`` runs after each bucket's update
+    (``overlap``; a fault injected for tests, engine/faults.py).
     """
 
     def __init__(
@@ -129,6 +135,7 @@ class GradientSync:
         riders: Callable[[torch.dtype], list[torch.Tensor]] | None = None,
         tap: Callable[[Sequence[torch.Tensor]], None] | None = None,
         group: dist.ProcessGroup | None = None,
+        after_update: Callable[[], None] | None = None,
     ) -> None:
         self._index = {p: i for i, p in enumerate(params)}
         self.replicas = [list(r) for r in replicas]
@@ -137,6 +144,7 @@ class GradientSync:
         self.riders = riders
         self.tap = tap
         self.group = group
+        self.after_update = after_update
 
     def register(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         ddp.register_comm_hook(None, self.hook)
@@ -182,6 +190,8 @@ class GradientSync:
                 _unflatten(reduced[0], [buffer, *riders])
             if optimizer is not None:
                 optimizer.step(params)
+                if self.after_update is not None:
+                    self.after_update()
             return buffer
 
         return future.then(done)

@@ -28,8 +28,10 @@ from torch.nn.parallel import DistributedDataParallel
 from jabascli.config import LoadedConfig
 from jabascli.engine.buffers import BufferSync
 from jabascli.engine.distributed import wrap_ddp
+from jabascli.engine.faults import FaultInjector
 from jabascli.engine.parallel.runner import FALLBACK, LayoutWorkers
 from jabascli.engine.plan import TrainingPlan
+from jabascli.engine.recovery import undo_log
 from jabascli.engine.sampler import MicroBatch
 from jabascli.engine.step_policy import StepPolicy
 from jabascli.engine.vsw import Emulation, WorkerStep, build_vsw_strategy, choose_vsw_strategy, make_replicas
@@ -116,6 +118,7 @@ class WorkerInputs(Protocol):
     adaptive: Any
     """Adaptive batching's hook (:mod:`jabascli.adaptive.batching`; ``tap``)."""
     layout_workers: LayoutWorkers | None
+    faults: FaultInjector
 
 
 def rank_workers(trainer: WorkerInputs, same_start: bool) -> RankWorkers:
@@ -160,9 +163,10 @@ def plain_workers(trainer: WorkerInputs, same_start: bool) -> RankWorkers:
     emulation = trainer.emulation
     gradients = GradientSync(
         list(model.parameters()),
-        optimizer=BucketOptimizer(policy.optimizer) if weight_sync == "overlap" else None,
+        optimizer=BucketOptimizer(policy.optimizer, undo_log(loaded)) if weight_sync == "overlap" else None,
         before_last_bucket=emulation.backward_done if emulation.active else None,
         tap=trainer.adaptive.tap,
+        after_update=trainer.faults.after_bucket_update if trainer.faults.in_updates else None,
     )
     gradients.register(ddp)
     workers = build_vsw_strategy(vsw_name, replicas, ddp)
