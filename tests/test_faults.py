@@ -237,6 +237,7 @@ def _agreement_rank(rank: int, port: int, out: str) -> None:
         seen = str(exc)
     with open(f"{out}-{rank}", "w") as f:
         f.write(seen)
+    dist.barrier()  # both are done with the group: one leaving it while the other still reads aborted that one
     dist.destroy_process_group()
 
 
@@ -268,6 +269,7 @@ def _late_rank(rank: int, port: int, generation: int | None, out: str) -> None:
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
     Path(f"{out}-{rank}").write_text(str(total.item()))
+    dist.barrier()
     dist.destroy_process_group()
 
 
