@@ -104,6 +104,7 @@ def lose_a_trainer(folder: Path, name: str, in_place: bool) -> dict[str, Any]:
         "rebuilt_s": record["first_iteration_at"] - record["launched_at"],
         "first_iteration_s": record["first_iteration_s"],
         "redone": record["steps_lost"] + 1,
+        "taken_back": record.get("updates_taken_back") or 0,
         "stopped": record["stopped_step"],
         "resumed": record["resumed_step"],
     }
@@ -140,6 +141,14 @@ def teardown_s(repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def _redone(run: dict[str, Any], expected: str) -> str:
+    """``1 (240->240)``: steps redone (stopped -> resumed), and whether it restarted or took updates back."""
+    notes = [] if run["reason"] == expected else ["restarted"]
+    if run["taken_back"]:
+        notes.append(f"{run['taken_back']} bucket updates taken back")
+    return f"{run['redone']} ({run['stopped']}->{run['resumed']}{''.join(', ' + n for n in notes)})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -159,10 +168,7 @@ def main() -> None:
             label = "in place" if in_place else "restart from checkpoint"
             times = ", ".join(f"{r['to_next_s']:.3f}" for r in runs)
             seen = statistics.median(r["detected_s"] for r in runs)
-            redone = ", ".join(
-                f"{r['redone']} ({r['stopped']}->{r['resumed']}{'' if r['reason'] == expected else ', restarted'})"
-                for r in runs
-            )
+            redone = ", ".join(_redone(r, expected) for r in runs)
             print(f"{name:<12} {label:<22} {medians[in_place]:>9.3f} ({times}) {seen:>8.3f} {redone:>13}")
             parts = {key: statistics.median(r[key] for r in runs) for key in ("decided_s", "rebuilt_s")}
             first = statistics.median(r["first_iteration_s"] for r in runs)
