@@ -111,7 +111,7 @@ def run_trainer(
                     if order.env is None:
                         return results  # its server is left out of the next generation
                     inputs = dataclasses.replace(inputs, model=model)
-                    written, env = order.payload, order.env
+                    written, env = survivor.payload, order.env
                     plan = plan_from_dict(order.handoff.plan, loaded, "recovery order")
                     options = dataclasses.replace(options, resume=checkpoint_folder(loaded))  # read from memory
                     if on_event is not None:

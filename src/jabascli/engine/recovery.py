@@ -122,9 +122,6 @@ class Order:
     handoff: Handoff
     env: DistEnv | None
     """This rank in the next generation; None: it leaves (its server is not in the new allocation)."""
-    payload: dict[str, Any]
-    """This trainer's state after its last completed iteration, in checkpoint form (live tensors)."""
-    failed_at: float
 
 
 @dataclass(frozen=True)
@@ -135,12 +132,12 @@ class Survivor:
     control: Path | None
     """Rank 0's control file, where its order comes."""
     payload: dict[str, Any]
-    failed_at: float
+    """Its state after its last completed iteration, in checkpoint form (live tensors)."""
 
     def wait_for_order(self) -> Order:
         """Wait here until the controller's order comes (or a stop signal)."""
         handoff = _wait_for_order(self.env, self.control)
-        return Order(handoff, handoff.env_for(self.env), self.payload, self.failed_at)
+        return Order(handoff, handoff.env_for(self.env))
 
 
 def lost_peer(
@@ -188,7 +185,7 @@ def lost_peer(
         ) from exc
     if trainer.in_flight is not None:
         trainer.buffers.abandon()
-    return Survivor(env, trainer.control.path, in_memory_checkpoint(trainer), failed_at)
+    return Survivor(env, trainer.control.path, in_memory_checkpoint(trainer))
 
 
 def in_memory_checkpoint(trainer: Recoverable) -> dict[str, Any]:
