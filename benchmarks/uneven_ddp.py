@@ -143,6 +143,7 @@ def _rank(rank: int, spec: UnevenSpec, port: int, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(spec.batches))
     try:
         _train(rank, spec, out)
+        dist.barrier()  # leave together: one rank destroying the group while another still used it aborted that one
     finally:
         dist.destroy_process_group()
 
