@@ -347,8 +347,9 @@ class WorkerAgent:
                         _signal_group(t.proc, signal.SIGTERM)
                         t.kill_at = deadline
             elif run.control is not None and command.handoff is not None:
-                for t in run.trainers:
-                    t.awaits_order = t.awaits_order and command.when != "recover"  # it has come
+                if command.when == "recover":  # the order has come: nothing more to wait for
+                    for t in run.trainers:
+                        t.awaits_order = False
                 request = {"when": command.when, "handoff": command.handoff.model_dump()}
                 atomic_write_text(run.control, json.dumps(request), durable=False)  # read at once, or never
             elif run.control is not None:

@@ -32,10 +32,9 @@ class UndoLog:
         """Per parameter, the buffer its value is copied to before an update (allocated once)."""
         self._state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         """Per parameter, the buffers its optimizer state tensors are copied to."""
-        self._saved: list[tuple[torch.Tensor, dict[str, Any] | None]] = []
-        """This iteration's updated parameters, in order, with the optimizer state they had (None: none yet)."""
-        self._updates = 0
-        """This iteration's bucket updates."""
+        self._saved: list[list[tuple[torch.Tensor, dict[str, Any] | None]]] = []
+        """This iteration's bucket updates, in order: each parameter with the optimizer state it had (None: none
+        yet)."""
         self._lock = threading.Lock()
         self.closed = False
         """Taken back: no further update may be applied (a bucket's all-reduce finishing late is ignored)."""
@@ -44,7 +43,6 @@ class UndoLog:
         """A new iteration: the last one's updates are kept."""
         with self._lock:
             self._saved.clear()
-            self._updates = 0
 
     def save(self, params: Sequence[torch.Tensor], state: dict[torch.Tensor, dict[str, Any]]) -> bool:
         """Before ``params`` are updated: copy them and their optimizer ``state``. False once taken back (the
@@ -52,14 +50,15 @@ class UndoLog:
         with self._lock:
             if self.closed:
                 return False
+            update = []
             with torch.no_grad():
                 for p in params:
                     buffer = self._params.get(p)
                     if buffer is None:
                         buffer = self._params[p] = torch.empty_like(p)
                     buffer.copy_(p)
-                    self._saved.append((p, self._copy_state(p, state.get(p))))
-            self._updates += 1
+                    update.append((p, self._copy_state(p, state.get(p))))
+            self._saved.append(update)
             return True
 
     def take_back(self, state: dict[torch.Tensor, dict[str, Any]]) -> int:
@@ -68,13 +67,14 @@ class UndoLog:
         with self._lock:
             self.closed = True
             with torch.no_grad():
-                for p, saved in reversed(self._saved):
-                    p.copy_(self._params[p])
-                    if saved is None:
-                        state.pop(p, None)  # the update created it
-                    else:
-                        state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
-            count, self._saved, self._updates = self._updates, [], 0
+                for update in reversed(self._saved):
+                    for p, saved in update:
+                        p.copy_(self._params[p])
+                        if saved is None:
+                            state.pop(p, None)  # the update created it
+                        else:
+                            state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
+            count, self._saved = len(self._saved), []
             return count
 
     def _copy_state(self, p: torch.Tensor, state: dict[str, Any] | None) -> dict[str, Any] | None:
