@@ -49,7 +49,8 @@ BucketCapOption = Annotated[
     typer.Option(
         "--bucket-cap-mb",
         min=0.0001,
-        help="DDP gradient bucket size in MiB (default: DDP's own, 25 MiB after a first bucket of 1 MiB).",
+        help="DDP gradient bucket size in MiB (default: [job] bucket_cap_mb, else DDP's own: 25 MiB after a first"
+        " bucket of 1 MiB).",
     ),
 ]
 MaxStepsOption = Annotated[
