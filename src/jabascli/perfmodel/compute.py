@@ -32,12 +32,26 @@ one profiled server; every time here is in seconds.
   Decided at this LBS when a count above 1 was measured here, else at the
   nearest measured LBS below (then above) that has one; a device where no
   count above 1 was measured at any LBS gets 1.
+
+Between two profiled LBS values (an uneven plan's own LBS, :mod:`jabascli.solver.uneven`),
+:func:`interpolate_device_model` interpolates the neighbours' models linearly in
+the batch size: for ``lo < b < hi`` the profiled neighbours and every phase
+(data, forward, backward, spread) at ``v`` VSWs,
+
+    t(b, v) = t(lo, v) + (b - lo) / (hi - lo) * (t(hi, v) - t(lo, v))
+
+A micro-step's compute is close to affine in its batch size between two
+neighbouring profiled sizes (a fixed kernel-launch and framework cost plus a
+per-sample cost), so the chord is what the profiles support. The per-device
+constants (update, copy, BatchNorm sync, overhead) do not depend on the LBS.
+The memory limit is ``hi``'s (a batch between the two needs no more memory
+than ``hi``'s, which fits).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +104,29 @@ class DeviceModel:
 
     def copy_s(self, vsw: ArrayLike) -> FloatArray:
         return self.copy_per_replica_s * (np.asarray(vsw, dtype=np.float64) - 1.0)
+
+
+def interpolate_device_model(low: DeviceModel, high: DeviceModel, lbs: int) -> DeviceModel:
+    """The model at ``lbs``, strictly between ``low.lbs`` and ``high.lbs``: the chord of the two (module doc)."""
+    if not low.lbs < lbs < high.lbs or low.server != high.server:
+        raise ValueError(f"LBS {lbs} is not between {low.server}'s LBS {low.lbs} and {high.server}'s LBS {high.lbs}")
+    w = (lbs - low.lbs) / (high.lbs - low.lbs)
+
+    def chord(a: VswCurve, b: VswCurve) -> VswCurve:
+        counts = sorted(set(a.vsws) | set(b.vsws))
+        return VswCurve.through((v, float(a(v)) + w * (float(b(v)) - float(a(v)))) for v in counts)
+
+    spread = chord(low.spread, high.spread) if low.spread is not None and high.spread is not None else None
+    return replace(
+        low,
+        lbs=lbs,
+        max_vsw=min(low.max_vsw, high.max_vsw),
+        data=chord(low.data, high.data),
+        forward=chord(low.forward, high.forward),
+        backward=chord(low.backward, high.backward),
+        spread=spread,
+        fits_vsw=min(low.fits_vsw or low.max_vsw, high.fits_vsw or high.max_vsw),
+    )
 
 
 def vsw_pays(points: Iterable[CompProfile]) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 from numpy.typing import ArrayLike
 
 from jabascli.perfmodel.comm import BucketTimes, CommModel
-from jabascli.perfmodel.compute import DeviceModel, build_device_model
+from jabascli.perfmodel.compute import DeviceModel, build_device_model, interpolate_device_model
 from jabascli.perfmodel.fit import FloatArray
 from jabascli.perfmodel.iteration import (
     Allocation,
@@ -30,6 +30,8 @@ class GroupConfig:
     gpus: int
     vsw: int
     ga: int
+    lbs: int | None = None
+    """The group's own LBS (an uneven plan's); None: the prediction's."""
 
     @property
     def workers(self) -> int:
@@ -59,7 +61,8 @@ class IterationPrediction:
 
     @property
     def gbs(self) -> int:
-        return self.lbs * sum(g.group.workers for g in self.groups)
+        """Samples per iteration: every group's workers times its own LBS (else the prediction's)."""
+        return sum(g.group.workers * (g.group.lbs or self.lbs) for g in self.groups)
 
     @property
     def time_s(self) -> float:
@@ -93,10 +96,26 @@ class PerformanceModel:
         return list(self._lbs[profile_server])
 
     def device(self, profile_server: str, lbs: int) -> DeviceModel:
+        """The compute model at ``lbs``: profiled, or interpolated between the two profiled LBS around it
+        (:func:`~jabascli.perfmodel.compute.interpolate_device_model`); InputError outside the profiled
+        range (no extrapolation: a larger batch may not fit, and a smaller one's fixed costs are unknown)."""
         key = (profile_server, lbs)
         if key not in self._devices:
-            self._devices[key] = build_device_model(self.profiles, profile_server, lbs, self.folders)
+            values = self.lbs_values(profile_server)
+            low = [b for b in values if b < lbs]
+            high = [b for b in values if b > lbs]
+            fits = (profile_server, lbs) not in self.profiles.memory or self.profiles.max_vsw(profile_server, lbs) > 0
+            if lbs not in values and fits and low and high:
+                below, above = self.device(profile_server, low[-1]), self.device(profile_server, high[0])
+                self._devices[key] = interpolate_device_model(below, above, lbs)
+            else:
+                self._devices[key] = build_device_model(self.profiles, profile_server, lbs, self.folders)
         return self._devices[key]
+
+    def lbs_range(self, profile_server: str) -> tuple[int, int] | None:
+        """The smallest and largest LBS :meth:`device` models on ``profile_server`` (None: none)."""
+        values = self.lbs_values(profile_server)
+        return (values[0], values[-1]) if values else None
 
     def bucket_times(self, allocation: Allocation) -> BucketTimes:
         return self.comm.buckets(allocation.world_size, allocation.servers, allocation.bandwidth)
@@ -113,7 +132,10 @@ class PerformanceModel:
         return iteration_times(device, vsw, ga, weight_sync, buckets)
 
     def predict(self, lbs: int, weight_sync: WeightSyncMethod, groups: Sequence[GroupConfig]) -> IterationPrediction:
-        """Predicted iteration time of the allocation the groups make up, with each group's breakdown."""
+        """Predicted iteration time of the allocation the groups make up, with each group's breakdown.
+
+        A group with its own ``lbs`` (an uneven plan) is predicted at that LBS, interpolated between
+        profiled ones where it was not profiled (:meth:`device`)."""
         if not groups:
             raise ValueError("nothing to predict: no GPU groups")
         for g in groups:
@@ -122,7 +144,9 @@ class PerformanceModel:
         allocation = Allocation.of((g.server, g.gpus) for g in groups)
         buckets = self.bucket_times(allocation)
         predictions = tuple(
-            GroupPrediction(g, breakdown(self.device(g.server.profile_server, lbs), g.vsw, g.ga, weight_sync, buckets))
+            GroupPrediction(
+                g, breakdown(self.device(g.server.profile_server, g.lbs or lbs), g.vsw, g.ga, weight_sync, buckets)
+            )
             for g in groups
         )
         return IterationPrediction(lbs, weight_sync, allocation, buckets, predictions)
