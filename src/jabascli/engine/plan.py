@@ -14,6 +14,13 @@ A plan comes from one of two places:
 Either way ``GBS = LBS * sum over ranks of VSW * (GA + 1)``, and the job has
 ``GBS / LBS`` identical *workers*; rank ``r`` runs the ``VSW_r * (GA_r + 1)``
 workers numbered from :meth:`TrainingPlan.worker_offset` on.
+
+An *uneven* plan (a plan file whose assignments name their own ``lbs``) gives
+rank ``r`` micro-batches of ``LBS_r`` samples, so ``GBS = sum over ranks of
+LBS_r * VSW_r * (GA_r + 1)``: its workers differ in size and every one's mean
+loss is weighted by ``LBS_r * W / GBS`` (1 in an even plan; docs/engine.md). It
+trains a fixed GBS on plain IIDP only: adaptive batching's estimators and the
+``[parallel]`` layouts need identical workers.
 Every check failure is an :class:`~jabascli.errors.InputError` naming the file
 and the field.
 """
@@ -47,6 +54,8 @@ class RankPlan:
     emulated: bool = False
     memory_bytes: int | None = None
     """Emulated servers: the device memory budget the trainer is held to (:mod:`jabascli.engine.memory_limit`)."""
+    lbs: int | None = None
+    """This rank's own LBS in an uneven plan (None: the plan's)."""
 
     @property
     def micro_steps(self) -> int:
@@ -74,12 +83,34 @@ class TrainingPlan:
 
     @property
     def workers(self) -> int:
-        """Identical workers per iteration: ``GBS / LBS``."""
+        """Workers (micro-batches) per iteration: ``GBS / LBS`` in an even plan."""
         return sum(r.micro_steps for r in self.ranks)
 
     @property
     def gbs(self) -> int:
-        return self.lbs * self.workers
+        return sum(r.micro_steps * self.rank_lbs(r.rank) for r in self.ranks)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether some ranks' micro-batches hold more samples than others' (see the module doc)."""
+        return len({self.rank_lbs(r.rank) for r in self.ranks}) > 1
+
+    def rank_lbs(self, rank: int) -> int:
+        """The samples of each of rank ``rank``'s micro-batches."""
+        return self.ranks[rank].lbs or self.lbs
+
+    def sample_offset(self, rank: int) -> int:
+        """Samples of an iteration dealt to the ranks before ``rank``: where its first micro-batch starts."""
+        return sum(r.micro_steps * self.rank_lbs(r.rank) for r in self.ranks[:rank])
+
+    def micro_batch_sizes(self) -> list[int]:
+        """Every worker's samples, in worker order (rank, then VSW, then GA step)."""
+        return [self.rank_lbs(r.rank) for r in self.ranks for _ in range(r.micro_steps)]
+
+    def loss_weight(self, rank: int) -> float:
+        """What rank ``rank``'s micro-batch mean losses are multiplied by before the ``1 / W`` of every worker:
+        ``LBS_r * W / GBS``, their share of the GBS mean loss; exactly 1 in an even plan."""
+        return self.rank_lbs(rank) * self.workers / self.gbs
 
     def replica_micro_batches(self, size: int) -> list[int]:
         """Each replica's micro-batches per iteration, replicas being ``size`` consecutive ranks (``tp x pp`` of a
@@ -109,10 +140,10 @@ class TrainingPlan:
         assignments: list[Assignment] = []
         for r in self.ranks:
             last = assignments[-1] if assignments else None
-            if last and (last.server, last.vsw, last.ga) == (r.server, r.vsw, r.ga):
+            if last and (last.server, last.vsw, last.ga, last.lbs) == (r.server, r.vsw, r.ga, r.lbs):
                 assignments[-1] = dataclasses.replace(last, gpus=last.gpus + 1)
             else:
-                assignments.append(Assignment(r.server, r.device_type, 1, r.vsw, r.ga))
+                assignments.append(Assignment(r.server, r.device_type, 1, r.vsw, r.ga, lbs=r.lbs))
         return Plan(self.gbs, self.lbs, self.weight_sync, None, None, tuple(assignments), self.parallel)
 
     def describe(self) -> str:
@@ -124,7 +155,9 @@ class TrainingPlan:
         return self.to_solver_plan().to_dict()
 
 
-def _rank(rank: int, server: ServerConfig | None, name: str, device_type: str, vsw: int, ga: int) -> RankPlan:
+def _rank(
+    rank: int, server: ServerConfig | None, name: str, device_type: str, vsw: int, ga: int, lbs: int | None = None
+) -> RankPlan:
     emulate = server.emulate if server is not None else None
     return RankPlan(
         rank=rank,
@@ -135,6 +168,7 @@ def _rank(rank: int, server: ServerConfig | None, name: str, device_type: str, v
         slowdown=emulate.slowdown if emulate is not None else 1.0,
         emulated=emulate is not None,
         memory_bytes=emulate.memory_bytes if emulate is not None else None,
+        lbs=lbs,
     )
 
 
@@ -205,9 +239,32 @@ def plan_from_solver(plan: Plan, path: Path | str, loaded: LoadedConfig) -> Trai
                 )
             )
         for _ in range(a.gpus):
-            ranks.append(_rank(len(ranks), server, a.server, a.device_type or server.device_type, a.vsw, a.ga))
+            device_type = a.device_type or server.device_type
+            ranks.append(_rank(len(ranks), server, a.server, device_type, a.vsw, a.ga, a.lbs))
+    if plan.uneven:
+        problems.extend(_uneven_problems(loaded, path))
     if problems:
         raise InputError(problems)
     return TrainingPlan(
         plan.lbs, tuple(ranks), plan.weight_sync, str(path), from_plan_file=True, parallel=plan.parallel
     )
+
+
+def _uneven_problems(loaded: LoadedConfig, path: Path | str) -> list[Problem]:
+    """An uneven plan trains a fixed GBS on plain IIDP: adaptive batching and layouts need identical workers."""
+    cfg = loaded.config
+    problems = []
+    if cfg.batching.metric != "fixed":
+        problems.append(
+            Problem(
+                path,
+                "assignments",
+                f"an uneven plan (assignments with their own lbs) trains a fixed GBS, but [batching] metric is "
+                f"{cfg.batching.metric!r} in {loaded.path}: its estimators need workers of one LBS",
+            )
+        )
+    if cfg.parallel is not None:
+        problems.append(
+            Problem(path, "assignments", f"an uneven plan trains plain IIDP, but {loaded.path} has a [parallel] layout")
+        )
+    return problems

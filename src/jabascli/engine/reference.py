@@ -4,6 +4,8 @@ Per iteration it takes the GBS samples the sampler deals, feeds them in
 micro-batches of LBS in worker order (so BatchNorm sees the same per-micro-batch
 statistics, and every micro-batch is drawn after the same seeding), accumulates
 ``loss / (GBS / LBS)``, and steps the optimizer and the LR scheduler once.
+An uneven plan's micro-batches (``sizes``, in worker order) each weigh
+``size / GBS``: ``loss * (size * W / GBS) / W``, as the trainers compute it.
 With ``[job] precision`` bf16/fp16 the forward runs under autocast and fp16
 scales the loss (``GradScaler``: unscale, skip the step on inf/NaN); a clip
 norm (``[job] clip_grad_norm`` or the workload's) clips the accumulated
@@ -67,7 +69,8 @@ def reference_run(
     dataset = workload.train_dataset()
     load = BatchLoader(dataset, device, workload.collate)
     sampler = IIDPSampler(len(dataset), cfg.job.seed)
-    schedule = schedule or [{"step": 0, "gbs": plan.gbs, "lbs": plan.lbs, "lr_factor": 1.0}]
+    sizes = plan.micro_batch_sizes()
+    schedule = schedule or [{"step": 0, "gbs": plan.gbs, "lbs": plan.lbs, "sizes": sizes, "lr_factor": 1.0}]
     done, epoch, position = 0, 0, 0
     perm = sampler.permutation(epoch)
     while done < steps:
@@ -84,19 +87,24 @@ def reference_run(
             continue
         lr.set_factor(now.get("lr_factor", 1.0))
         optimizer.zero_grad(set_to_none=True)
-        workers = gbs // lbs
+        sizes = now.get("sizes") or [lbs] * (gbs // lbs)
+        workers = len(sizes)
         measuring = halves is not None and halves_every is not None and (done + 1) % halves_every == 0
         first: torch.Tensor | None = None
-        for w in range(workers):
-            at = position + w * lbs
+        at = position
+        for w, size in enumerate(sizes):
             seed_worker(sampler.worker_seed(epoch, at), device)
-            inputs, target = load(perm[at : at + lbs])
+            inputs, target = load(perm[at : at + size])
             with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
                 loss: Any = workload.loss(output, target)
+                weight = size * workers / gbs
+                if weight != 1.0:
+                    loss = loss * weight
             scaler.scale(loss / workers).backward()
             if measuring and w == half_split(workers) - 1:
                 first = _flat_grad(model)
+            at += size
         if halves is not None and first is not None:
             f, t = first, _flat_grad(model)
             scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0

@@ -9,6 +9,10 @@ consecutive chunk::
 
     perm[p + w * LBS : p + (w + 1) * LBS]
 
+In an uneven plan (ranks with their own LBS) a worker's chunk is its own
+size, ``perm[p + o_w : p + o_w + LBS_r]`` with ``o_w`` the samples of the
+workers before it; with one LBS, ``o_w = w * LBS`` as above.
+
 So rank ``r`` gets a share proportional to its ``VSW_r * (GA_r + 1)``, every
 sample is used exactly once per epoch when ``N`` is a multiple of GBS, and the
 position within an epoch is one integer: a checkpoint resumed under any other
@@ -107,16 +111,17 @@ class IIDPSampler:
     def rank_iterations(self, epoch: int, position: int, plan: TrainingPlan, rank: int) -> Iterator[Iteration]:
         """Rank ``rank``'s iterations of ``epoch``, starting at ``position``."""
         perm = self.permutation(epoch)
-        lbs, gbs = plan.lbs, plan.gbs
+        lbs, gbs = plan.rank_lbs(rank), plan.gbs
         me = plan.rank(rank)
-        offset = plan.worker_offset(rank)
+        offset, samples_before = plan.worker_offset(rank), plan.sample_offset(rank)
         for i in range(self.iterations_left(position, gbs)):
             start = position + i * gbs
             batches = []
             for v in range(me.vsw):
                 for a in range(me.ga + 1):
-                    worker = offset + v * (me.ga + 1) + a
-                    at = start + worker * lbs
+                    step = v * (me.ga + 1) + a
+                    worker = offset + step
+                    at = start + samples_before + step * lbs
                     indices = perm[at : at + lbs]
                     batches.append(MicroBatch(worker, v, a, at, indices, self.worker_seed(epoch, at)))
             yield Iteration(epoch, start, batches)
@@ -133,11 +138,11 @@ class IIDPSampler:
     def global_iterations(self, epoch: int, position: int, plan: TrainingPlan) -> Iterator[Iteration]:
         """Every worker's micro-batch of every iteration, in worker order: what one process would feed."""
         perm = self.permutation(epoch)
-        lbs, gbs = plan.lbs, plan.gbs
+        gbs, sizes = plan.gbs, plan.micro_batch_sizes()
         for i in range(self.iterations_left(position, gbs)):
-            start = position + i * gbs
+            at = start = position + i * gbs
             batches = []
-            for w in range(plan.workers):
-                at = start + w * lbs
-                batches.append(MicroBatch(w, 0, 0, at, perm[at : at + lbs], self.worker_seed(epoch, at)))
+            for w, size in enumerate(sizes):
+                batches.append(MicroBatch(w, 0, 0, at, perm[at : at + size], self.worker_seed(epoch, at)))
+                at += size
             yield Iteration(epoch, start, batches)

@@ -222,6 +222,7 @@ class Trainer:
             plan.workers,
             self.buffers,
             self.emulation,
+            plan.loss_weight(rank),
             precision=self.step_policy.precision,
             feed=self.feed,
             observer=self.adaptive.observer,
@@ -388,6 +389,7 @@ class Trainer:
         self.buffers = self.workers.follow(plan, self.rank, self.model, self.buffers.riders)  # the stop flag too
         self.vsw = self.workers.workers
         self.worker_step.workers, self.worker_step.buffers = plan.workers, self.buffers
+        self.worker_step.loss_weight = plan.loss_weight(self.rank)
         if plan is not previous:  # not when only the LR factor changed
             self.memory_limit.start(self.vsw.replicas, self.optimizer, self.vsw.keeps_gradients)
         self.progress.record_plan(plan.gbs, plan.lbs, plan.describe(), self.adaptive.lr_factor())

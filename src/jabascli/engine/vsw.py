@@ -123,8 +123,11 @@ class WorkerStep:
     """GBS / LBS: every worker's mean loss is divided by it."""
     buffers: BufferSync
     emulation: Emulation
+    loss_weight: float = 1.0
+    """This rank's micro-batches' share of the GBS mean loss against an even plan's worker (``LBS_r * W / GBS``,
+    :meth:`~jabascli.engine.plan.TrainingPlan.loss_weight`): 1 but in an uneven plan."""
     loss_sum: torch.Tensor | None = None
-    """The sum of the (unscaled) losses of the rank's micro-steps so far in this iteration."""
+    """The sum of the (weighted, unscaled) losses of the rank's micro-steps so far in this iteration."""
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     """Phase boundaries (see :mod:`jabascli.engine.timing`); only the computation profiler records them."""
     precision: Precision = field(default_factory=Precision)
@@ -147,6 +150,8 @@ class WorkerStep:
         with self.precision.autocast():
             output = module(*inputs) if isinstance(inputs, tuple) else module(inputs)
             loss = self.loss_fn(output, target)
+            if self.loss_weight != 1.0:
+                loss = loss * self.loss_weight
         self.emulation.pause_since(start)
         self.buffers.after_micro_step(replica, mb.worker)
         self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()

@@ -14,6 +14,14 @@ numbered by walking ``assignments`` in order, one rank per GPU: the first
 assignment's GPUs are ranks ``0 .. gpus-1``, and so on. The plan holds
 ``gbs == lbs * sum(gpus * vsw * (ga + 1))`` exactly.
 
+An *uneven* plan also gives assignments their own ``"lbs"``: those GPUs' micro-batches
+hold that many samples instead of the plan's ``lbs``, and the plan holds
+``gbs == sum(gpus * vsw * (ga + 1) * (assignment lbs, else lbs))``. It is the
+same synchronous SGD at GBS (each micro-batch's mean loss is weighted by its
+share of the GBS, docs/engine.md), for a fixed GBS on plain IIDP: no
+``[parallel]`` layout and no adaptive batching, whose estimators need identical
+workers (:mod:`jabascli.solver.uneven` builds them).
+
 A hybrid plan (``jabas solve --hybrid``) also holds ``"parallel"``: the
 ``[parallel]`` keys of its layout (tp, pp, stages, schedule, sharding,
 checkpointing, layers; docs/hybrid.md), which win over the config's; its
@@ -55,15 +63,22 @@ class Assignment:
     vsw: int
     ga: int
     iteration_time_s: float | None = None
+    lbs: int | None = None
+    """These GPUs' own LBS in an uneven plan (None: the plan's)."""
 
     @property
     def workers(self) -> int:
-        """IIDP workers of these GPUs: ``gpus * vsw * (ga + 1)``."""
+        """IIDP workers (micro-batches per iteration) of these GPUs: ``gpus * vsw * (ga + 1)``."""
         return self.gpus * self.vsw * (self.ga + 1)
 
+    def samples(self, plan_lbs: int) -> int:
+        """Samples these GPUs train per iteration: ``workers * LBS`` (their own LBS, else the plan's)."""
+        return self.workers * (self.lbs or plan_lbs)
+
     def seed_form(self) -> str:
-        """The seed's notation, e.g. ``node0:4GPU,VSW:1,GA:0``."""
-        return f"{self.server}:{self.gpus}GPU,VSW:{self.vsw},GA:{self.ga}"
+        """The seed's notation, e.g. ``node0:4GPU,VSW:1,GA:0`` (``,LBS:96`` where the GPUs have their own)."""
+        own = f",LBS:{self.lbs}" if self.lbs is not None else ""
+        return f"{self.server}:{self.gpus}GPU,VSW:{self.vsw},GA:{self.ga}{own}"
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -73,6 +88,7 @@ class Assignment:
             "vsw": self.vsw,
             "ga": self.ga,
             "iteration_time_s": self.iteration_time_s,
+            "lbs": self.lbs,
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -97,6 +113,17 @@ class Plan:
     @property
     def workers(self) -> int:
         return sum(a.workers for a in self.assignments)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether some GPUs' micro-batches differ in size from others' (an uneven plan)."""
+        return len({a.lbs or self.lbs for a in self.assignments}) > 1
+
+    def lbs_text(self) -> str:
+        """``32``, or an uneven plan's LBS per assignment: ``160+96``."""
+        if not self.uneven:
+            return str(self.lbs)
+        return "+".join(str(a.lbs or self.lbs) for a in self.assignments)
 
     def servers(self) -> list[str]:
         """Servers the plan uses, in rank order."""
@@ -162,16 +189,24 @@ class Plan:
             vsw = _int(item, "vsw", 1, bad_item)
             ga = _int(item, "ga", 0, bad_item)
             item_time = _float(item, "iteration_time_s", bad_item) if "iteration_time_s" in item else None
-            assignments.append(Assignment(str(server), device_type, gpus, vsw, ga, item_time))
+            own = _int(item, "lbs", 1, bad_item) if "lbs" in item else None
+            assignments.append(Assignment(str(server), device_type, gpus, vsw, ga, item_time, own))
         parallel = _parallel(data["parallel"], bad) if "parallel" in data else None
-        workers = sum(a.workers for a in assignments)
+        samples = sum(a.samples(lbs) for a in assignments)
         if gbs is None:
-            gbs = lbs * workers
-        elif not problems and lbs * workers != gbs:
-            bad("gbs", f"is {gbs} but lbs * sum(gpus * vsw * (ga + 1)) = {lbs} * {workers} = {lbs * workers}")
+            gbs = samples
+        elif not problems and samples != gbs:
+            if any(a.lbs is not None for a in assignments):
+                bad("gbs", f"is {gbs} but the assignments train sum(gpus * vsw * (ga + 1) * lbs) = {samples}")
+            else:
+                workers = sum(a.workers for a in assignments)
+                bad("gbs", f"is {gbs} but lbs * sum(gpus * vsw * (ga + 1)) = {lbs} * {workers} = {samples}")
+        plan = cls(gbs, lbs, str(weight_sync), time_s, throughput, tuple(assignments), parallel)
+        if not problems and plan.uneven and parallel is not None:
+            bad("parallel", "an uneven plan (assignments with their own lbs) trains plain IIDP, without a layout")
         if problems:
             raise InputError(problems)
-        return cls(gbs, lbs, str(weight_sync), time_s, throughput, tuple(assignments), parallel)
+        return plan
 
 
 def _parallel(value: Any, bad: Any) -> ParallelConfig | None:
