@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from jabascli.engine.launch import run_local
+from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
@@ -156,3 +157,28 @@ def test_an_uneven_plan_is_refused_for_an_adaptive_job_naming_the_plan_file(tmp_
         load_plan(load(config))
     problem = err.value.problems[0]
     assert str(problem.file).endswith("uneven-plan.json") and "fixed GBS" in problem.message
+
+
+def test_a_run_resumed_from_an_uneven_plan_under_an_even_one_equals_one_fed_both_plans(tmp_path: Path) -> None:
+    """The position in the epoch is all a checkpoint needs: resumed under another split, no sample is repeated
+    or skipped, and the reference fed the uneven micro-batches, then the even ones, is met."""
+    gbs = 7 * 2 + 5 + 3 * 3  # 28: the even plan below runs 7 workers of LBS 4
+    options = {"dtype": "float64", "samples": 6 * gbs + 5}
+    first = _uneven_job(tmp_path / "a", THREE, weight_sync="overlap", options=options)
+    run_local(load(first), TrainOptions(max_steps=4, bucket_cap_mb=TINY_BUCKETS_MB, metrics=False), None, TRAINER_ENV)
+    uneven_plan = load_plan(load(first))
+
+    second = write_job(tmp_path / "b", [(3, 0), (2, 1)], lbs=4, options=options)
+    resumed = load(second)
+    folder = checkpoint_folder(load(first))
+    run_local(resumed, TrainOptions(resume=folder, metrics=False), None, TRAINER_ENV)
+    final = checkpoint_of(resumed)
+    assert final["progress"]["step"] == 12 and final["progress"]["gbs_history"][0]["plan"] == uneven_plan.describe()
+
+    schedule = [
+        {"step": 0, "gbs": gbs, "lbs": 3, "sizes": uneven_plan.micro_batch_sizes(), "lr_factor": 1.0},
+        {"step": 4, "gbs": gbs, "lbs": 4, "lr_factor": 1.0},
+    ]
+    reference, _ = reference_run(resumed, load_plan(resumed), steps=12, schedule=schedule)
+    diffs = max_abs_diff(final["model"], reference.state_dict())
+    assert max(diffs.values()) <= 1e-9, diffs
