@@ -182,9 +182,16 @@ def test_allocation_units(cli: CliRunner, reference_dir: Path, tmp_path: Path) -
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
     assert all(a["gpus"] % 2 == 0 for a in plan["assignments"])
-    odd = invoke(cli, "-c", str(config), "--gbs", "288")
+    # 288 = 9 workers of LBS 32: no IIDP plan splits them into units of 2 GPUs ...
+    odd = invoke(cli, "-c", str(config), "--gbs", "288", "--kind", "iidp")
     assert odd.exit_code == 2
     assert "LBS 32: 9 workers cannot be split into allocation units of 2 GPUs" in odd.stderr
+    # ... but an uneven plan (one micro-batch per GPU, of its own size) does, still in units of 2 GPUs.
+    uneven = invoke(cli, "-c", str(config), "--gbs", "288", "--json")
+    assert uneven.exit_code == 0, uneven.output
+    plan = json.loads(uneven.stdout)
+    assert all(a["gpus"] % 2 == 0 and "lbs" in a for a in plan["assignments"])
+    assert sum(a["gpus"] * (a["ga"] + 1) * a["lbs"] for a in plan["assignments"]) == 288
 
 
 def test_predict_any_plan(reference_dir: Path) -> None:

@@ -15,6 +15,7 @@ from jabascli.errors import InputError, Problem
 
 if TYPE_CHECKING:
     from jabascli.solver import Plan
+    from jabascli.solver.choice import ServerChoice
 
 
 @cli_command
@@ -35,6 +36,13 @@ def solve(
         str | None, typer.Option(help="recommend, sequential or overlap (default: \\[job] weight_sync).")
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Write the plan for `jabas train` to this file.")] = None,
+    kind: Annotated[
+        str,
+        typer.Option(
+            help="best (default), iidp (equal micro-batches) or uneven (one micro-batch per GPU, sized to its "
+            "speed; a fixed GBS without [parallel] only)."
+        ),
+    ] = "best",
     json_out: JsonOption = False,
     hybrid: Annotated[
         bool,
@@ -60,6 +68,10 @@ def solve(
     heuristic). With --servers auto (the default) the solver also picks how
     many GPUs of each kind of server to use, and says which servers it left
     out and what they would cost; --servers all uses every GPU of every server.
+    For a fixed GBS without a [parallel] layout it also builds an uneven plan
+    (each GPU one micro-batch of its own size, docs/performance-model.md) and
+    takes it where it is predicted faster; the other one is shown below the
+    plan, and --kind iidp or --kind uneven asks for one of them.
 
     Example:
 
@@ -101,18 +113,30 @@ def solve(
     from jabascli.solver.choice import choose_plan, solver_for
 
     loaded = load_config(config)
+    if kind not in KINDS:
+        raise InputError.at(None, "--kind", f"expected {', '.join(KINDS)}, got {kind!r}")
     if gbs is not None:
-        choice = choose_plan(loaded, gbs, servers, weight_sync)
+        choice = choose_plan(loaded, gbs, servers, weight_sync, uneven=False if kind == "iidp" else None)
+        plan = _of_kind(loaded, choice, kind)
         if out is not None:
-            write_plan(out, choice.plan)
+            write_plan(out, plan)
         if json_out:
-            print_json(choice.plan.to_dict())
+            print_json(plan.to_dict())
         else:
-            print_plan(choice.plan, out)
-            if choice.line():
+            print_plan(plan, out)
+            other = choice.alternative if plan is choice.plan else choice.plan
+            if other is not None:
+                name, flag = ("uneven", "uneven") if other.uneven else ("IIDP", "iidp")
+                console.print(
+                    f"{name} alternative: LBS {other.lbs_text()}, {_ms(other)} per iteration (--kind {flag})",
+                    highlight=False,
+                )
+            if choice.line() and plan is choice.plan:
                 console.print(f"{choice.line()} (--servers all keeps every server)", highlight=False)
             _refit_line(loaded)
         return
+    if kind != "best":
+        raise InputError.at(None, "--kind", "chooses the plan for one GBS: use it with --gbs, not --range")
     solver = solver_for(loaded, servers, weight_sync)
     lo, hi = parse_range(range_ or "")
     plans = solver.solve_range(lo, hi)
@@ -124,6 +148,28 @@ def solve(
     else:
         print_range(plans, lo, hi)
         _refit_line(loaded)
+
+
+KINDS = ("best", "iidp", "uneven")
+
+
+def _ms(plan: Plan) -> str:
+    return f"{(plan.iteration_time_s or 0.0) * 1e3:.1f} ms"
+
+
+def _of_kind(loaded: LoadedConfig, choice: ServerChoice, kind: str) -> Plan:
+    """The plan ``--kind`` asks for: the best, or the best IIDP or uneven one."""
+    from jabascli.solver.choice import uneven_offered
+
+    if kind != "uneven" or choice.plan.uneven:
+        return choice.plan
+    if choice.alternative is not None and choice.alternative.uneven:
+        return choice.alternative
+    if not uneven_offered(loaded):
+        why = "an uneven plan trains a fixed GBS ([batching] metric = fixed) without a [parallel] layout"
+    else:
+        why = f"no uneven plan reaches GBS {choice.plan.gbs} (the balanced split is even, or below the profiled LBS)"
+    raise InputError.at(None, "--kind", why)
 
 
 def _refit_line(loaded: LoadedConfig) -> None:
@@ -150,14 +196,20 @@ def parse_range(text: str) -> tuple[int, int]:
 
 def print_plan(plan: Plan, out: Path | None) -> None:
     table = Table(title=f"Plan for GBS {plan.gbs}")
-    for column in ("server", "device type", "GPUs", "VSW", "GA", "workers", "predicted ms/iteration"):
+    for column in ("server", "device type", "GPUs", "LBS", "VSW", "GA", "workers", "predicted ms/iteration"):
         table.add_column(column, justify="left" if column in ("server", "device type") else "right")
     for a in plan.assignments:
         ms = f"{a.iteration_time_s * 1e3:.1f}" if a.iteration_time_s is not None else "-"
-        table.add_row(a.server, a.device_type, str(a.gpus), str(a.vsw), str(a.ga), str(a.workers), ms)
+        lbs = str(a.lbs or plan.lbs)
+        table.add_row(a.server, a.device_type, str(a.gpus), lbs, str(a.vsw), str(a.ga), str(a.workers), ms)
     console.print(table)
+    split = (
+        f"LBS {plan.lbs_text()} ({plural(plan.workers, 'micro-batch', 'micro-batches')} of their GPUs' own sizes)"
+        if plan.uneven
+        else f"LBS {plan.lbs} x {plural(plan.workers, 'worker')}"
+    )
     console.print(
-        f"GBS {plan.gbs} = LBS {plan.lbs} x {plural(plan.workers, 'worker')} on {plural(plan.gpus, 'GPU')}, "
+        f"GBS {plan.gbs} = {split} on {plural(plan.gpus, 'GPU')}, "
         f"weight sync {plan.weight_sync}: {plan.iteration_time_s * 1e3:.1f} ms per iteration, "
         f"{plan.throughput:.1f} samples/s",
         highlight=False,
@@ -175,7 +227,7 @@ def print_range(plans: list[Plan], lo: int, hi: int) -> None:
     for p in plans:
         table.add_row(
             str(p.gbs),
-            str(p.lbs),
+            p.lbs_text(),
             p.weight_sync,
             str(p.gpus),
             f"{p.iteration_time_s * 1e3:.1f}",

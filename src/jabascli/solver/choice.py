@@ -14,6 +14,14 @@ available servers; ``--servers all`` uses every one; ``--servers a,b``
 exactly those. :func:`choose_plan` also solves with every
 server when ``auto`` left some out, so that the start line can say what
 leaving them out gains: ``slow left out: 291 ms with it, 172 ms without``.
+
+IIDP or uneven: for a job that trains a fixed GBS without a ``[parallel]``
+layout (adaptive batching's estimators need identical workers), :func:`choose_plan`
+also builds the best uneven plan (:mod:`jabascli.solver.uneven`: one
+micro-batch per GPU, sized to its speed) and takes it only when it is
+predicted faster than the best IIDP plan (a tie goes to IIDP); the other one
+is kept as ``ServerChoice.alternative``, for ``jabas solve`` to show and for
+``jabas run``'s runner-up trial.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from jabascli.errors import InputError
 from jabascli.solver.plan import Plan
 from jabascli.solver.setup import solver_from_config
 from jabascli.solver.solve import Solver
+from jabascli.solver.uneven import best_uneven_plan
 
 AUTO, ALL = "auto", "all"
 
@@ -37,6 +46,9 @@ class ServerChoice:
     """Available servers the plan does not use."""
     with_all: Plan | None = None
     """The best plan on every available server, when some were left out (None: none reaches the GBS)."""
+    alternative: Plan | None = None
+    """The best plan of the other kind (the uneven one when ``plan`` is IIDP's, and the other way round),
+    on the same servers rule; None when uneven plans are not offered or none of that kind reaches the GBS."""
 
     def line(self) -> str | None:
         """``slow left out: 291 ms with it, 172 ms without``; None when every server is used."""
@@ -76,21 +88,61 @@ def solver_for(loaded: LoadedConfig, servers: str | None = None, weight_sync: st
         raise
 
 
+def uneven_offered(loaded: LoadedConfig) -> bool:
+    """Whether the job may train an uneven plan: a fixed GBS, and no ``[parallel]`` layout."""
+    return loaded.config.batching.metric == "fixed" and loaded.config.parallel is None
+
+
+def best_plan(solver: Solver, gbs: int, uneven: bool) -> tuple[Plan, Plan | None]:
+    """The faster of the best IIDP plan and (``uneven``) the best uneven plan, and the other one (or None).
+
+    The uneven plan wins only when predicted strictly faster; InputError (IIDP's reasons) when neither
+    reaches ``gbs``.
+    """
+    try:
+        iidp: Plan | None = solver.solve(gbs)
+    except InputError:
+        if not uneven:
+            raise
+        iidp = None
+    other = best_uneven_plan(solver, gbs) if uneven else None
+    if iidp is None:
+        if other is None:
+            raise InputError(solver.unreachable(gbs))
+        return other, None
+    if other is not None and _faster(other, iidp):
+        return other, iidp
+    return iidp, other
+
+
+def _faster(a: Plan, b: Plan) -> bool:
+    return (a.iteration_time_s or float("inf")) < (b.iteration_time_s or float("inf"))
+
+
 def choose_plan(
-    loaded: LoadedConfig, gbs: int, servers: str | None = None, weight_sync: str | None = None
+    loaded: LoadedConfig,
+    gbs: int,
+    servers: str | None = None,
+    weight_sync: str | None = None,
+    uneven: bool | None = None,
 ) -> ServerChoice:
-    """The fastest plan for ``gbs`` on the servers ``servers`` selects (None or ``auto``: by the rule above)."""
+    """The fastest plan for ``gbs`` on the servers ``servers`` selects (None or ``auto``: by the rule above),
+    IIDP's or, for a fixed GBS without a layout, an uneven one where that is predicted faster.
+
+    ``uneven``: False compares IIDP plans only; None (and True): uneven ones too where the job allows them.
+    """
+    uneven = uneven_offered(loaded) and uneven is not False
     solver = solver_for(loaded, servers, weight_sync)
-    plan = solver.solve(gbs)
+    plan, alternative = best_plan(solver, gbs, uneven)
     if not solver.auto:
-        return ServerChoice(plan)
+        return ServerChoice(plan, alternative=alternative)
     available = [s.name for s in loaded.config.available()]
     used = {a.server for a in plan.assignments}
     left_out = tuple(n for n in available if n not in used)
     if not left_out:
-        return ServerChoice(plan)
+        return ServerChoice(plan, alternative=alternative)
     try:
-        with_all: Plan | None = solver_from_config(loaded, None, weight_sync).solve(gbs)
+        with_all: Plan | None = best_plan(solver_from_config(loaded, None, weight_sync), gbs, uneven)[0]
     except InputError:
         with_all = None
-    return ServerChoice(plan, left_out, with_all)
+    return ServerChoice(plan, left_out, with_all, alternative)

@@ -402,7 +402,7 @@ class Solver:
             raise InputError.at(None, "assignments", f"unknown server(s) {', '.join(unknown)}")
         if plan.weight_sync not in WEIGHT_SYNC_METHODS:
             raise InputError.at(None, "weight_sync", f"expected sequential or overlap, got {plan.weight_sync!r}")
-        groups = [GroupConfig(servers[a.server], a.gpus, a.vsw, a.ga) for a in plan.assignments]
+        groups = [GroupConfig(servers[a.server], a.gpus, a.vsw, a.ga, a.lbs) for a in plan.assignments]
         return self.model.predict(plan.lbs, plan.weight_sync, groups)  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------------------
