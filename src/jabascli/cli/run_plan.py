@@ -39,7 +39,7 @@ def write_own_plan(loaded: LoadedConfig, solved: RunPlan, quiet: bool) -> OwnPla
         p = solved.plan
         predicted = f", predicted {p.iteration_time_s * 1e3:.1f} ms per iteration" if p.iteration_time_s else ""
         console.print(
-            f"plan solved for GBS {p.gbs} ({solved.source}): LBS {p.lbs}, {p.seed_form()}, "
+            f"plan solved for GBS {p.gbs} ({solved.source}): LBS {p.lbs_text()}, {p.seed_form()}, "
             f"weight sync {p.weight_sync}{predicted}",
             highlight=False,
             markup=False,

@@ -11,10 +11,11 @@ iteration is one of the job's, at its GBS, on its samples, and a resumed run is
 exact under any plan of the same GBS (``docs/engine.md``). Both measurements
 refit the model, as any run's does.
 
-The runner-up: the best plan on every available server when ``--servers auto``
-left some out, else the best plan without one of the plan's servers (the
-fastest of those). A job without a refit (its first run) has no measured error:
-no trial.
+The runner-up: the fastest of the candidates, which are the best plan on every
+available server when ``--servers auto`` left some out, else the best plan
+without one of the plan's servers; and the best plan of the other kind, IIDP's
+or the uneven one (:mod:`jabascli.solver.uneven`), when the choice built both.
+A job without a refit (its first run) has no measured error: no trial.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def plan_trial(loaded: LoadedConfig, solved: RunPlan, max_steps: int | None, fir
                 candidates.append(solver_for(loaded, ",".join(s for s in servers if s != left_out)).solve(best.gbs))
             except InputError:
                 continue  # no plan reaches the GBS without it
+    if solved.choice is not None and solved.choice.alternative is not None:
+        candidates.append(solved.choice.alternative)  # IIDP's best beside an uneven plan, or the other way round
     if not candidates:
         return None
     runner_up = min(candidates, key=_time)

@@ -76,7 +76,10 @@ _COMP_TIMES = ("total_time", "data_time", "fwd_time", "bwd_time", "update_time",
 
 @dataclass(frozen=True)
 class Observation:
-    """One plan as a job trained it: its median iteration time over ``iterations`` iterations."""
+    """One plan as a job trained it: its median iteration time over ``iterations`` iterations.
+
+    An uneven plan's groups carry their own LBS (:class:`~jabascli.perfmodel.model.GroupConfig`).
+    """
 
     lbs: int
     weight_sync: WeightSyncMethod

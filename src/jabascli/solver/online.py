@@ -121,12 +121,12 @@ def _groups(loaded: LoadedConfig, profiles: ProfileSet, plan: ObservedPlan) -> t
         specs = {s.name: s for s in server_specs(loaded.config, profiles, names)}
     except InputError:
         return None  # a server the config no longer has, or one without profiles
-    return tuple(GroupConfig(specs[a.server], a.gpus, a.vsw, a.ga) for a in plan.assignments)
+    return tuple(GroupConfig(specs[a.server], a.gpus, a.vsw, a.ga, a.lbs) for a in plan.assignments)
 
 
 def observations(loaded: LoadedConfig, profiles: ProfileSet, plans: list[ObservedPlan]) -> list[Observation]:
-    """The plans the model can predict on ``profiles``, as observations (others, e.g. at an LBS that was not
-    profiled, say nothing about its terms)."""
+    """The plans the model can predict on ``profiles``, as observations (others, e.g. at an LBS outside the
+    profiled range, say nothing about its terms; an uneven plan's groups carry their own LBS)."""
     out = []
     for p in plans:
         groups = _groups(loaded, profiles, p)
@@ -163,7 +163,9 @@ def learn_from_run(
     this = ObservedPlan(
         lbs=plan.lbs,
         weight_sync=plan.weight_sync,
-        assignments=[ObservedAssignment(server=a.server, gpus=a.gpus, vsw=a.vsw, ga=a.ga) for a in plan.assignments],
+        assignments=[
+            ObservedAssignment(server=a.server, gpus=a.gpus, vsw=a.vsw, ga=a.ga, lbs=a.lbs) for a in plan.assignments
+        ],
         measured_s=measured_s,
         iterations=iterations,
         disturbed=host_disturbed(load, plan.gpus, cpus),
