@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from jabascli.cli.trial import plan_trial
 from jabascli.config import load_config
 from jabascli.config.models import BUCKET_DIRNAME, COMMUNICATION_DIRNAME, COMPUTATION_DIRNAME, MEMORY_DIRNAME
 from jabascli.errors import InputError
@@ -27,6 +28,7 @@ from jabascli.profiles import (
     write_memory_profile,
 )
 from jabascli.profiles.refit import ObservedAssignment, ObservedPlan, RefitRecord, read_refit, write_refit
+from jabascli.solver.autoplan import solve_for_run
 from jabascli.solver.choice import choose_plan, solver_for
 from jabascli.solver.online import learn_from_run, measured_profiles, observations
 from jabascli.solver.plan import Assignment, Plan, read_plan, write_plan
@@ -185,3 +187,22 @@ def test_an_older_refit_without_own_lbs_still_reads(tmp_path: Path) -> None:
     )  # fmt: skip
     back = read_refit(write_refit(tmp_path / "runs" / "job", record))
     assert [a.lbs for o in back.observations for a in o.assignments] == [None, 96]
+
+
+def test_the_runner_up_trial_takes_the_other_kind(tmp_path: Path) -> None:
+    loaded = load_config(write_config(tmp_path))
+    solved = solve_for_run(loaded, 256, servers="all")
+    assert solved is not None and solved.plan.uneven and solved.choice is not None
+    last = ObservedPlan(
+        lbs=32, weight_sync="sequential", assignments=[ObservedAssignment(server="fast", gpus=1, vsw=1, ga=0)],
+        measured_s=0.026, iterations=20, predicted_s=0.020,
+    )  # fmt: skip
+    record = RefitRecord(
+        generation=1, prior=fingerprint(measured_profiles(loaded)), prior_iterations=2.0, compute={}, comm={},
+        observations=[last],
+    )  # fmt: skip
+    write_refit(tmp_path / "runs" / "job", record)
+    trial = plan_trial(loaded, solved, None, 0)
+    # IIDP's best (5 + 3 workers of LBS 32) is predicted within the measured 30% of the uneven plan.
+    assert trial is not None and trial.error == pytest.approx(0.3)
+    assert trial.best == solved.plan and trial.runner_up == solved.choice.alternative
