@@ -206,3 +206,21 @@ def test_the_runner_up_trial_takes_the_other_kind(tmp_path: Path) -> None:
     # IIDP's best (5 + 3 workers of LBS 32) is predicted within the measured 30% of the uneven plan.
     assert trial is not None and trial.error == pytest.approx(0.3)
     assert trial.best == solved.plan and trial.runner_up == solved.choice.alternative
+
+
+def test_jabas_solve_shows_the_uneven_plan_and_the_other_kind(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from jabascli.cli.app import app
+
+    config = str(write_config(tmp_path))
+    result = CliRunner().invoke(
+        app, ["solve", "-c", config, "--gbs", "256", "--servers", "all"], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 0, result.output
+    assert "GBS 256 = LBS 154+102" in result.stdout and "fast:1GPU,VSW:1,GA:0,LBS:154" in result.stdout
+    assert "IIDP alternative: LBS 32," in result.stdout and "(--kind iidp)" in result.stdout
+    iidp = CliRunner().invoke(app, ["solve", "-c", config, "--gbs", "256", "--kind", "iidp"], env={"COLUMNS": "200"})
+    assert iidp.exit_code == 0 and "GBS 256 = LBS 32 x 8 workers" in iidp.stdout
+    refused = CliRunner().invoke(app, ["solve", "-c", config, "--range", "64:256", "--kind", "uneven"])
+    assert refused.exit_code == 2 and "--kind" in refused.stderr
