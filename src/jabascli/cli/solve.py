@@ -40,7 +40,7 @@ def solve(
         str,
         typer.Option(
             help="best (default), iidp (equal micro-batches) or uneven (one micro-batch per GPU, sized to its "
-            "speed; a fixed GBS without [parallel] only)."
+            "speed; a fixed GBS without \\[parallel] only)."
         ),
     ] = "best",
     json_out: JsonOption = False,
@@ -68,7 +68,7 @@ def solve(
     heuristic). With --servers auto (the default) the solver also picks how
     many GPUs of each kind of server to use, and says which servers it left
     out and what they would cost; --servers all uses every GPU of every server.
-    For a fixed GBS without a [parallel] layout it also builds an uneven plan
+    For a fixed GBS without a \\[parallel] layout it also builds an uneven plan
     (each GPU one micro-batch of its own size, docs/performance-model.md) and
     takes it where it is predicted faster; the other one is shown below the
     plan, and --kind iidp or --kind uneven asks for one of them.
