@@ -377,9 +377,10 @@ def measure_rounds(bench: Bench, plans: dict[str, Plan], args: argparse.Namespac
     return {name: Measured.mean(found) for name, found in runs.items()}
 
 
-def shape(plan: Plan) -> list[tuple[str, int, int, int]]:
-    """What a run trains: each server's GPUs, VSW and GA (not the times predicted from one or another profile)."""
-    return [(a.server, a.gpus, a.vsw, a.ga) for a in plan.assignments]
+def shape(plan: Plan) -> list[tuple[str, int, int, int, int]]:
+    """What a run trains: each server's GPUs, VSW, GA and LBS (not the times predicted from one or another
+    profile)."""
+    return [(a.server, a.gpus, a.vsw, a.ga, a.lbs or plan.lbs) for a in plan.assignments]
 
 
 def row_line(row: tuple[Any, ...]) -> str:
@@ -390,7 +391,7 @@ def row_line(row: tuple[Any, ...]) -> str:
     return (
         f"{key} x{slowdown:g} GBS {gbs}: fast {fast.samples_per_s:.0f}/s{fast.per_round()}, "
         f"slow {slow.samples_per_s:.0f}/s, jabas {mine.samples_per_s:.0f}/s{mine.per_round()} "
-        f"({mine.servers}, LBS {mine.plan.lbs}; {predicted}measured {mine.measured_s * 1e3:.1f} ms{after}){both}, "
+        f"({mine.servers}, LBS {mine.plan.lbs_text()}; {predicted}measured {mine.measured_s * 1e3:.1f} ms{after}){both}, "
         f"DDP {ddp.samples_per_s:.0f}/s, uneven DDP {uneven.samples_per_s:.0f}/s "
         f"(batches {'+'.join(map(str, uneven.batches))}; rounds "
         + ", ".join(f"{sum(uneven.batches) / t:.0f}/s" for t in uneven.rounds)
@@ -404,7 +405,7 @@ def refit_cell(refit: Refit, mine: Measured) -> str:
         return "(the same)"
     run = refit.measured
     gain = run.samples_per_s / mine.samples_per_s
-    return f"{run.samples_per_s:.0f}/s ({run.plan.seed_form()}, LBS {run.plan.lbs}; x{gain:.2f})"
+    return f"{run.samples_per_s:.0f}/s ({run.plan.seed_form()}, LBS {run.plan.lbs_text()}; x{gain:.2f})"
 
 
 def both_cell(every: Measured, mine: Measured) -> str:
@@ -431,7 +432,7 @@ def table(rows: list[tuple[Any, ...]]) -> str:
         else:
             error, predicted = ("-", f"{mine.predicted_s * 1e3:.1f} ms" if mine.predicted_s else "-")
         after = f"{refit.error_after:+.0%}" if refit.error_after is not None else "-"
-        plan = f"{mine.plan.seed_form()}, LBS {mine.plan.lbs}"
+        plan = f"{mine.plan.seed_form()}, LBS {mine.plan.lbs_text()}"
         lines.append(
             f"| {key} | {slowdown:g}x | {gbs} | {fast.samples_per_s:.0f}/s | {slow.samples_per_s:.0f}/s "
             f"| {mine.samples_per_s:.0f}/s ({plan}) | {both_cell(every, mine)} | {ddp.samples_per_s:.0f}/s "
