@@ -391,7 +391,8 @@ def row_line(row: tuple[Any, ...]) -> str:
     return (
         f"{key} x{slowdown:g} GBS {gbs}: fast {fast.samples_per_s:.0f}/s{fast.per_round()}, "
         f"slow {slow.samples_per_s:.0f}/s, jabas {mine.samples_per_s:.0f}/s{mine.per_round()} "
-        f"({mine.servers}, LBS {mine.plan.lbs_text()}; {predicted}measured {mine.measured_s * 1e3:.1f} ms{after}){both}, "
+        f"({mine.servers}, LBS {mine.plan.lbs_text()}; {predicted}measured {mine.measured_s * 1e3:.1f} ms"
+        f"{after}){both}, "
         f"DDP {ddp.samples_per_s:.0f}/s, uneven DDP {uneven.samples_per_s:.0f}/s "
         f"(batches {'+'.join(map(str, uneven.batches))}; rounds "
         + ", ".join(f"{sum(uneven.batches) / t:.0f}/s" for t in uneven.rounds)
