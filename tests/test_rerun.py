@@ -239,7 +239,8 @@ def test_rejected_input_leaves_every_file_where_it_was(tmp_path: Path, cli: CliR
         (tmp_path / folder / "two" / "kept.txt").write_text(folder)
     before = _tree(tmp_path)
     rejected = {
-        "a GBS no plan reaches": ["run", "-c", str(config), "--fresh", "--gbs", "100"],
+        # Below the smallest profiled LBS (32): neither an IIDP nor an uneven plan reaches it.
+        "a GBS no plan reaches": ["run", "-c", str(config), "--fresh", "--gbs", "20"],
         "a plan file that is not there": ["run", "-c", str(config), "--fresh", "--plan", str(tmp_path / "nope.json")],
         "an unknown server": ["run", "-c", str(config), "--fresh", "--servers", "bogus"],
         "an unknown server, --elastic": ["run", "-c", str(config), "--fresh", "--elastic", "--servers", "bogus"],
