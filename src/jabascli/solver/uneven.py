@@ -32,6 +32,14 @@ size; with ``--servers auto`` every non-empty set of whole server types is
 tried, ranked like IIDP's allocations (:func:`~jabascli.solver.cluster.allocation_key`),
 and the weight sync is chosen among the solver's methods. The plan is offered
 only when it is uneven (some sizes differ); an even split is an IIDP plan.
+
+Where the model finds GA's many small micro-batches about as fast as one large
+one, the best ``f_r`` often splits every share into micro-batches of one LBS:
+an IIDP plan again. So the search also runs with one micro-batch per GPU
+wherever it fits (the fewest GA steps, ``RankCosts(fewest_steps=True)``: what
+uneven-batch DDP trains), and the faster uneven plan of the two is offered; the
+model's error then decides through ``jabas run``'s runner-up trial
+(:mod:`jabascli.cli.trial`) instead of a guess.
 """
 
 from __future__ import annotations
@@ -55,8 +63,12 @@ MAX_MOVES = 100_000
 class RankCosts:
     """``f(b)`` of one GPU of a profiled server, its GA, cached (the module doc)."""
 
-    def __init__(self, model: PerformanceModel, profile_server: str, ws: WS, buckets: BucketTimes) -> None:
+    def __init__(
+        self, model: PerformanceModel, profile_server: str, ws: WS, buckets: BucketTimes, fewest_steps: bool = False
+    ) -> None:
         self.model, self.profile_server, self.ws, self.buckets = model, profile_server, ws, buckets
+        self.fewest_steps = fewest_steps
+        """Only the fewest micro-steps ``b`` fits in (one, where ``b`` is within the profiled LBS range)."""
         values = model.lbs_values(profile_server)
         self.lo, self.hi = (values[0], values[-1]) if values else (1, 0)
         self._cache: dict[int, tuple[float, int]] = {}
@@ -78,6 +90,8 @@ class RankCosts:
                 time = float(self.model.iteration_times(device, 1, steps - 1, self.ws, self.buckets))
                 if time < best[0]:  # strict: the fewest GA steps among equally fast ones
                     best = (time, steps - 1)
+                if self.fewest_steps:
+                    break
         self._cache[b] = best
         return best
 
@@ -142,9 +156,11 @@ def uneven_plan(
     allocation_unit: int,
     ws: WS,
     gbs: int,
-    cache: dict[tuple[str, WS, BucketTimes], RankCosts] | None = None,
+    cache: dict[tuple[str, WS, BucketTimes, bool], RankCosts] | None = None,
+    fewest_steps: bool = False,
 ) -> Plan | None:
-    """The balanced uneven plan for ``gbs`` on the units of ``groups``; None when none is uneven and reaches it."""
+    """The balanced uneven plan for ``gbs`` on the units of ``groups``; None when none is uneven and reaches it.
+    ``fewest_steps``: each GPU's share in as few micro-batches as fit (one, within the profiled range)."""
     if gbs % allocation_unit:
         return None
     cache = {} if cache is None else cache
@@ -152,9 +168,9 @@ def uneven_plan(
     buckets = model.bucket_times(Allocation.of((g.server, g.units * allocation_unit) for g in groups))
     costs = []
     for spec in units:
-        key = (spec.profile_server, ws, buckets)
+        key = (spec.profile_server, ws, buckets, fewest_steps)
         if key not in cache:
-            cache[key] = RankCosts(model, spec.profile_server, ws, buckets)
+            cache[key] = RankCosts(model, spec.profile_server, ws, buckets, fewest_steps)
         costs.append(cache[key])
     sizes = balance(costs, gbs // allocation_unit)
     if sizes is None or len(set(sizes)) < 2:
@@ -188,15 +204,15 @@ def candidate_allocations(solver: Solver) -> list[tuple[UnitGroup, ...]]:
 
 
 def best_uneven_plan(solver: Solver, gbs: int) -> Plan | None:
-    """The fastest uneven plan for ``gbs`` on ``solver``'s servers and weight-sync methods, or None."""
+    """The fastest uneven plan for ``gbs`` on ``solver``'s servers and weight-sync methods, GA free or one
+    micro-batch per GPU (the module doc), or None."""
     best: tuple[tuple[float, int, int], Plan] | None = None
-    cache: dict[tuple[str, WS, BucketTimes], RankCosts] = {}
-    for groups in candidate_allocations(solver):
-        for ws in solver.methods:
-            plan = uneven_plan(solver.model, groups, solver.allocation_unit, ws, gbs, cache)
-            if plan is None or plan.iteration_time_s is None:
-                continue
-            key = (*allocation_key(plan.iteration_time_s, plan.gpus), WEIGHT_SYNC_METHODS.index(ws))
-            if best is None or key < best[0]:
-                best = (key, plan)
+    cache: dict[tuple[str, WS, BucketTimes, bool], RankCosts] = {}
+    for groups, ws, fewest in itertools.product(candidate_allocations(solver), solver.methods, (False, True)):
+        plan = uneven_plan(solver.model, groups, solver.allocation_unit, ws, gbs, cache, fewest)
+        if plan is None or plan.iteration_time_s is None:
+            continue
+        key = (*allocation_key(plan.iteration_time_s, plan.gpus), WEIGHT_SYNC_METHODS.index(ws))
+        if best is None or key < best[0]:
+            best = (key, plan)
     return best[1] if best is not None else None
