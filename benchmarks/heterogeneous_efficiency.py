@@ -21,7 +21,10 @@ GBS (``--gbs``, default 64 and 256), through the commands a user types:
    alone, jabas's, plain DDP) refits the model (``jabas run`` does this
    after every solved run; here it is called directly, since these runs
    train plan files); the plan the refit model then chooses (``refit plan``)
-   is trained too when it differs, and the model's error on jabas's plan is
+   is trained too when it differs, and so is the runner-up ``jabas run``'s
+   trial would try beside it (``cli/trial.py``: where the refit model cannot
+   tell the two apart; "after refit and trial" is the faster of them); the
+   model's error on jabas's plan is
    printed before (the offline profiles' prediction against the mean of the
    rounds) and after the refit (its prediction against the rounds after the
    first, which it did not see; with one round, the first: in sample).
@@ -65,11 +68,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jabascli.cli.trial import plan_trial
 from jabascli.config import load_config
 from jabascli.engine.metrics import median_iteration_s
 from jabascli.engine.steplog import LOG_INTERVAL_S
 from jabascli.errors import InputError
 from jabascli.solver import read_plan, solver_from_config, write_plan
+from jabascli.solver.autoplan import RunPlan
+from jabascli.solver.choice import choose_plan
 from jabascli.solver.online import learn_from_run
 from jabascli.solver.plan import Assignment, Plan
 
@@ -265,7 +271,17 @@ class Bench:
         trained = None
         if plan.lbs != mine.plan.lbs or shape(plan) != shape(mine.plan):
             trained = measure_rounds(self, {"refit": plan}, args)["refit"]
-        return Refit(predicted, error, plan, trained)
+        # jabas run's runner-up trial under the refit model: its runner-up, where the model cannot tell them apart.
+        online = load_config(self.online)
+        choice = choose_plan(online, gbs)
+        trial = plan_trial(online, RunPlan(choice.plan, "--gbs", choice), None, 0)
+        tried = None
+        if trial is not None:
+            seen = [mine, *([trained] if trained is not None else [])]
+            tried = next((m for m in seen if shape(m.plan) == shape(trial.runner_up)), None)
+            if tried is None:
+                tried = measure_rounds(self, {"runner-up": trial.runner_up}, args)["runner-up"]
+        return Refit(predicted, error, plan, trained, tried)
 
 
 def load() -> str:
@@ -346,6 +362,13 @@ class Refit:
     """The plan the refit model chooses for the row's GBS."""
     measured: Measured | None
     """That plan trained, when it differs from jabas's offline one."""
+    runner_up: Measured | None = None
+    """The runner-up ``jabas run`` would try beside that plan (its trial), trained; None: no trial."""
+
+    def chosen(self, mine: Measured) -> Measured:
+        """What jabas runs after the refit and the trial: the faster of the refit plan and its runner-up."""
+        ran = [self.measured or mine, *([self.runner_up] if self.runner_up is not None else [])]
+        return max(ran, key=lambda m: m.samples_per_s)
 
 
 def measure_row(bench: Bench, key: str, slowdown: float, gbs: int, args: argparse.Namespace) -> tuple[Any, ...]:
@@ -396,7 +419,7 @@ def row_line(row: tuple[Any, ...]) -> str:
         f"DDP {ddp.samples_per_s:.0f}/s, uneven DDP {uneven.samples_per_s:.0f}/s "
         f"(batches {'+'.join(map(str, uneven.batches))}; rounds "
         + ", ".join(f"{sum(uneven.batches) / t:.0f}/s" for t in uneven.rounds)
-        + f"), refit plan {refit_cell(refit, mine)}"
+        + f"), refit plan {refit_cell(refit, mine)}{trial_cell(refit, mine)}"
     )
 
 
@@ -407,6 +430,14 @@ def refit_cell(refit: Refit, mine: Measured) -> str:
     run = refit.measured
     gain = run.samples_per_s / mine.samples_per_s
     return f"{run.samples_per_s:.0f}/s ({run.plan.seed_form()}, LBS {run.plan.lbs_text()}; x{gain:.2f})"
+
+
+def trial_cell(refit: Refit, mine: Measured) -> str:
+    """``, runner-up 1165/s (LBS 39+25)``: the trial's other plan, measured; nothing without a trial."""
+    if refit.runner_up is None:
+        return ""
+    run = refit.runner_up
+    return f", runner-up {run.samples_per_s:.0f}/s (LBS {run.plan.lbs_text()})"
 
 
 def both_cell(every: Measured, mine: Measured) -> str:
@@ -421,9 +452,9 @@ def table(rows: list[tuple[Any, ...]]) -> str:
     head = (
         "| workload | slow | GBS | fast alone | slow alone | jabas (offline plan) | both, best plan | plain DDP "
         "| uneven DDP (batches) | efficiency | jabas/fast | jabas/DDP | jabas/uneven | predicted | measured | error "
-        "| error after refit | refit plan |"
+        "| error after refit | refit plan | after refit and trial | its /uneven |"
     )
-    lines = [head, "|" + " --- |" * 18]
+    lines = [head, "|" + " --- |" * 20]
     for key, slowdown, gbs, fast, slow, mine, every, ddp, uneven, refit in rows:
         efficiency = mine.samples_per_s / (fast.samples_per_s + slow.samples_per_s)
         both = len(mine.plan.assignments) > 1
@@ -433,6 +464,7 @@ def table(rows: list[tuple[Any, ...]]) -> str:
         else:
             error, predicted = ("-", f"{mine.predicted_s * 1e3:.1f} ms" if mine.predicted_s else "-")
         after = f"{refit.error_after:+.0%}" if refit.error_after is not None else "-"
+        final = refit.chosen(mine)
         plan = f"{mine.plan.seed_form()}, LBS {mine.plan.lbs_text()}"
         lines.append(
             f"| {key} | {slowdown:g}x | {gbs} | {fast.samples_per_s:.0f}/s | {slow.samples_per_s:.0f}/s "
@@ -440,7 +472,9 @@ def table(rows: list[tuple[Any, ...]]) -> str:
             f"| {uneven.samples_per_s:.0f}/s ({'+'.join(map(str, uneven.batches))}) | {efficiency:.2f} "
             f"| {mine.samples_per_s / fast.samples_per_s:.2f} | {mine.samples_per_s / ddp.samples_per_s:.2f} "
             f"| {mine.samples_per_s / uneven.samples_per_s:.2f} "
-            f"| {predicted} | {mine.measured_s * 1e3:.1f} ms | {error} | {after} | {refit_cell(refit, mine)} |"
+            f"| {predicted} | {mine.measured_s * 1e3:.1f} ms | {error} | {after} | {refit_cell(refit, mine)} "
+            f"| {final.samples_per_s:.0f}/s (LBS {final.plan.lbs_text()}{trial_cell(refit, mine)}) "
+            f"| {final.samples_per_s / uneven.samples_per_s:.2f} |"
         )
     return "\n".join(lines)
 
