@@ -44,8 +44,8 @@ A micro-step's compute is close to affine in its batch size between two
 neighbouring profiled sizes (a fixed kernel-launch and framework cost plus a
 per-sample cost), so the chord is what the profiles support. The per-device
 constants (update, copy, BatchNorm sync, overhead) do not depend on the LBS.
-The memory limit is ``hi``'s (a batch between the two needs no more memory
-than ``hi``'s, which fits).
+The VSW limits are the smaller of the two neighbours' (a batch between the two
+needs no more memory than ``hi``'s; the smaller limit keeps what ``lo`` found too).
 """
 
 from __future__ import annotations
