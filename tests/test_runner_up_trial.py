@@ -18,7 +18,6 @@ from jabascli.config import load_config
 from jabascli.config.models import BUCKET_DIRNAME, COMMUNICATION_DIRNAME, COMPUTATION_DIRNAME, MEMORY_DIRNAME
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
-from jabascli.perfmodel.online import fingerprint
 from jabascli.profiles import (
     BucketProfile,
     CommProfile,
@@ -29,10 +28,10 @@ from jabascli.profiles import (
     write_comp_profile,
     write_memory_profile,
 )
-from jabascli.profiles.refit import ObservedAssignment, ObservedPlan, RefitRecord, read_refit, write_refit
-from jabascli.solver.online import measured_profiles
+from jabascli.profiles.refit import ObservedAssignment, ObservedPlan, read_refit
 from jabascli.solver.plan import read_plan
 from tests.engine_support import checkpoint_of, max_abs_diff, write_job
+from tests.refit_support import write_measured_error
 
 STEPS, TRIAL = 50, 15
 
@@ -74,11 +73,7 @@ def test_the_runner_up_is_tried_exactly_and_the_faster_plan_kept(tmp_path: Path)
         lbs=4, weight_sync="sequential", assignments=[ObservedAssignment(server="s0", gpus=1, vsw=1, ga=1)],
         measured_s=0.02665, iterations=20, predicted_s=0.0205,
     )  # fmt: skip
-    record = RefitRecord(
-        generation=1, prior=fingerprint(measured_profiles(loaded)), prior_iterations=2.0, compute={}, comm={},
-        observations=[last],
-    )  # fmt: skip
-    write_refit(tmp_path / "runs" / "job", record)
+    write_measured_error(loaded, tmp_path / "runs" / "job", last)
 
     env = {**os.environ, "COLUMNS": "300", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "jabascli", "run", "-c", str(config), "--gbs", "8", "--max-steps", str(STEPS)]

@@ -34,6 +34,7 @@ from jabascli.solver.choice import choose_plan, solver_for
 from jabascli.solver.online import learn_from_run, measured_profiles, observations
 from jabascli.solver.plan import Assignment, Plan, read_plan, write_plan
 from jabascli.solver.uneven import best_uneven_plan, candidate_allocations, uneven_plan
+from tests.refit_support import write_measured_error
 
 LBS = (32, 64, 128, 256)
 MS_PER_SAMPLE = 0.5  # data 0.1, forward 0.15, backward 0.25 ms per sample
@@ -219,11 +220,7 @@ def test_the_runner_up_trial_takes_the_other_kind(tmp_path: Path) -> None:
         lbs=32, weight_sync="sequential", assignments=[ObservedAssignment(server="fast", gpus=1, vsw=1, ga=0)],
         measured_s=0.026, iterations=20, predicted_s=0.020,
     )  # fmt: skip
-    record = RefitRecord(
-        generation=1, prior=fingerprint(measured_profiles(loaded)), prior_iterations=2.0, compute={}, comm={},
-        observations=[last],
-    )  # fmt: skip
-    write_refit(tmp_path / "runs" / "job", record)
+    write_measured_error(loaded, tmp_path / "runs" / "job", last)
     trial = plan_trial(loaded, solved, None, 0)
     # IIDP's best (5 + 3 workers of LBS 32) is predicted within the measured 30% of the uneven plan.
     assert trial is not None and trial.error == pytest.approx(0.3)
