@@ -243,6 +243,9 @@ class Connection:
                     src.prefetch(info.size)
                 copied = _copy(src, dst, progress)
             if copied != info:
+                # A connection cut during prefetch reads as a short file; asking the server again tells
+                # a lost connection (this raises) from a file that really changed.
+                self._sftp.stat(remote)
                 raise SyncError(f"{remote} changed while it was being copied; run jabas sync again")
 
         with self._failing(f"fetching {remote}"):
