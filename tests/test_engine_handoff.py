@@ -1,6 +1,8 @@
 """Moves in place (engine/handoff.py): real trainer processes hand the job over from 2 ranks to 3 and
 back to 2, each time keeping some processes, starting one and letting one go, and the job ends
-with the parameters of one process that never moved."""
+with the parameters of one process that never moved. The 3-rank plan is uneven (each rank its own
+LBS, as the solver offers for a move where that is faster): the process that never moved is fed
+its micro-batches while it runs."""
 
 from __future__ import annotations
 
@@ -26,19 +28,25 @@ LBS = 4
 STEPS_PER_EPOCH = 6
 EPOCHS = 4
 GBS = LBS * 7
-# Three one-device servers; every plan has 7 workers (the same GBS), split differently.
+# Three one-device servers; every plan has the same GBS, split differently: (server, VSW, GA[, own LBS]).
 SERVERS = [{"name": f"s{i}", "device_type": "cpu", "devices": 1} for i in range(3)]
-TWO = [("s0", 3, 1), ("s1", 1, 0)]
-THREE = [("s0", 3, 0), ("s1", 1, 1), ("s2", 2, 0)]
-LAST = [("s0", 2, 1), ("s2", 1, 2)]  # s1 left; s2's process is rank 1 now
+Ranks = list[tuple[Any, ...]]
+TWO: Ranks = [("s0", 3, 1), ("s1", 1, 0)]
+THREE: Ranks = [("s0", 1, 0, 12), ("s1", 1, 1, 5), ("s2", 2, 0, 3)]  # 12 + 2 x 5 + 2 x 3 = GBS, uneven
+THREE_SIZES = [12, 5, 5, 3, 3]  # its micro-batches in worker order: what the reference must be fed
+LAST: Ranks = [("s0", 2, 1), ("s2", 1, 2)]  # s1 left; s2's process is rank 1 now
 
 
-def _plan(ranks: list[tuple[str, int, int]]) -> dict[str, Any]:
-    assignments = [{"server": s, "device_type": "cpu", "gpus": 1, "vsw": v, "ga": g} for s, v, g in ranks]
-    return {"gbs": GBS, "lbs": LBS, "weight_sync": "sequential", "assignments": assignments}
+def _plan(ranks: Ranks) -> dict[str, Any]:
+    assignments = [
+        {"server": s, "device_type": "cpu", "gpus": 1, "vsw": v, "ga": g, **({"lbs": own[0]} if own else {})}
+        for s, v, g, *own in ranks
+    ]
+    smallest = min(a.get("lbs", LBS) for a in assignments)
+    return {"gbs": GBS, "lbs": smallest, "weight_sync": "sequential", "assignments": assignments}
 
 
-def _request(generation: int, ranks: list[tuple[str, int, int]], kept: dict[int, int]) -> str:
+def _request(generation: int, ranks: Ranks, kept: dict[int, int]) -> str:
     handoff = {"generation": generation, "world_size": len(ranks), "plan": _plan(ranks)}
     return json.dumps({"when": "epoch", "handoff": {**handoff, "ranks": {str(k): v for k, v in kept.items()}}})
 
@@ -83,10 +91,15 @@ def test_trainers_hand_the_job_over_in_place_and_it_ends_as_one_process_that_nev
 
     saved = checkpoint_of(loaded)
     assert saved["progress"]["epoch"] == EPOCHS
-    plans_seen = [h["plan"] for h in saved["progress"]["gbs_history"]]
+    history = saved["progress"]["gbs_history"]
+    plans_seen = [h["plan"] for h in history]
     assert [p.count("GPU") for p in plans_seen] == [2, 3, 2], plans_seen  # both handoffs happened
     assert plans_seen[-1].startswith("s0") and "s2" in plans_seen[-1] and "s1" not in plans_seen[-1]
-    reference, _ = reference_run(loaded, read_plan_file(plans["two"], loaded), steps=EPOCHS * STEPS_PER_EPOCH)
+    assert [h.get("sizes") for h in history] == [None, THREE_SIZES, None]  # only the uneven plan has sizes
+    # The reference follows the recorded history: even micro-batches of LBS, then THREE_SIZES, then even again.
+    reference, _ = reference_run(
+        loaded, read_plan_file(plans["two"], loaded), steps=EPOCHS * STEPS_PER_EPOCH, schedule=history
+    )
     diffs = max_abs_diff(saved["model"], reference.state_dict())
     assert max(diffs.values()) <= 1e-9, diffs
 

@@ -164,7 +164,9 @@ def test_a_run_resumed_from_an_uneven_plan_under_an_even_one_equals_one_fed_both
     folder = checkpoint_folder(load(first))
     run_local(resumed, TrainOptions(resume=folder, metrics=False), None, TRAINER_ENV)
     final = checkpoint_of(resumed)
-    assert final["progress"]["step"] == 12 and final["progress"]["gbs_history"][0]["plan"] == uneven_plan.describe()
+    history = final["progress"]["gbs_history"]
+    assert final["progress"]["step"] == 12 and history[0]["plan"] == uneven_plan.describe()
+    assert history[0]["sizes"] == [7, 7, 5, 3, 3, 3] and "sizes" not in history[1]  # what a reference is fed
 
     schedule = [
         {"step": 0, "gbs": gbs, "lbs": 3, "sizes": uneven_plan.micro_batch_sizes(), "lr_factor": 1.0},

@@ -46,14 +46,19 @@ class Progress:
     step: int = 0
     """Iterations (optimizer steps) done since the start of training."""
     gbs_history: list[dict[str, Any]] = field(default_factory=list)
-    """One entry per change of GBS or plan: ``{step, epoch, position, gbs, lbs, plan, lr_factor}``."""
+    """One entry per change of GBS or plan: ``{step, epoch, position, gbs, lbs, plan, lr_factor}``, and under an
+    uneven plan ``sizes``, every worker's samples in worker order (what the reference process feeds)."""
 
-    def record_plan(self, gbs: int, lbs: int, plan: str, lr_factor: float = 1.0) -> None:
+    def record_plan(
+        self, gbs: int, lbs: int, plan: str, lr_factor: float = 1.0, sizes: list[int] | None = None
+    ) -> None:
         last = self.gbs_history[-1] if self.gbs_history else None
         key = (gbs, lbs, plan, lr_factor)
         if last is None or (last["gbs"], last["lbs"], last["plan"], last.get("lr_factor", 1.0)) != key:
             entry = {"step": self.step, "epoch": self.epoch, "position": self.position, "gbs": gbs, "lbs": lbs}
-            self.gbs_history.append({**entry, "plan": plan, "lr_factor": lr_factor})
+            self.gbs_history.append(
+                {**entry, "plan": plan, "lr_factor": lr_factor, **({"sizes": sizes} if sizes else {})}
+            )
 
 
 def fingerprint(model: nn.Module) -> dict[str, tuple[list[int], str]]:

@@ -199,7 +199,7 @@ class Trainer:
         else:
             plan = self.plan = start
         self.me = plan.rank(rank)
-        self.progress.record_plan(start.gbs, start.lbs, start.describe(), self.adaptive.lr_factor())
+        self._record_plan(start)
 
         # How this rank runs its workers and combines gradients (engine/workers.py).
         self.emulation = Emulation(self.me.slowdown)
@@ -383,7 +383,7 @@ class Trainer:
         """
         if changes_layout(self.plan, plan):
             self.relayout = plan
-            self.progress.record_plan(plan.gbs, plan.lbs, plan.describe(), self.adaptive.lr_factor())
+            self._record_plan(plan)
             return
         previous, self.plan, self.me = self.plan, plan, plan.rank(self.rank)
         self.buffers = self.workers.follow(plan, self.rank, self.model, self.buffers.riders)  # the stop flag too
@@ -392,7 +392,12 @@ class Trainer:
         self.worker_step.loss_weight = plan.loss_weight(self.rank)
         if plan is not previous:  # not when only the LR factor changed
             self.memory_limit.start(self.vsw.replicas, self.optimizer, self.vsw.keeps_gradients)
-        self.progress.record_plan(plan.gbs, plan.lbs, plan.describe(), self.adaptive.lr_factor())
+        self._record_plan(plan)
+
+    def _record_plan(self, plan: TrainingPlan) -> None:
+        """Note ``plan`` in the GBS history from this iteration on (an uneven one with its micro-batch sizes)."""
+        sizes = plan.micro_batch_sizes() if plan.uneven else None
+        self.progress.record_plan(plan.gbs, plan.lbs, plan.describe(), self.adaptive.lr_factor(), sizes)
 
     def _replica_params(self) -> list[list[torch.nn.Parameter]]:
         return [list(self.model.parameters()), *self.vsw.replica_params()]
