@@ -15,6 +15,7 @@ import pytest
 from jabascli.cli.trial import plan_trial
 from jabascli.config import load_config
 from jabascli.config.models import BUCKET_DIRNAME, COMMUNICATION_DIRNAME, COMPUTATION_DIRNAME, MEMORY_DIRNAME
+from jabascli.elastic.plans import plan_for
 from jabascli.errors import InputError
 from jabascli.perfmodel import GroupConfig
 from jabascli.perfmodel.online import fingerprint
@@ -243,3 +244,19 @@ def test_jabas_solve_shows_the_uneven_plan_and_the_other_kind(tmp_path: Path) ->
     assert iidp.exit_code == 0 and "GBS 256 = LBS 32 x 8 workers" in iidp.stdout
     refused = CliRunner().invoke(app, ["solve", "-c", config, "--range", "64:256", "--kind", "uneven"])
     assert refused.exit_code == 2 and "--kind" in refused.stderr
+
+
+def test_a_move_keeps_the_gbs_with_the_uneven_plan_where_it_is_faster(tmp_path: Path) -> None:
+    """An elastic move or recovery solves the new allocation as ``jabas run`` does: the uneven plan where the
+    job may train one and it is predicted faster, else IIDP's."""
+    loaded = load_config(write_config(tmp_path))
+    plan, source = plan_for(loaded, ["fast", "slow"], gbs=256)
+    chosen = choose_plan(loaded, 256, "all").plan
+    assert plan.uneven and source == "solver plan at GBS 256" and plan.gbs == 256
+    assert [plan.rank_lbs(r.rank) for r in plan.ranks] == [a.lbs for a in chosen.assignments]
+    alone, _ = plan_for(loaded, ["fast"], gbs=256)
+    assert not alone.uneven and alone.gbs == 256
+
+    adaptive = '[batching]\nmetric = "similarity"\ngbs_min = 64\ngbs_max = 1024\ninitial_gbs = 256\n\n'
+    plan, _ = plan_for(load_config(write_config(tmp_path / "adaptive", adaptive)), ["fast", "slow"], gbs=256)
+    assert not plan.uneven and plan.gbs == 256

@@ -38,7 +38,8 @@ def plan_for(loaded: LoadedConfig, servers: list[str], gbs: int | None = None) -
     """The plan on ``servers``, and where it came from.
 
     With ``gbs`` (the job's current GBS) and the job's profiles, the solver's fastest
-    plan for these servers at that GBS, so that a move keeps the GBS; otherwise (no
+    plan for these servers at that GBS, so that a move keeps the GBS (an uneven plan where
+    the job may train one and it is predicted faster, as ``jabas run`` chooses); otherwise (no
     profiles, or no plan reaches that GBS there) each server's devices with its
     configured VSW and GA at ``[job] lbs``, whose GBS follows the allocation. A ``[parallel] plan = "auto"``
     job gets the hybrid planner's plan instead (:func:`_hybrid_plan_for`), or an InputError naming the servers.
@@ -49,8 +50,10 @@ def plan_for(loaded: LoadedConfig, servers: list[str], gbs: int | None = None) -
     if gbs is not None:
         try:
             from jabascli.solver import solver_from_config  # numpy; reads the profiles
+            from jabascli.solver.choice import best_plan, uneven_offered
 
-            solved = solver_from_config(loaded, ",".join(servers)).solve(gbs)
+            solver = solver_from_config(loaded, ",".join(servers))
+            solved, _ = best_plan(solver, gbs, uneven_offered(loaded))
             return plan_from_solver(solved, "solver", loaded), f"solver plan at GBS {gbs}"
         except InputError as exc:
             why = exc.lines()[0] if exc.lines() else "no solver plan"
