@@ -14,9 +14,10 @@ GBS (``--gbs``, default 64 and 256), through the commands a user types:
    leaving it out right?);
 3. plain DDP: both servers at LBS ``GBS / 2``, one worker each;
 4. uneven-batch DDP (``uneven_ddp.py``): one process per server, the GBS
-   split in proportion to the samples/s each server alone measured in step
-   2 (as a user would tune it: from measured speeds), each rank's loss
-   weighted by its share, so the same SGD; measured after the rounds above;
+   split in proportion to the samples/s each server alone measured in the
+   first round of step 2 (as a user would tune it: from measured speeds),
+   each rank's loss weighted by its share, so the same SGD; measured in the
+   same rounds as the plans, side by side (A B C U, U C B A);
 5. the online model: every plan measured in the first round (each server
    alone, jabas's, plain DDP) refits the model (``jabas run`` does this
    after every solved run; here it is called directly, since these runs
@@ -242,18 +243,13 @@ class Bench:
             raise RuntimeError(f"{name}: no iterations in steps.csv")
         return Measured(plan, predicted, found[0], found[1])
 
-    def uneven(self, gbs: int, speeds: list[float], args: argparse.Namespace) -> Uneven:
-        """Uneven-batch DDP at ``gbs``, split by ``speeds`` (samples/s of each server alone), ``args.rounds`` times."""
+    def uneven(self, batches: list[int], guess_s: float, args: argparse.Namespace) -> float:
+        """One run of uneven-batch DDP with these local batches; its median iteration time (s)."""
         workload, options = WORKLOADS[self.key]
-        batches = split_batch(gbs, speeds)
-        guess = gbs / sum(speeds)
-        steps = max(12 if args.quick else 15, min(5000, 5 + math.ceil(max(args.seconds, 1.0) / guess)))
+        steps = max(12 if args.quick else 15, min(5000, 5 + math.ceil(max(args.seconds, 1.0) / guess_s)))
         spec = UnevenSpec(workload, options, tuple(batches), (1.0, self.slowdown), steps)
-        rounds = []
-        for _ in range(args.rounds):
-            with tempfile.TemporaryDirectory(prefix="uneven-", dir=self.root) as folder:
-                rounds.append(median_after_warmup(train_uneven(spec, Path(folder))))
-        return Uneven(batches, statistics.fmean(rounds), rounds)
+        with tempfile.TemporaryDirectory(prefix="uneven-", dir=self.root) as folder:
+            return median_after_warmup(train_uneven(spec, Path(folder)))
 
     def refit(self, gbs: int, measured: dict[str, Measured], mine: Measured, args: argparse.Namespace) -> Refit:
         """Refit the model to every plan's first round; predict jabas's plan again; solve and train the refit plan."""
@@ -381,13 +377,38 @@ def measure_row(bench: Bench, key: str, slowdown: float, gbs: int, args: argpars
     if len(own.assignments) == 1:  # was leaving the slow server out right? Its best plan with both, measured too
         plans["every"] = bench.solve(gbs, "all")
     plans["ddp"] = bench.ddp(gbs)
-    measured = measure_rounds(bench, plans, args)
+    measured, uneven = measure_side_by_side(bench, plans, gbs, args)
     fast = measured["fast"]
     mine = measured.get("jabas", fast)
     every = measured.get("every", mine)
-    uneven = bench.uneven(gbs, [fast.samples_per_s, measured["slow"].samples_per_s], args)
     refit = bench.refit(gbs, measured, mine, args)
     return (key, slowdown, gbs, fast, measured["slow"], mine, every, measured["ddp"], uneven, refit)
+
+
+def measure_side_by_side(
+    bench: Bench, plans: dict[str, Plan], gbs: int, args: argparse.Namespace
+) -> tuple[dict[str, Measured], Uneven]:
+    """Every plan and uneven DDP ``args.rounds`` times, side by side (A B C U, U C B A): this host drifts by more
+    than the gaps compared, so the rival is measured in the same rounds. Uneven DDP's split is the first round's
+    speeds of each server alone, as a user would tune it before training."""
+    runs: dict[str, list[Measured]] = {name: [] for name in plans}
+    order = list(plans)
+    batches: list[int] = []
+    guess_s = 0.0
+    uneven: list[float] = []
+    for r in range(args.rounds):
+        forward = r % 2 == 0
+        if not forward:
+            uneven.append(bench.uneven(batches, guess_s, args))
+        for name in order if forward else reversed(order):
+            runs[name].append(bench.train(plans[name], args.seconds, args.quick))
+        if not batches:
+            speeds = [runs["fast"][0].samples_per_s, runs["slow"][0].samples_per_s]
+            batches, guess_s = split_batch(gbs, speeds), gbs / sum(speeds)
+        if forward:
+            uneven.append(bench.uneven(batches, guess_s, args))
+    measured = {name: Measured.mean(found) for name, found in runs.items()}
+    return measured, Uneven(batches, statistics.fmean(uneven), uneven)
 
 
 def measure_rounds(bench: Bench, plans: dict[str, Plan], args: argparse.Namespace) -> dict[str, Measured]:
