@@ -37,8 +37,14 @@ Where the model finds GA's many small micro-batches about as fast as one large
 one, the best ``f_r`` often splits every share into micro-batches of one LBS:
 an IIDP plan again. So the search also runs with one micro-batch per GPU
 wherever it fits (the fewest GA steps, ``RankCosts(fewest_steps=True)``: what
-uneven-batch DDP trains), and the faster uneven plan of the two is offered; the
-model's error then decides through ``jabas run``'s runner-up trial
+uneven-batch DDP trains). The GA split is offered instead only when predicted
+faster by more than :data:`GA_SPLIT_MARGIN`: on one device, GA's micro-batches
+train the same samples one after another, and a profile that makes small ones
+look cheaper per sample is usually noise (ViT, 1.5x, GBS 256 on this 2-core
+host: 19 micro-batches of 8 on the fast server predicted 257 ms, 7% below one
+micro-batch each, and measured 300 ms, where uneven-batch DDP's one micro-batch
+each measured 246 ms).
+The model's error then decides through ``jabas run``'s runner-up trial
 (:mod:`jabascli.cli.trial`) instead of a guess.
 """
 
@@ -58,6 +64,9 @@ from jabascli.solver.solve import Solver
 MAX_TYPE_SUBSETS = 63
 """``--servers auto``: the most sets of server types tried (more types: every server only)."""
 MAX_MOVES = 100_000
+GA_SPLIT_MARGIN = 0.10
+"""How much faster (a fraction) a split of shares into GA micro-batches must be predicted than one micro-batch
+per GPU to be offered instead: about the offline model's error on CPU hosts before a refit (the module doc)."""
 
 
 class RankCosts:
@@ -204,12 +213,22 @@ def candidate_allocations(solver: Solver) -> list[tuple[UnitGroup, ...]]:
 
 
 def best_uneven_plan(solver: Solver, gbs: int) -> Plan | None:
-    """The fastest uneven plan for ``gbs`` on ``solver``'s servers and weight-sync methods, GA free or one
-    micro-batch per GPU (the module doc), or None."""
+    """The fastest uneven plan for ``gbs`` on ``solver``'s servers and weight-sync methods: one micro-batch per
+    GPU, or the GA-free search's where it is predicted faster by more than :data:`GA_SPLIT_MARGIN` (the module
+    doc); None when neither reaches ``gbs``."""
+    single = _fastest(solver, gbs, fewest_steps=True)
+    split = _fastest(solver, gbs, fewest_steps=False)
+    if single is None or split is None:
+        return single or split
+    assert single.iteration_time_s is not None and split.iteration_time_s is not None
+    return split if split.iteration_time_s < single.iteration_time_s * (1 - GA_SPLIT_MARGIN) else single
+
+
+def _fastest(solver: Solver, gbs: int, fewest_steps: bool) -> Plan | None:
     best: tuple[tuple[float, int, int], Plan] | None = None
     cache: dict[tuple[str, WS, BucketTimes, bool], RankCosts] = {}
-    for groups, ws, fewest in itertools.product(candidate_allocations(solver), solver.methods, (False, True)):
-        plan = uneven_plan(solver.model, groups, solver.allocation_unit, ws, gbs, cache, fewest)
+    for groups, ws in itertools.product(candidate_allocations(solver), solver.methods):
+        plan = uneven_plan(solver.model, groups, solver.allocation_unit, ws, gbs, cache, fewest_steps)
         if plan is None or plan.iteration_time_s is None:
             continue
         key = (*allocation_key(plan.iteration_time_s, plan.gpus), WEIGHT_SYNC_METHODS.index(ws))
