@@ -27,6 +27,7 @@ as jabas's trainer does at one thread (:class:`jabascli.engine.vsw.Emulation`,
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -145,6 +146,9 @@ def _rank(rank: int, spec: UnevenSpec, port: int, out: Path) -> None:
         _train(rank, spec, out)
         dist.barrier()  # leave together: one rank destroying the group while another still used it aborted that one
     finally:
+        # Free DDP (it holds the group, in reference cycles) before the group goes, as the engine does
+        # (engine/process.py): left to the interpreter's exit, gloo's threads went out of order and a rank aborted.
+        gc.collect()
         dist.destroy_process_group()
 
 
