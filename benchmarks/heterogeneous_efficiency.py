@@ -226,7 +226,8 @@ class Bench:
             return plan
         return Plan(gbs, lbs, "sequential", predicted, gbs / predicted, assignments)
 
-    def train(self, plan: Plan, steps_budget_s: float, quick: bool) -> Measured:
+    def train(self, plan: Plan, steps_budget_s: float, quick: bool, steps: int | None = None) -> Measured:
+        """``jabas run --plan`` for about ``steps_budget_s`` seconds (or exactly ``steps`` iterations)."""
         self.runs += 1
         name = f"{self.key}_x{self.slowdown:g}_run{self.runs}"
         config = self.write_config(name)
@@ -235,7 +236,7 @@ class Bench:
         guess = predicted or 0.5
         # steps.csv has a row per LOG_INTERVAL_S at most: a fast workload needs many steps for a few rows.
         seconds = max(steps_budget_s, 4 * LOG_INTERVAL_S)
-        steps = max(12 if quick else 15, min(5000, 5 + math.ceil(seconds / guess)))
+        steps = steps or max(12 if quick else 15, min(5000, 5 + math.ceil(seconds / guess)))
         # --fresh: a --root kept from an earlier invocation holds checkpoints under the same run names.
         jabas("run", "-c", str(config), "--plan", str(path), "--max-steps", str(steps), "--fresh")
         found = median_iteration_s(self.root / "runs" / name / "steps.csv")

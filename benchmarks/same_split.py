@@ -21,24 +21,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jabascli.engine.metrics import median_iteration_s
-from jabascli.solver import write_plan
 from jabascli.solver.plan import Assignment, Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from heterogeneous_efficiency import WORKLOADS, Bench, jabas
+from heterogeneous_efficiency import WORKLOADS, Bench
 from uneven_ddp import UnevenSpec, median_after_warmup, train_uneven
-
-
-def train_jabas(bench: Bench, plan: Plan, steps: int, name: str) -> float:
-    """``jabas run --plan`` for ``steps`` iterations; the median iteration time (s) after 5 warm-up ones."""
-    config = bench.write_config(name)
-    path = write_plan(bench.root / f"{name}.json", plan)
-    jabas("run", "-c", str(config), "--plan", str(path), "--max-steps", str(steps), "--fresh")
-    found = median_iteration_s(bench.root / "runs" / name / "steps.csv")
-    if found is None:
-        raise RuntimeError(f"{name}: no iterations in steps.csv")
-    return found[0]
 
 
 def main() -> None:
@@ -65,7 +52,7 @@ def main() -> None:
         for r in range(args.rounds):
             for which in ("jabas", "ddp") if r % 2 == 0 else ("ddp", "jabas"):
                 if which == "jabas":
-                    jabas_s.append(train_jabas(bench, plan, args.steps, f"jabas{r}"))
+                    jabas_s.append(bench.train(plan, 0.0, quick=False, steps=args.steps).measured_s)
                 else:
                     ddp_s.append(median_after_warmup(train_uneven(spec, root / f"uneven{r}")))
             print(

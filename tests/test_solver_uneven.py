@@ -41,6 +41,8 @@ LBS = (32, 64, 128, 256)
 MS_PER_SAMPLE = 0.5  # data 0.1, forward 0.15, backward 0.25 ms per sample
 SLOWDOWN = 1.5
 ALL_REDUCE_MS = 8.0
+# An adaptive job's [batching]: no uneven plans for it.
+ADAPTIVE = '[batching]\nmetric = "similarity"\ngbs_min = 64\ngbs_max = 1024\ninitial_gbs = 256\n\n'
 
 
 def write_profiles(root: Path, vsw_gain: bool = False, small_pays: float = 0.0) -> None:
@@ -179,7 +181,7 @@ def test_iidp_where_its_vsws_pay(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "extra",
     [
-        '[batching]\nmetric = "similarity"\ngbs_min = 64\ngbs_max = 1024\ninitial_gbs = 256\n\n',
+        ADAPTIVE,
         "[parallel]\ntp = 1\npp = 1\n\n",
     ],
     ids=["adaptive", "layout"],
@@ -270,6 +272,5 @@ def test_a_move_keeps_the_gbs_with_the_uneven_plan_where_it_is_faster(tmp_path: 
     alone, _ = plan_for(loaded, ["fast"], gbs=256)
     assert not alone.uneven and alone.gbs == 256
 
-    adaptive = '[batching]\nmetric = "similarity"\ngbs_min = 64\ngbs_max = 1024\ninitial_gbs = 256\n\n'
-    plan, _ = plan_for(load_config(write_config(tmp_path / "adaptive", adaptive)), ["fast", "slow"], gbs=256)
+    plan, _ = plan_for(load_config(write_config(tmp_path / "adaptive", ADAPTIVE)), ["fast", "slow"], gbs=256)
     assert not plan.uneven and plan.gbs == 256
