@@ -38,6 +38,12 @@ def test_running_statistics_equal_one_process_feeding_the_micro_batches_in_worke
     sync = BufferSync(models, workers)
     rng = random.Random(0)
     for iteration in range(4):
+        if iteration == 2:  # statistics changed between iterations (a state loaded in place): the next starts there
+            state = reference.state_dict()
+            shift = {"running_mean": 0.5, "running_var": 0.5, "num_batches_tracked": 3}
+            moved = {k: v + shift.get(k.rsplit(".", 1)[-1], 0) for k, v in state.items()}
+            for m in (reference, *models):
+                m.load_state_dict(moved)
         batches = [torch.randn(5, 3, dtype=torch.float64) + iteration for _ in range(workers)]
         for x in batches:
             reference(x)
@@ -54,7 +60,7 @@ def test_running_statistics_equal_one_process_feeding_the_micro_batches_in_worke
     for m in models:
         for name, value in m.state_dict().items():
             assert torch.allclose(value.double(), expected[name].double(), rtol=0, atol=1e-12), name
-        assert int(m[1].num_batches_tracked) == 4 * workers
+        assert int(m[1].num_batches_tracked) == 4 * workers + 3
 
 
 def test_layers_in_eval_mode_keep_their_statistics() -> None:
