@@ -277,7 +277,7 @@ def time_iterations(
     return times
 
 
-class _WallPhases(PhaseTimer):
+class WallPhases(PhaseTimer):
     """Phase times on the host clock (the CPU runs every phase synchronously)."""
 
     timer = "perf_counter"
@@ -297,7 +297,7 @@ class _WallPhases(PhaseTimer):
         return StepTimes(**times)
 
 
-class _CudaPhases(PhaseTimer):
+class CudaPhases(PhaseTimer):
     """Phase times from CUDA events on the current stream, read once per iteration."""
 
     timer = "cuda-events"
@@ -323,6 +323,11 @@ class _CudaPhases(PhaseTimer):
             self._last = event
         self._marks = []
         return StepTimes(**ms)
+
+
+def phase_timer(device: torch.device) -> WallPhases | CudaPhases:
+    """A recording phase timer for a trainer on ``device``: CUDA events on a GPU, the host clock elsewhere."""
+    return CudaPhases() if device.type == "cuda" else WallPhases()
 
 
 class EngineStep:
@@ -387,7 +392,7 @@ class EngineStep:
             self.trainer.worker_step.load = _SyntheticLoader(workload, lbs, self.device)  # type: ignore[assignment]
         self.size = len(self.trainer.train_set)
         self.generator = torch.Generator().manual_seed(seed)
-        self.phases: _WallPhases | _CudaPhases = _CudaPhases() if self.device.type == "cuda" else _WallPhases()
+        self.phases = phase_timer(self.device)
         self.trainer.set_timer(self.phases)
         self.last_loss = float("nan")
 
