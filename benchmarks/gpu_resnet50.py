@@ -321,7 +321,8 @@ def measure_case(case: Case, args: argparse.Namespace, device: torch.device, fol
     del loops, trainer
     gc.collect()  # this case's DDP goes before the next one's, and all before the process group
     if args.run:
-        lines.append(f"  jabas run ({args.loader_workers} loader workers): {run_cell(case, args, device, folder)}")
+        workers = f"{args.loader_workers} loader worker{'' if args.loader_workers == 1 else 's'}"
+        lines.append(f"  jabas run ({workers}): {run_cell(case, args, device, folder)}")
     return lines
 
 
