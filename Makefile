@@ -26,10 +26,13 @@ lint: $(VENV)/.installed-test
 
 venv: $(VENV)/.installed-test
 
-# On a machine with a GPU: the CUDA paths (tests marked gpu) and the engine's overhead on CUDA.
+# On a machine with a GPU: the CUDA paths (tests marked gpu), the engine's overhead on CUDA, and
+# ResNet-50's iteration beside the plain loop (issue #35).
 gpu-check: $(VENV)/.installed-test
 	$(PY) -m pytest -m gpu -v -rs
 	$(PY) benchmarks/engine_overhead.py --device cuda
+	$(PY) benchmarks/gpu_resnet50.py --run
+	$(PY) benchmarks/gpu_resnet50.py --cudnn-benchmark
 
 # The jabas sync tests start real OpenSSH servers on loopback ports. On a fresh
 # Debian machine run as root (CI), install openssh-server for them; anywhere

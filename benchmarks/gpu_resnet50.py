@@ -38,6 +38,7 @@ On a GPU (the issue's measurement: one H200, ResNet-50 at 224x224)::
 
     python benchmarks/gpu_resnet50.py --run
     python benchmarks/gpu_resnet50.py --cases ga --rounds 20
+    python benchmarks/gpu_resnet50.py --cudnn-benchmark   # both loops; jabas itself leaves cuDNN's default
 
 On the CPU it runs the tiny ResNet at 32x32 (``--variant``, ``--image-size``
 to change): the host-side figures are the ones to read there.
@@ -340,19 +341,26 @@ def main() -> None:
     parser.add_argument("--run", action="store_true", help="also train each case with jabas run (loader workers)")
     parser.add_argument("--loader-workers", type=int, default=6, help="jabas run's [job] loader_workers (default 6)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument(
+        "--cudnn-benchmark",
+        action="store_true",
+        help="torch.backends.cudnn.benchmark = True for both loops (a plain loop's usual setting; jabas sets none)",
+    )
     args = parser.parse_args()
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {', '.join(unknown)}; expected some of {', '.join(CASES)}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(
         f"{name}; torch {torch.__version__}; ResNet {args.variant} at {args.image_size}x{args.image_size}, "
-        f"GBS {args.gbs}, {args.rounds} rounds of {args.block} iterations per loop",
+        f"GBS {args.gbs}, {args.rounds} rounds of {args.block} iterations per loop"
+        + (", cudnn.benchmark" if args.cudnn_benchmark else ""),
         flush=True,
     )
     init_process_group(DistEnv(0, 1, 0, None, None), device)

@@ -32,10 +32,12 @@ GBS (``--gbs``, default 64 and 256), through the commands a user types:
 
 The runs of a row are measured in ``--rounds`` rounds (default 2), the order
 reversed every other round (A B C, C B A), and each figure is the mean of its
-rounds. This host's speed drifts over minutes: the same fast-server run of
-digits measured 14.2, 18.6 and 15.4 ms per iteration within half an hour,
-which is more than some of the gains compared here; reversed rounds cancel a
-drift that is linear over the row, and the per-row line prints every round.
+rounds; a row where jabas's plan is within 0.95-1.03x of a baseline gets two
+rounds more at a time, up to ``--max-rounds`` (default 6). This host's speed
+drifts over minutes: the same fast-server run of digits measured 14.2, 18.6
+and 15.4 ms per iteration within half an hour, which is more than some of the
+gains compared here; reversed rounds cancel a drift that is linear over the
+row, and the per-row line prints every round.
 
 Printed per row: samples/s of each server alone, of jabas's plan and of plain
 DDP on both, of uneven-batch DDP, the efficiency (jabas over the sum of the two
@@ -295,11 +297,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per run, about")
     parser.add_argument("--rounds", type=int, default=2, help="runs of every plan of a row, in reversed order "
                         "each other round; figures are their means")  # fmt: skip
+    parser.add_argument("--max-rounds", type=int, default=6, help="rounds of a row whose jabas plan is within "
+                        "0.95-1.03x of a baseline (two more at a time; default 6)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny ResNet, 3x, GBS 64, short runs, one round")
     parser.add_argument("--root", type=Path, default=None, help="keep profiles and runs here (default: a temp folder)")
     args = parser.parse_args()
     if args.quick:
         args.workloads, args.slowdowns, args.gbs, args.seconds, args.rounds = "resnet", "3", "64", 2.0, 1
+        args.max_rounds = 1
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -391,13 +396,17 @@ def measure_side_by_side(
 ) -> tuple[dict[str, Measured], Uneven]:
     """Every plan and uneven DDP ``args.rounds`` times, side by side (A B C U, U C B A): this host drifts by more
     than the gaps compared, so the rival is measured in the same rounds. Uneven DDP's split is the first round's
-    speeds of each server alone, as a user would tune it before training."""
+    speeds of each server alone, as a user would tune it before training.
+
+    A row where jabas's plan is within ``CLOSE`` of a baseline (:func:`close_call`) gets two rounds more, up to
+    ``args.max_rounds``: a tie is told from a loss by more samples, not by the first two rounds' noise."""
     runs: dict[str, list[Measured]] = {name: [] for name in plans}
     order = list(plans)
     batches: list[int] = []
     guess_s = 0.0
     uneven: list[float] = []
-    for r in range(args.rounds):
+    r, rounds = 0, args.rounds
+    while r < rounds:
         forward = r % 2 == 0
         if not forward:
             uneven.append(bench.uneven(batches, guess_s, args))
@@ -408,8 +417,31 @@ def measure_side_by_side(
             batches, guess_s = split_batch(gbs, speeds), gbs / sum(speeds)
         if forward:
             uneven.append(bench.uneven(batches, guess_s, args))
+        r += 1
+        close = close_call(runs, uneven, batches) if r == rounds and rounds + 2 <= args.max_rounds else None
+        if close is not None:
+            print(f"  {bench.key} x{bench.slowdown:g} GBS {gbs}: {close}, two rounds more", flush=True)
+            rounds += 2
     measured = {name: Measured.mean(found) for name, found in runs.items()}
     return measured, Uneven(batches, statistics.fmean(uneven), uneven)
+
+
+CLOSE = (0.95, 1.03)
+"""jabas's plan over a baseline in this range after a row's rounds: too close to call at this host's noise."""
+
+
+def close_call(runs: dict[str, list[Measured]], uneven: list[float], batches: list[int]) -> str | None:
+    """Which baseline jabas's plan is too close to (``"jabas/uneven 0.97"``); None when every ratio is clear of
+    :data:`CLOSE`."""
+    mine = statistics.fmean(m.samples_per_s for m in runs.get("jabas", runs["fast"]))
+    rivals = {"ddp": statistics.fmean(m.samples_per_s for m in runs["ddp"])}
+    rivals["uneven"] = statistics.fmean(sum(batches) / t for t in uneven)
+    if "jabas" in runs:
+        rivals["fast"] = statistics.fmean(m.samples_per_s for m in runs["fast"])
+    for name, rival in rivals.items():
+        if CLOSE[0] <= mine / rival < CLOSE[1]:
+            return f"jabas/{name} {mine / rival:.2f}"
+    return None
 
 
 def measure_rounds(bench: Bench, plans: dict[str, Plan], args: argparse.Namespace) -> dict[str, Measured]:
