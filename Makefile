@@ -18,7 +18,7 @@ quickstart: $(VENV)/.installed-base
 test: $(VENV)/.installed-test sshd slurm
 	$(VENV)/bin/ruff check src tests models benchmarks
 	$(VENV)/bin/ruff format --check src tests models benchmarks
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check src tests models benchmarks
