@@ -24,9 +24,11 @@ GBS (``--gbs``, default 64 and 256), through the commands a user types:
    train plan files); the plan the refit model then chooses (``refit plan``)
    is trained too when it differs, and so is the runner-up ``jabas run``'s
    trial would try beside it (``cli/trial.py``: where the refit model cannot
-   tell the two apart; "after refit and trial" is the faster of them); the
-   model's error on jabas's plan is
-   printed before (the offline profiles' prediction against the mean of the
+   tell the two apart), side by side with jabas's offline plan in the same
+   rounds; "after refit and trial" is the faster of them, as its speed over
+   the offline plan's (``x1.03``), and "its /uneven" that ratio times the
+   offline plan's over uneven DDP (each measured side by side); the model's
+   error on jabas's plan is printed before (the offline profiles' prediction against the mean of the
    rounds) and after the refit (its prediction against the rounds after the
    first, which it did not see; with one round, the first: in sample).
 
@@ -267,20 +269,23 @@ class Bench:
         later = mine.rounds[1:] or mine.rounds or [mine.measured_s]
         error = (statistics.fmean(later) - predicted) / predicted if predicted else None
         plan = self.solve(gbs, "auto", self.online)
-        trained = None
-        if plan.lbs != mine.plan.lbs or shape(plan) != shape(mine.plan):
-            trained = measure_rounds(self, {"refit": plan}, args)["refit"]
+        others: dict[str, Plan] = {}
+        if shape(plan) != shape(mine.plan):
+            others["refit"] = plan
         # jabas run's runner-up trial under the refit model: its runner-up, where the model cannot tell them apart.
         online = load_config(self.online)
         choice = choose_plan(online, gbs)
         trial = plan_trial(online, RunPlan(choice.plan, "--gbs", choice), None, 0)
-        tried = None
-        if trial is not None:
-            seen = [mine, *([trained] if trained is not None else [])]
-            tried = next((m for m in seen if shape(m.plan) == shape(trial.runner_up)), None)
-            if tried is None:
-                tried = measure_rounds(self, {"runner-up": trial.runner_up}, args)["runner-up"]
-        return Refit(predicted, error, plan, trained, tried)
+        if trial is not None and shape(trial.runner_up) not in (shape(mine.plan), shape(plan)):
+            others["runner-up"] = trial.runner_up
+        # Side by side with the offline plan, in the same rounds: minutes after the row's own rounds, this host
+        # has drifted by more than the gains compared.
+        found = measure_rounds(self, {"offline": mine.plan, **others}, args) if others else {}
+        sides = {tuple(shape(mine.plan)): Side(mine, 1.0)}
+        for name, other in others.items():
+            sides[tuple(shape(other))] = Side(found[name], found[name].samples_per_s / found["offline"].samples_per_s)
+        runner_up = sides[tuple(shape(trial.runner_up))] if trial is not None else None
+        return Refit(predicted, error, plan, sides.get(tuple(shape(plan))) if "refit" in others else None, runner_up)
 
 
 def load() -> str:
@@ -353,6 +358,14 @@ class Uneven:
 
 
 @dataclass
+class Side:
+    """A plan measured side by side with jabas's offline plan, in the same rounds, and its speed over that plan's."""
+
+    run: Measured
+    gain: float
+
+
+@dataclass
 class Refit:
     """What the online model made of a row's first round: jabas's plan predicted after it, and its own plan."""
 
@@ -362,15 +375,16 @@ class Refit:
     """Against the rounds after the first (in sample with one round)."""
     plan: Plan
     """The plan the refit model chooses for the row's GBS."""
-    measured: Measured | None
-    """That plan trained, when it differs from jabas's offline one."""
-    runner_up: Measured | None = None
+    measured: Side | None
+    """That plan trained beside the offline one, when it differs from it."""
+    runner_up: Side | None = None
     """The runner-up ``jabas run`` would try beside that plan (its trial), trained; None: no trial."""
 
-    def chosen(self, mine: Measured) -> Measured:
-        """What jabas runs after the refit and the trial: the faster of the refit plan and its runner-up."""
-        ran = [self.measured or mine, *([self.runner_up] if self.runner_up is not None else [])]
-        return max(ran, key=lambda m: m.samples_per_s)
+    def chosen(self, mine: Measured) -> Side:
+        """What jabas runs after the refit and the trial: the faster of the refit plan and its runner-up, as its
+        speed over the offline plan's measured side by side (1 for the offline plan itself)."""
+        ran = [self.measured or Side(mine, 1.0), *([self.runner_up] if self.runner_up is not None else [])]
+        return max(ran, key=lambda side: side.gain)
 
 
 def measure_row(bench: Bench, key: str, slowdown: float, gbs: int, args: argparse.Namespace) -> tuple[Any, ...]:
@@ -478,20 +492,18 @@ def row_line(row: tuple[Any, ...]) -> str:
 
 
 def refit_cell(refit: Refit, mine: Measured) -> str:
-    """The plan the refit model chose: ``(the same)``, or it and what it measured."""
+    """The plan the refit model chose: ``(the same)``, or it and its speed over the offline plan's, side by side."""
     if refit.measured is None:
         return "(the same)"
-    run = refit.measured
-    gain = run.samples_per_s / mine.samples_per_s
-    return f"{run.samples_per_s:.0f}/s ({run.plan.seed_form()}, LBS {run.plan.lbs_text()}; x{gain:.2f})"
+    run = refit.measured.run
+    return f"{run.samples_per_s:.0f}/s ({run.plan.seed_form()}, LBS {run.plan.lbs_text()}; x{refit.measured.gain:.2f})"
 
 
 def trial_cell(refit: Refit, mine: Measured) -> str:
-    """``, runner-up 1165/s (LBS 39+25)``: the trial's other plan, measured; nothing without a trial."""
+    """``, runner-up x0.97 (LBS 39+25)``: the trial's other plan over the offline one; nothing without a trial."""
     if refit.runner_up is None:
         return ""
-    run = refit.runner_up
-    return f", runner-up {run.samples_per_s:.0f}/s (LBS {run.plan.lbs_text()})"
+    return f", runner-up x{refit.runner_up.gain:.2f} (LBS {refit.runner_up.run.plan.lbs_text()})"
 
 
 def both_cell(every: Measured, mine: Measured) -> str:
@@ -527,8 +539,8 @@ def table(rows: list[tuple[Any, ...]]) -> str:
             f"| {mine.samples_per_s / fast.samples_per_s:.2f} | {mine.samples_per_s / ddp.samples_per_s:.2f} "
             f"| {mine.samples_per_s / uneven.samples_per_s:.2f} "
             f"| {predicted} | {mine.measured_s * 1e3:.1f} ms | {error} | {after} | {refit_cell(refit, mine)} "
-            f"| {final.samples_per_s:.0f}/s (LBS {final.plan.lbs_text()}{trial_cell(refit, mine)}) "
-            f"| {final.samples_per_s / uneven.samples_per_s:.2f} |"
+            f"| x{final.gain:.2f} (LBS {final.run.plan.lbs_text()}{trial_cell(refit, mine)}) "
+            f"| {final.gain * mine.samples_per_s / uneven.samples_per_s:.2f} |"
         )
     return "\n".join(lines)
 
