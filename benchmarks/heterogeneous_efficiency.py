@@ -281,11 +281,11 @@ class Bench:
         # Side by side with the offline plan, in the same rounds: minutes after the row's own rounds, this host
         # has drifted by more than the gains compared.
         found = measure_rounds(self, {"offline": mine.plan, **others}, args) if others else {}
-        sides = {tuple(shape(mine.plan)): Side(mine, 1.0)}
-        for name, other in others.items():
-            sides[tuple(shape(other))] = Side(found[name], found[name].samples_per_s / found["offline"].samples_per_s)
-        runner_up = sides[tuple(shape(trial.runner_up))] if trial is not None else None
-        return Refit(predicted, error, plan, sides.get(tuple(shape(plan))) if "refit" in others else None, runner_up)
+        sides = {name: Side(found[name], found[name].samples_per_s / found["offline"].samples_per_s) for name in others}
+        # A runner-up of the offline plan's or the refit plan's shape was measured as that plan.
+        by_shape = {tuple(shape(mine.plan)): Side(mine, 1.0), **{tuple(shape(others[n])): s for n, s in sides.items()}}
+        runner_up = by_shape[tuple(shape(trial.runner_up))] if trial is not None else None
+        return Refit(predicted, error, plan, sides.get("refit"), runner_up)
 
 
 def load() -> str:
@@ -487,11 +487,11 @@ def row_line(row: tuple[Any, ...]) -> str:
         f"DDP {ddp.samples_per_s:.0f}/s, uneven DDP {uneven.samples_per_s:.0f}/s "
         f"(batches {'+'.join(map(str, uneven.batches))}; rounds "
         + ", ".join(f"{sum(uneven.batches) / t:.0f}/s" for t in uneven.rounds)
-        + f"), refit plan {refit_cell(refit, mine)}{trial_cell(refit, mine)}"
+        + f"), refit plan {refit_cell(refit)}{trial_cell(refit)}"
     )
 
 
-def refit_cell(refit: Refit, mine: Measured) -> str:
+def refit_cell(refit: Refit) -> str:
     """The plan the refit model chose: ``(the same)``, or it and its speed over the offline plan's, side by side."""
     if refit.measured is None:
         return "(the same)"
@@ -499,7 +499,7 @@ def refit_cell(refit: Refit, mine: Measured) -> str:
     return f"{run.samples_per_s:.0f}/s ({run.plan.seed_form()}, LBS {run.plan.lbs_text()}; x{refit.measured.gain:.2f})"
 
 
-def trial_cell(refit: Refit, mine: Measured) -> str:
+def trial_cell(refit: Refit) -> str:
     """``, runner-up x0.97 (LBS 39+25)``: the trial's other plan over the offline one; nothing without a trial."""
     if refit.runner_up is None:
         return ""
@@ -538,8 +538,8 @@ def table(rows: list[tuple[Any, ...]]) -> str:
             f"| {uneven.samples_per_s:.0f}/s ({'+'.join(map(str, uneven.batches))}) | {efficiency:.2f} "
             f"| {mine.samples_per_s / fast.samples_per_s:.2f} | {mine.samples_per_s / ddp.samples_per_s:.2f} "
             f"| {mine.samples_per_s / uneven.samples_per_s:.2f} "
-            f"| {predicted} | {mine.measured_s * 1e3:.1f} ms | {error} | {after} | {refit_cell(refit, mine)} "
-            f"| x{final.gain:.2f} (LBS {final.run.plan.lbs_text()}{trial_cell(refit, mine)}) "
+            f"| {predicted} | {mine.measured_s * 1e3:.1f} ms | {error} | {after} | {refit_cell(refit)} "
+            f"| x{final.gain:.2f} (LBS {final.run.plan.lbs_text()}{trial_cell(refit)}) "
             f"| {final.gain * mine.samples_per_s / uneven.samples_per_s:.2f} |"
         )
     return "\n".join(lines)
