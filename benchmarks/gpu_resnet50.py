@@ -78,7 +78,7 @@ from jabascli.engine.sampler import Iteration
 from jabascli.engine.step_policy import Precision
 from jabascli.engine.timing import PhaseTimer
 from jabascli.engine.trainer import Trainer
-from jabascli.profiler.step import StepTimes, phase_timer
+from jabascli.profiler.step import PHASES, StepTimes, phase_timer
 from jabascli.workload import Workload
 
 HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal")
@@ -245,8 +245,7 @@ def phases(loop: Loop, args: argparse.Namespace, device: torch.device) -> StepTi
         timer.mark("overhead")
         loop.step(timer)
         taken.append(timer.take())
-    fields = ("data", "fwd", "bwd", "copy", "update", "overhead")
-    return StepTimes(**{f: statistics.median(getattr(t, f) for t in taken) for f in fields})
+    return StepTimes(**{f: statistics.median(getattr(t, f) for t in taken) for f in PHASES})
 
 
 def host_work(loop: Loop, device: torch.device) -> tuple[OpCounter, int | None]:
@@ -296,7 +295,7 @@ def run_cell(case: Case, args: argparse.Namespace, device: torch.device, folder:
 
 
 def phase_text(times: StepTimes) -> str:
-    shown = [f"{f} {getattr(times, f):.2f}" for f in ("data", "fwd", "bwd", "copy", "update", "overhead")]
+    shown = [f"{f} {getattr(times, f):.2f}" for f in PHASES]
     return ", ".join(s for s in shown if not s.endswith(" 0.00")) + f" (sum {times.total:.2f} ms)"
 
 
