@@ -7,6 +7,10 @@ In the run folder (``[storage] run_dir / <job name>``):
   ``samples_per_s`` are averaged over the steps since the previous row,
   ``iteration_s`` is their median duration (what a performance model's
   prediction is compared with: a median, as the profiles' times are);
+* ``busy.csv``: ``time, step, rank, busy_s``, with each ``steps.csv`` row a row per rank: the rank's
+  median busy time over the same steps (:mod:`jabascli.engine.busy`: its computation up to its last
+  gradient bucket, before it waits for the others), which the online performance model fits each
+  server's computation to;
 * ``epochs.csv``: ``epoch, step, train_loss, val_loss, val_accuracy, samples_per_s, time_s``;
 * ``changes.csv``: ``step, gbs, lr``: the GBS and LR that iteration ``step`` trained
   with, one row each time either changes (and at the start of each attempt), so
@@ -39,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 STEP_FIELDS = ("time", "epoch", "step", "gbs", "loss", "samples_per_s", "lr", "iteration_s")
+BUSY_FIELDS = ("time", "step", "rank", "busy_s")
 CHANGE_FIELDS = ("step", "gbs", "lr")
 EPOCH_FIELDS = ("epoch", "step", "train_loss", "val_loss", "val_accuracy", "samples_per_s", "time_s")
 ADJUSTMENT_FIELDS = (
@@ -68,6 +73,7 @@ class MetricsWriter:
         self._steps = self._open_csv("steps.csv", STEP_FIELDS, mode)
         self._epochs = self._open_csv("epochs.csv", EPOCH_FIELDS, mode)
         self._adjustments: tuple[Any, Any] | None = None  # adjustments.csv, opened at the first adjustment
+        self._busy: tuple[Any, Any] | None = None  # busy.csv, opened at the first busy times
         self._changes = self._open_csv("changes.csv", CHANGE_FIELDS, mode)
         self._setting: tuple[int, float | None] | None = None
         self._mode = mode
@@ -111,6 +117,17 @@ class MetricsWriter:
             if iteration_s is not None:
                 self._tb.add_scalar("train/iteration_s", iteration_s, step)
 
+    def busy(self, *, step: int, busy_s: dict[int, float]) -> None:
+        """Each rank's median busy time over the steps up to ``step`` since the last row: a ``busy.csv`` row each
+        (not in ``metrics.jsonl``: one row per rank, a few per second)."""
+        if self._busy is None:
+            self._busy = self._open_csv("busy.csv", BUSY_FIELDS, self._mode)
+        f, writer = self._busy
+        now = round(time.time(), 3)
+        for rank, seconds in sorted(busy_s.items()):
+            writer.writerow({"time": now, "step": step, "rank": rank, "busy_s": round(seconds, 7)})
+        f.flush()
+
     def settings(self, *, step: int, gbs: int, lr: float | None) -> None:
         """The GBS and LR iteration ``step`` trains with: a ``changes.csv`` row when they differ from the last."""
         if (gbs, lr) == self._setting:
@@ -152,8 +169,9 @@ class MetricsWriter:
     def close(self) -> None:
         for f in (self._steps[0], self._epochs[0], self._changes[0], self._jsonl):
             f.close()
-        if self._adjustments is not None:
-            self._adjustments[0].close()
+        for extra in (self._adjustments, self._busy):
+            if extra is not None:
+                extra[0].close()
         if self._tb is not None:
             self._tb.close()
 
@@ -174,21 +192,34 @@ def median_iteration_s(steps_csv: Path, first_step: int = 0, warmup: int = 5) ->
     most of a short run: its median stands for them, warm-up ones among them
     or not). None when no row is left.
     """
+    return _covered_medians(steps_csv, "iteration_s", first_step, warmup).get(None)
+
+
+def median_busy_s(busy_csv: Path, first_step: int = 0, warmup: int = 5) -> dict[int, float]:
+    """Each rank's median busy time (s) of a run in ``busy.csv``, its rows counted as :func:`median_iteration_s`
+    counts ``steps.csv``'s; empty when the file is missing or holds nothing of the run."""
+    return {rank: median for rank, (median, _) in _covered_medians(busy_csv, "busy_s", first_step, warmup).items()}
+
+
+def _covered_medians(path: Path, column: str, first_step: int, warmup: int) -> dict[Any, tuple[float, int]]:
+    """Per ``rank`` column value (None where the file has none): the median of ``column``, each row counted once
+    per iteration it covers after step ``first_step + warmup``, and how many iterations that is."""
     import statistics
 
-    times: list[float] = []
-    previous = 0
+    times: dict[Any, list[float]] = {}
+    previous: dict[Any, int] = {}
     try:
-        with steps_csv.open(encoding="utf-8", newline="") as f:
+        with path.open(encoding="utf-8", newline="") as f:
             for row in csv.DictReader(f):
+                key = int(row["rank"]) if "rank" in row else None
                 step = int(row["step"])
-                covered = step - max(previous, first_step + warmup)
-                previous = step
-                if covered > 0 and row.get("iteration_s"):
-                    times += [float(row["iteration_s"])] * covered
+                covered = step - max(previous.get(key, 0), first_step + warmup)
+                previous[key] = step
+                if covered > 0 and row.get(column):
+                    times.setdefault(key, []).extend([float(row[column])] * covered)
     except (OSError, ValueError, KeyError):
-        return None
-    return (statistics.median(times), len(times)) if times else None
+        return {}
+    return {key: (statistics.median(t), len(t)) for key, t in times.items() if t}
 
 
 def open_metrics(folder: Path, rank: int, enabled: bool = True) -> MetricsWriter | None:

@@ -1,7 +1,8 @@
 """Rank 0's step reports: the loss, throughput and iteration time of the steps since the last report.
 
-At most every :data:`LOG_INTERVAL_S` a report goes to the metrics files (``steps.csv``) and as a
-``step`` event to whoever launched the trainer (the progress bar of ``jabas run``, a worker agent).
+At most every :data:`LOG_INTERVAL_S` a report goes to the metrics files (``steps.csv``, and each rank's
+median busy time to ``busy.csv``, :mod:`jabascli.engine.busy`) and as a ``step`` event to whoever launched
+the trainer (the progress bar of ``jabas run``, a worker agent).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class StepLog:
         self.loss = torch.zeros((), dtype=torch.float64, device=trainer.device)
         self.steps = 0
         self.durations: list[float] = []
+        self.busy: list[torch.Tensor] = []
+        """Every rank's busy times of each step since the last report, on the device until then."""
         self.since = self.last = self.step_end = time.perf_counter()
 
     def settings(self) -> None:
@@ -57,13 +60,16 @@ class StepLog:
             t = self.trainer
             self.metrics.settings(step=t.progress.step + 1, gbs=t.plan.gbs, lr=current_lr(t.optimizer))
 
-    def step(self, loss: torch.Tensor) -> None:
+    def step(self, loss: torch.Tensor, busy: torch.Tensor | None = None) -> None:
+        """A step ended: its mean loss and, when measured, every rank's busy time (both summed over ranks)."""
         if not self.active:
             return
         now = time.perf_counter()
         self.durations.append(now - self.step_end)
         self.step_end = now
         self.loss += loss
+        if busy is not None and self.metrics is not None:
+            self.busy.append(busy.clone())  # the next iteration writes over it
         self.steps += 1
         if now - self.last >= LOG_INTERVAL_S:
             self.flush()
@@ -88,13 +94,16 @@ class StepLog:
                 lr=lr,
                 iteration_s=iteration_s,
             )
+            busy = rank_medians(self.busy)
+            if busy:
+                self.metrics.busy(step=p.step, busy_s=busy)
         if t.emit:
             event = {"event": "step", "epoch": p.epoch, "step": p.step, "epoch_step": epoch_step}
             event.update(epoch_steps=self.epoch_steps, gbs=t.plan.gbs, loss=loss, samples_per_s=rate, lr=lr)
             t.emit(event)
         self.loss.zero_()
         self.steps = 0
-        self.durations = []
+        self.durations, self.busy = [], []
         self.since = self.last = now
 
     def adjustment(self, event: dict[str, Any]) -> None:
@@ -111,6 +120,19 @@ class StepLog:
             self.metrics.epoch(asdict(result))
         if self.trainer.emit:
             self.trainer.emit({"event": "epoch", **asdict(result)})
+
+
+def rank_medians(busy: list[torch.Tensor]) -> dict[int, float]:
+    """Each rank's median busy time (s) over the steps given, leaving out the steps it did not measure (0)."""
+    if not busy:
+        return {}
+    table = torch.stack(busy).to("cpu", torch.float64)
+    out: dict[int, float] = {}
+    for rank in range(table.shape[1]):
+        measured = table[:, rank][table[:, rank] > 0]
+        if measured.numel():
+            out[rank] = statistics.median(measured.tolist())
+    return out
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float | None:

@@ -36,6 +36,7 @@ from jabascli.adaptive.batching import AdaptiveBatching, FixedBatching
 from jabascli.adaptive.batching import build as build_adaptive
 from jabascli.config import LoadedConfig
 from jabascli.engine.buffers import BufferSync
+from jabascli.engine.busy import BusyClock
 from jabascli.engine.checkpoint import CheckpointState, Progress
 from jabascli.engine.checkpointer import Checkpointer
 from jabascli.engine.control import StopControl
@@ -79,6 +80,7 @@ class Trainer:
     """``workers.workers``: what runs this rank's micro-batches (a VSW strategy, or its layout's workers)."""
     buffers: BufferSync
     control: StopControl
+    busy: BusyClock
     worker_step: WorkerStep
     timer: PhaseTimer
     memory_limit: MemoryLimit
@@ -203,15 +205,16 @@ class Trainer:
 
         # How this rank runs its workers and combines gradients (engine/workers.py).
         self.emulation = Emulation(self.me.slowdown)
+        dtype = next(model.parameters()).dtype  # the loss's: what rides in the same all-reduce is of it
+        self.busy = BusyClock(rank, plan.world_size, dtype, device)  # marked by the communication hook
         self.workers = rank_workers(self, same_start=payload is not None)
         self.adaptive.trains_with(self.workers.weight_sync)
         self.vsw = self.workers.workers
         self.buffers = self.workers.start(plan)
         self.buffers.broadcast_all()
         self.vsw.after_step()  # replicas start from the broadcast parameters
-        dtype = next(model.parameters()).dtype  # the loss's: the flag rides in the same all-reduce
         self.control = StopControl.from_environment(rank, dtype, device, self.emit)  # an outside stop request
-        self.buffers.riders.append(self.control.flag)
+        self.buffers.riders += [self.control.flag, self.busy.times]
         load = BatchLoader(self.train_set, device, self.workload.collate)
         workers = default_loader_workers(cfg.job.loader_workers, device)  # 0: load in this process
         if self.feed is None and workers:
@@ -283,7 +286,7 @@ class Trainer:
             self.progress.step += 1
             steps, samples = steps + 1, samples + self.plan.gbs
             epoch_loss += loss
-            log.step(loss)
+            log.step(loss, self.busy.times)
             self._adapt(log)  # may switch to another plan between this iteration and the next
             epoch_end = self.sampler.iterations_left(self.progress.position, self.plan.gbs) == 0
             self.control.after_iteration(self.progress.step, epoch_end)
@@ -338,6 +341,7 @@ class Trainer:
         timer = self.timer
         self.in_flight = iteration_begins(self)  # engine/recovery.py: what a failure in this iteration changed
         timer.mark("overhead")  # the training loop since the last iteration
+        self.busy.start()
         self.vsw.zero_grad()
         self.buffers.begin()
         self.worker_step.begin()

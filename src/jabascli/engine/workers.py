@@ -17,7 +17,7 @@ Both answer :class:`Workers` (the loop) and :class:`GradientCombiner` (a plan's 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from jabascli.config import LoadedConfig
 from jabascli.engine.buffers import BufferSync
+from jabascli.engine.busy import BusyClock
 from jabascli.engine.distributed import wrap_ddp
 from jabascli.engine.faults import FaultInjector
 from jabascli.engine.parallel.runner import FALLBACK, LayoutWorkers
@@ -113,6 +114,7 @@ class WorkerInputs(Protocol):
     workload: Workload
     step_policy: StepPolicy
     emulation: Emulation
+    busy: BusyClock
     options: Any
     """:class:`~jabascli.engine.options.TrainOptions` (``bucket_cap_mb``)."""
     adaptive: Any
@@ -164,7 +166,7 @@ def plain_workers(trainer: WorkerInputs, same_start: bool) -> RankWorkers:
     gradients = GradientSync(
         list(model.parameters()),
         optimizer=BucketOptimizer(policy.optimizer, undo_log(loaded)) if weight_sync == "overlap" else None,
-        before_last_bucket=emulation.backward_done if emulation.active else None,
+        before_last_bucket=_in_turn(emulation.backward_done if emulation.active else None, trainer.busy.mark),
         tap=trainer.adaptive.tap,
         after_update=trainer.faults.after_bucket_update if trainer.faults.in_updates else None,
     )
@@ -172,3 +174,14 @@ def plain_workers(trainer: WorkerInputs, same_start: bool) -> RankWorkers:
     workers = build_vsw_strategy(vsw_name, replicas, ddp)
     ranks = [trainer.rank]
     return RankWorkers(workers, gradients, weight_sync, weight_sync_reason, vsw_name, vsw_reason, ranks, ddp)
+
+
+def _in_turn(*calls: Callable[[], None] | None) -> Callable[[], None]:
+    """One callable that makes the given calls in order (None: left out)."""
+    kept = [c for c in calls if c is not None]
+
+    def call() -> None:
+        for c in kept:
+            c()
+
+    return call
