@@ -19,7 +19,8 @@ GBS (``--gbs``, default 64 and 256), through the commands a user types:
    each rank's loss weighted by its share, so the same SGD; measured in the
    same rounds as the plans, side by side (A B C U, U C B A);
 5. the online model: every plan measured in the first round (each server
-   alone, jabas's, plain DDP) refits the model (``jabas run`` does this
+   alone, jabas's, plain DDP: its iteration time and each rank's busy time,
+   ``busy.csv``) refits the model (``jabas run`` does this
    after every solved run; here it is called directly, since these runs
    train plan files); the plan the refit model then chooses (``refit plan``)
    is trained too when it differs, and so is the runner-up ``jabas run``'s
@@ -75,7 +76,7 @@ from typing import Any
 
 from jabascli.cli.trial import plan_trial
 from jabascli.config import load_config
-from jabascli.engine.metrics import median_iteration_s
+from jabascli.engine.metrics import median_busy_s, median_iteration_s
 from jabascli.engine.steplog import LOG_INTERVAL_S
 from jabascli.errors import InputError
 from jabascli.solver import read_plan, solver_from_config, write_plan
@@ -148,13 +149,16 @@ class Measured:
     iterations: int
     rounds: list[float] = field(default_factory=list)
     """Each round's median iteration time, when several runs were averaged."""
+    busy: dict[int, float] = field(default_factory=dict)
+    """Each rank's median busy time (``busy.csv``) in the first round."""
 
     @classmethod
     def mean(cls, runs: list[Measured]) -> Measured:
         """Several runs of one plan as one: the mean of their medians."""
         times = [r.measured_s for r in runs]
         first = runs[0]
-        return cls(first.plan, first.predicted_s, statistics.fmean(times), sum(r.iterations for r in runs), times)
+        iterations = sum(r.iterations for r in runs)
+        return cls(first.plan, first.predicted_s, statistics.fmean(times), iterations, times, first.busy)
 
     def per_round(self) -> str:
         """`` (rounds 16466/s, 15980/s)``; empty for a single run."""
@@ -246,7 +250,8 @@ class Bench:
         found = median_iteration_s(self.root / "runs" / name / "steps.csv")
         if found is None:
             raise RuntimeError(f"{name}: no iterations in steps.csv")
-        return Measured(plan, predicted, found[0], found[1])
+        busy = median_busy_s(self.root / "runs" / name / "busy.csv")
+        return Measured(plan, predicted, found[0], found[1], busy=busy)
 
     def uneven(self, batches: list[int], guess_s: float, args: argparse.Namespace) -> float:
         """One run of uneven-batch DDP with these local batches; its median iteration time (s)."""
@@ -262,7 +267,7 @@ class Bench:
         for run in measured.values():
             if run.plan.iteration_time_s is not None:
                 iterations = max(1, run.iterations // max(1, len(run.rounds)))
-                learn_from_run(loaded, run.plan, (run.rounds or [run.measured_s])[0], iterations)
+                learn_from_run(loaded, run.plan, (run.rounds or [run.measured_s])[0], iterations, busy=run.busy)
         predicted = None
         with contextlib.suppress(InputError):
             predicted = solver_from_config(load_config(self.online)).predict(mine.plan).time_s

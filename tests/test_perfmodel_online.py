@@ -43,7 +43,8 @@ from jabascli.profiles import (
 from jabascli.profiles.refit import read_refit, refit_generations, write_refit
 from jabascli.solver import solver_from_config
 from jabascli.solver.autoplan import solve_for_run
-from jabascli.solver.online import host_disturbed, job_refit, learn_from_run
+from jabascli.solver.online import host_disturbed, job_refit, learn_from_run, observed_assignments
+from jabascli.solver.plan import Assignment, Plan
 
 # Per VSW at LBS 32 (ms): data, forward, backward; the update; LBS 16 takes 0.6 of it.
 BASE = {"fast": (1.0, 10.0, 20.0, 2.0), "slow": (3.0, 30.0, 60.0, 6.0)}
@@ -110,6 +111,41 @@ def test_a_refit_recovers_known_compute_and_allreduce_factors() -> None:
     for kind, c in true_comm.items():
         assert refit.comm[kind] == pytest.approx(c, rel=0.02), refit
     assert max(abs(e) for e in errors(refit.apply(prior), observations)) < 0.005
+
+
+def test_busy_times_measure_the_server_that_does_not_set_the_pace() -> None:
+    # The fast server is 30% faster than profiled, and the slow one sets the pace of every two-server plan, so
+    # the iteration times cannot see it: only its ranks' busy times can.
+    truth = PerformanceModel(synthetic({"fast": 0.7}, {}))
+    prior = synthetic({}, {})
+    plans = [
+        (32, (GroupConfig(FAST, 1, 1, 0), GroupConfig(SLOW, 1, 1, 0))),
+        (16, (GroupConfig(FAST, 1, 1, 1), GroupConfig(SLOW, 1, 1, 0))),
+    ]
+    timed, busy = [], []
+    for lbs, groups in plans:
+        p = truth.predict(lbs, "sequential", groups)
+        assert p.groups[1].time_s == p.time_s  # the slow server sets the pace
+        timed.append(Observation(lbs, "sequential", groups, p.time_s, 200))
+        busy.append(
+            Observation(lbs, "sequential", groups, p.time_s, 200, busy_s=tuple(g.breakdown.busy_s for g in p.groups))
+        )
+
+    assert fit(prior, timed).compute["fast"] == pytest.approx(1.0, abs=0.02)  # left at the profile
+    refit = fit(prior, busy)
+    assert refit.compute["fast"] == pytest.approx(0.7, rel=0.02) and refit.compute["slow"] == pytest.approx(
+        1.0, rel=0.02
+    )
+
+
+def test_a_run_s_busy_times_go_to_the_assignments_of_their_ranks() -> None:
+    plan = Plan(
+        96, 32, "sequential", None, None, (Assignment("fast", "cpu", 2, 1, 0), Assignment("slow", "cpu-x3", 1, 1, 0))
+    )
+    (fast, slow) = observed_assignments(plan, {0: 0.010, 1: 0.012, 2: 0.030})
+    assert (fast.server, fast.busy_s, slow.server, slow.busy_s) == ("fast", pytest.approx(0.011), "slow", 0.030)
+    (fast, slow) = observed_assignments(plan, {0: 0.010, 2: 0.030})  # rank 1 measured nothing
+    assert fast.busy_s is None and slow.busy_s == 0.030
 
 
 def test_the_profile_is_a_prior_that_measurements_outweigh_as_they_accumulate() -> None:

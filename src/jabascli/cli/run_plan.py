@@ -73,12 +73,13 @@ def report_predicted(loaded: LoadedConfig, own: OwnPlan, start: dict[str, Any], 
     import os
 
     from jabascli.engine.layout import run_folder
-    from jabascli.engine.metrics import median_iteration_s
+    from jabascli.engine.metrics import median_busy_s, median_iteration_s
     from jabascli.errors import InputError
     from jabascli.solver.online import learn_from_run
 
     predicted = own.plan.iteration_time_s
-    measured = median_iteration_s(run_folder(loaded) / "steps.csv", first_step=int(start.get("step", 0)))
+    first_step = int(start.get("step", 0))
+    measured = median_iteration_s(run_folder(loaded) / "steps.csv", first_step=first_step)
     if predicted is None or measured is None:
         if not quiet:
             console.print("predicted and measured iteration time: too few iterations to compare", highlight=False)
@@ -94,7 +95,9 @@ def report_predicted(loaded: LoadedConfig, own: OwnPlan, start: dict[str, Any], 
     if own.plan.parallel is not None or loaded.config.batching.metric != "fixed":
         return  # a hybrid layout has its own model; an adaptive run's median spans several plans
     try:
-        learned = learn_from_run(loaded, own.plan, median, count, load=os.getloadavg()[0], cpus=os.cpu_count() or 1)
+        busy = median_busy_s(run_folder(loaded) / "busy.csv", first_step=first_step)
+        load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+        learned = learn_from_run(loaded, own.plan, median, count, load=load, cpus=cpus, busy=busy)
     except InputError as exc:
         if not quiet:
             console.print(f"performance model not refit: {exc}", highlight=False, markup=False)
@@ -102,8 +105,11 @@ def report_predicted(loaded: LoadedConfig, own: OwnPlan, start: dict[str, Any], 
     if quiet:
         return
     r = learned.record
-    busy = r.observations[-1]
-    note = f"; host busy (load {busy.load:.1f}): weighed as the profile" if busy.disturbed else ""
+    last = r.observations[-1]
+    note = f"; host busy (load {last.load:.1f}): weighed as the profile" if last.disturbed else ""
+    busy_times = ", ".join(f"{a.server} {a.busy_s * 1e3:.1f} ms" for a in last.assignments if a.busy_s)
+    if busy_times and len(last.assignments) > 1:
+        console.print(f"busy time per GPU before the last all-reduce: {busy_times}", highlight=False, markup=False)
     console.print(
         f"performance model refit to {len(r.observations)} {'run' if len(r.observations) == 1 else 'runs'}: "
         f"predicts {learned.predicted_after_s * 1e3:.1f} ms for this plan ({r.error_after * 100:+.0f}% off, "

@@ -97,7 +97,7 @@ def run_trial(loaded: LoadedConfig, trial: Trial, options: Any, start: Any, trai
     """Train ``TRIAL_STEPS`` iterations of each plan from ``start`` (``train(options)`` runs the trainers), then
     point ``plan.json`` at the faster one."""
     from jabascli.engine.layout import run_folder
-    from jabascli.engine.metrics import median_iteration_s
+    from jabascli.engine.metrics import median_busy_s, median_iteration_s
     from jabascli.engine.rerun import choose_start
     from jabascli.solver.online import learn_from_run
     from jabascli.solver.plan import write_plan
@@ -114,8 +114,10 @@ def run_trial(loaded: LoadedConfig, trial: Trial, options: Any, start: Any, trai
         found = median_iteration_s(folder / "steps.csv", first_step=first)
         if found is not None:
             measured[i] = found[0]
+            busy = median_busy_s(folder / "busy.csv", first_step=first)
+            load, cpus = os.getloadavg()[0], os.cpu_count() or 1
             with contextlib.suppress(InputError):  # the trial still chooses; the refit is what it would add
-                learn_from_run(loaded, plan, found[0], found[1], load=os.getloadavg()[0], cpus=os.cpu_count() or 1)
+                learn_from_run(loaded, plan, found[0], found[1], load=load, cpus=cpus, busy=busy)
         start = choose_start(loaded, resume=None, fresh=False, max_steps=options.max_steps)
     a, b = measured
     chosen = trial.runner_up if a is not None and b is not None and b < a else trial.best

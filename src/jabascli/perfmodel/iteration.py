@@ -108,6 +108,12 @@ class Breakdown:
         return self.data_s + self.forward_s + self.backward_s
 
     @property
+    def busy_s(self) -> float:
+        """The GPU's busy time: its computation and the engine's own work, what it does before it can only
+        wait for the others (measured per rank, ``docs/performance-model.md``)."""
+        return self.compute_s + self.overhead_s
+
+    @property
     def total_s(self) -> float:
         return _total(
             self.data_s,

@@ -22,12 +22,19 @@ factors; the profile is ``theta = 0``.
 **Fit** (least squares in log space, as Pollux's ``fit_perf_params``, with the
 profile as a Gaussian prior)::
 
-    minimise  sum_i w_i (log m_i - log T_i(theta))^2  +  lam * sum_j theta_j^2
+    minimise  sum_i w_i [ (log m_i - log T_i(theta))^2  +  sum_g (log b_ig - log B_ig(theta))^2 ]
+              +  lam * sum_j theta_j^2
 
 ``T_i(theta)`` is the model's prediction of observation ``i``'s plan with the
 profiles scaled by ``exp(theta)``: the largest time over the plan's GPU groups,
 taken during the fit as a smooth maximum (``SMOOTH_MAX``, 0.5% in log space) so
 that a group which is not the slowest by a hair still gets a gradient;
+``b_ig`` is group ``g``'s measured busy time, where the run measured it (its
+ranks' computation up to their last gradient bucket, before they wait for the
+others: :mod:`jabascli.engine.busy`), and ``B_ig(theta)`` its prediction
+(:attr:`~jabascli.perfmodel.iteration.Breakdown.busy_s`): the iteration time
+measures the slowest group only, the busy times every group, so each server's
+factor is measured at the LBS and micro-steps the plan gave it, paced or not;
 ``w_i = min(n_i, MAX_ITERATIONS)``, the observation's measured iterations
 (capped: the host drifts over minutes, so a long run is no surer than a
 moderate one); ``lam = prior_iterations`` (default ``PRIOR_ITERATIONS``): the
@@ -41,9 +48,9 @@ profile. With one parameter, a run of ``n`` iterations moves ``theta`` by
 ``n / (n + lam)`` of the way from the profile to the measurement (25
 iterations: 93%, 100: 98%): the prior is weak because what it stands for, the
 host's speed when the profile was taken, is what drifts; it decides what the
-measurements leave open (the split between two servers' factors when only one
-of them sets the pace, or between computation and all-reduce in one plan, goes
-to the smallest change from the profile). Observations accumulate (the job keeps every one,
+measurements leave open (without busy times, the split between two servers'
+factors when only one of them sets the pace, or between computation and
+all-reduce in one plan, goes to the smallest change from the profile). Observations accumulate (the job keeps every one,
 ``profiles/refit.py``), so the profile's pull fades as they do. A parameter no
 observation involves (a server no plan used, the ``inter`` link of a job that
 ran on one server) stays at the profile. Solved by Levenberg-Marquardt with a
@@ -88,6 +95,12 @@ class Observation:
     iterations: int
     disturbed: bool = False
     """Other processes loaded the host while it was measured: it weighs at most what the profile does."""
+    busy_s: tuple[float | None, ...] = ()
+    """Per group (in ``groups``' order), its ranks' median busy time in seconds; None or empty: not measured."""
+
+    def __post_init__(self) -> None:
+        if self.busy_s and len(self.busy_s) != len(self.groups):
+            raise ValueError(f"{len(self.busy_s)} busy times for {len(self.groups)} GPU groups")
 
     def link(self) -> str | None:
         """The link kind its all-reduce used (None: one GPU, no all-reduce)."""
@@ -173,16 +186,19 @@ def _parameters(profiles: ProfileSet, observations: Sequence[Observation]) -> li
     return [("compute", s) for s in compute] + [("comm", k) for k in links]
 
 
-def _log_times(profiles: ProfileSet, observations: Sequence[Observation]) -> np.ndarray:
-    """Smooth maximum over each observation's groups of the log predicted times."""
+def _log_times(profiles: ProfileSet, observations: Sequence[Observation]) -> tuple[np.ndarray, np.ndarray]:
+    """Per observation, the smooth maximum over its groups of the log predicted times; and per measured busy time
+    (observations and groups in order), the log of its group's predicted busy time."""
     model = PerformanceModel(profiles)
     out = np.empty(len(observations))
+    busy: list[float] = []
     for i, o in enumerate(observations):
         groups = model.predict(o.lbs, o.weight_sync, o.groups).groups
         logs = np.log([max(g.time_s, 1e-12) for g in groups])
         top = logs.max()
         out[i] = top + SMOOTH_MAX * math.log(float(np.exp((logs - top) / SMOOTH_MAX).sum()))
-    return out
+        busy += [math.log(max(g.breakdown.busy_s, 1e-12)) for g, b in zip(groups, o.busy_s, strict=False) if b]
+    return out, np.array(busy)
 
 
 def fit(profiles: ProfileSet, observations: Sequence[Observation], prior_iterations: float = PRIOR_ITERATIONS) -> Refit:
@@ -193,6 +209,8 @@ def fit(profiles: ProfileSet, observations: Sequence[Observation], prior_iterati
         return Refit()
     measured = np.log([o.measured_s for o in observations])
     root_w = np.sqrt([o.weight(prior_iterations) for o in observations])
+    busy = np.log([b for o in observations for b in o.busy_s if b])
+    root_w_busy = np.sqrt([o.weight(prior_iterations) for o in observations for b in o.busy_s if b])
     root_prior = math.sqrt(prior_iterations)
 
     def factors(theta: np.ndarray) -> Refit:
@@ -201,8 +219,8 @@ def fit(profiles: ProfileSet, observations: Sequence[Observation], prior_iterati
         return Refit(compute, comm)
 
     def residuals(theta: np.ndarray) -> np.ndarray:
-        logs = _log_times(factors(theta).apply(profiles), observations)
-        return np.concatenate([root_w * (measured - logs), root_prior * theta])
+        logs, busy_logs = _log_times(factors(theta).apply(profiles), observations)
+        return np.concatenate([root_w * (measured - logs), root_w_busy * (busy - busy_logs), root_prior * theta])
 
     theta = np.zeros(len(params))
     r = residuals(theta)

@@ -12,13 +12,15 @@ starts from the whole history::
     {"generation": 2, "prior": "3f1c...", "prior_iterations": 2.0,
      "compute": {"fast": 0.93, "slow3": 1.08}, "comm": {"inter": 1.4},
      "observations": [{"lbs": 64, "weight_sync": "sequential",
-                       "assignments": [{"server": "fast", "gpus": 1, "vsw": 1, "ga": 2, "lbs": null}, ...],
+                       "assignments": [{"server": "fast", "gpus": 1, "vsw": 1, "ga": 2, "lbs": null,
+                                        "busy_s": 0.0118}, ...],
                        "measured_s": 0.0135, "iterations": 55, "disturbed": false,
                        "load": 2.1, "predicted_s": 0.0127, "time": 1796000000.0}, ...],
      "error_before": 0.063, "error_after": 0.004, "time": 1796000000.0}
 
 An assignment's ``lbs`` is its GPUs' own LBS in an uneven plan (null, or absent
-in older files: the observation's ``lbs``).
+in older files: the observation's ``lbs``); its ``busy_s``, its ranks' median busy
+time (:mod:`jabascli.engine.busy`; null or absent: not measured).
 ``error_before``/``error_after``: the latest observation's ``(measured - predicted) / predicted`` under the
 model that planned it and under this refit.
 """
@@ -49,6 +51,8 @@ class ObservedAssignment(_Format):
     ga: int = Field(ge=0)
     lbs: int | None = Field(default=None, ge=1)
     """These GPUs' own LBS in an uneven plan (None, and in files written before uneven plans: the plan's)."""
+    busy_s: float | None = Field(default=None, gt=0)
+    """The median busy time of these GPUs' ranks (``busy.csv``; None: not measured, as in older files)."""
 
 
 class ObservedPlan(_Format):

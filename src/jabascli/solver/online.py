@@ -14,7 +14,9 @@ file: :mod:`jabascli.profiles.refit`).
 from __future__ import annotations
 
 import re
+import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,7 +134,8 @@ def observations(loaded: LoadedConfig, profiles: ProfileSet, plans: list[Observe
         groups = _groups(loaded, profiles, p)
         if groups is None or p.weight_sync not in ("sequential", "overlap"):
             continue
-        o = Observation(p.lbs, p.weight_sync, groups, p.measured_s, p.iterations, p.disturbed)  # type: ignore[arg-type]
+        busy = tuple(a.busy_s for a in p.assignments)
+        o = Observation(p.lbs, p.weight_sync, groups, p.measured_s, p.iterations, p.disturbed, busy)  # type: ignore[arg-type]
         try:
             predict(profiles, o)
         except (InputError, ValueError):
@@ -157,15 +160,17 @@ def learn_from_run(
     *,
     load: float | None = None,
     cpus: int = 1,
+    busy: Mapping[int, float] | None = None,
     prior_iterations: float = PRIOR_ITERATIONS,
 ) -> Learned:
-    """Add a run's measured plan to the job's observations, refit from the measured profiles, write a generation."""
+    """Add a run's measured plan to the job's observations, refit from the measured profiles, write a generation.
+
+    ``busy``: each rank's median busy time (``busy.csv``); the plan's ranks are its assignments' GPUs in order
+    (:func:`jabascli.engine.plan.plan_from_solver`)."""
     this = ObservedPlan(
         lbs=plan.lbs,
         weight_sync=plan.weight_sync,
-        assignments=[
-            ObservedAssignment(server=a.server, gpus=a.gpus, vsw=a.vsw, ga=a.ga, lbs=a.lbs) for a in plan.assignments
-        ],
+        assignments=observed_assignments(plan, busy or {}),
         measured_s=measured_s,
         iterations=iterations,
         disturbed=host_disturbed(load, plan.gpus, cpus),
@@ -174,6 +179,17 @@ def learn_from_run(
         time=round(time.time(), 3),
     )
     return learn(loaded, this, prior_iterations)
+
+
+def observed_assignments(plan: Plan, busy: Mapping[int, float]) -> list[ObservedAssignment]:
+    """The plan's assignments, each with the mean of its ranks' busy times where every one of them was measured."""
+    out, rank = [], 0
+    for a in plan.assignments:
+        times = [busy.get(r) for r in range(rank, rank + a.gpus)]
+        rank += a.gpus
+        mean = statistics.fmean(times) if all(t is not None and t > 0 for t in times) else None  # type: ignore[arg-type]
+        out.append(ObservedAssignment(server=a.server, gpus=a.gpus, vsw=a.vsw, ga=a.ga, lbs=a.lbs, busy_s=mean))
+    return out
 
 
 def learn(loaded: LoadedConfig, this: ObservedPlan, prior_iterations: float = PRIOR_ITERATIONS) -> Learned:
