@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jabascli.adaptive.checks import check_batching
-from jabascli.adaptive.hybrid_plans import hand_off_plans
+from jabascli.adaptive.batching import check_batching, hand_off_plans
 from jabascli.config import LoadedConfig
 from jabascli.devices import trainer_threads
 from jabascli.engine.events import EVENT_FD_ENV
