@@ -22,19 +22,24 @@ factors; the profile is ``theta = 0``.
 **Fit** (least squares in log space, as Pollux's ``fit_perf_params``, with the
 profile as a Gaussian prior)::
 
-    minimise  sum_i w_i [ (log m_i - log T_i(theta))^2  +  sum_g (log b_ig - log B_ig(theta))^2 ]
+    minimise  sum_i w_i [ (log m_i - log T_i(theta))^2  +  sum_g (r_ig - R_ig(theta))^2 ]
               +  lam * sum_j theta_j^2
 
 ``T_i(theta)`` is the model's prediction of observation ``i``'s plan with the
 profiles scaled by ``exp(theta)``: the largest time over the plan's GPU groups,
 taken during the fit as a smooth maximum (``SMOOTH_MAX``, 0.5% in log space) so
-that a group which is not the slowest by a hair still gets a gradient;
-``b_ig`` is group ``g``'s measured busy time, where the run measured it (its
-ranks' computation up to their last gradient bucket, before they wait for the
-others: :mod:`jabascli.engine.busy`), and ``B_ig(theta)`` its prediction
-(:attr:`~jabascli.perfmodel.iteration.Breakdown.busy_s`): the iteration time
-measures the slowest group only, the busy times every group, so each server's
-factor is measured at the LBS and micro-steps the plan gave it, paced or not;
+that a group which is not the slowest by a hair still gets a gradient.
+``r_ig = log b_ig - mean_g log b_ig`` compares group ``g``'s measured busy time
+with the other groups' of the same run, where the run measured two or more (a
+rank's computation up to its last gradient bucket, before it waits for the
+others: :mod:`jabascli.engine.busy`), and ``R_ig(theta)`` is the same of the
+predicted busy times (:attr:`~jabascli.perfmodel.iteration.Breakdown.busy_s`).
+The iteration time measures the slowest group only; the busy times measure how
+every group's computation compares with the others', at the LBS and micro-steps
+the plan gave it, paced or not, so the refit learns each server's speed
+relative to the others (what a split between them needs) while the iteration
+time keeps the level (what the busy times leave out, the last all-reduce and
+the update, the model predicts less well than the computation);
 ``w_i = min(n_i, MAX_ITERATIONS)``, the observation's measured iterations
 (capped: the host drifts over minutes, so a long run is no surer than a
 moderate one); ``lam = prior_iterations`` (default ``PRIOR_ITERATIONS``): the
@@ -50,10 +55,11 @@ iterations: 93%, 100: 98%): the prior is weak because what it stands for, the
 host's speed when the profile was taken, is what drifts; it decides what the
 measurements leave open (without busy times, the split between two servers'
 factors when only one of them sets the pace, or between computation and
-all-reduce in one plan, goes to the smallest change from the profile). Observations accumulate (the job keeps every one,
-``profiles/refit.py``), so the profile's pull fades as they do. A parameter no
-observation involves (a server no plan used, the ``inter`` link of a job that
-ran on one server) stays at the profile. Solved by Levenberg-Marquardt with a
+all-reduce in one plan, goes to the smallest change from the profile).
+Observations accumulate (the job keeps every one, ``profiles/refit.py``), so
+the profile's pull fades as they do. A parameter no observation involves (a
+server no plan used, the ``inter`` link of a job that ran on one server) stays
+at the profile. Solved by Levenberg-Marquardt with a
 numerical Jacobian: a handful of parameters, a few hundred model evaluations.
 """
 
@@ -62,6 +68,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -187,18 +194,26 @@ def _parameters(profiles: ProfileSet, observations: Sequence[Observation]) -> li
 
 
 def _log_times(profiles: ProfileSet, observations: Sequence[Observation]) -> tuple[np.ndarray, np.ndarray]:
-    """Per observation, the smooth maximum over its groups of the log predicted times; and per measured busy time
-    (observations and groups in order), the log of its group's predicted busy time."""
+    """Per observation, the smooth maximum over its groups of the log predicted times; and the relative log busy
+    times the model predicts for the groups whose busy time was measured (:func:`_relative`)."""
     model = PerformanceModel(profiles)
     out = np.empty(len(observations))
-    busy: list[float] = []
+    busy: list[np.ndarray] = []
     for i, o in enumerate(observations):
         groups = model.predict(o.lbs, o.weight_sync, o.groups).groups
         logs = np.log([max(g.time_s, 1e-12) for g in groups])
         top = logs.max()
         out[i] = top + SMOOTH_MAX * math.log(float(np.exp((logs - top) / SMOOTH_MAX).sum()))
-        busy += [math.log(max(g.breakdown.busy_s, 1e-12)) for g, b in zip(groups, o.busy_s, strict=False) if b]
-    return out, np.array(busy)
+        busy.append(_relative([g.breakdown.busy_s for g in groups], o.busy_s))
+    return out, np.concatenate(busy)
+
+
+def _relative(times: Sequence[float], measured: Sequence[float | None]) -> np.ndarray:
+    """``log t_g - mean log t_g`` over the groups whose busy time was ``measured``; nothing for fewer than two."""
+    logs = [math.log(max(t, 1e-12)) for t, m in zip(times, measured, strict=False) if m]
+    if len(logs) < 2:
+        return np.empty(0)
+    return np.array(logs) - statistics.fmean(logs)
 
 
 def fit(profiles: ProfileSet, observations: Sequence[Observation], prior_iterations: float = PRIOR_ITERATIONS) -> Refit:
@@ -209,8 +224,11 @@ def fit(profiles: ProfileSet, observations: Sequence[Observation], prior_iterati
         return Refit()
     measured = np.log([o.measured_s for o in observations])
     root_w = np.sqrt([o.weight(prior_iterations) for o in observations])
-    busy = np.log([b for o in observations for b in o.busy_s if b])
-    root_w_busy = np.sqrt([o.weight(prior_iterations) for o in observations for b in o.busy_s if b])
+    # The measured busy times relative to their run's other groups, each weighed as its observation.
+    relative = [_relative([b or 0.0 for b in o.busy_s], o.busy_s) for o in observations]
+    busy = np.concatenate(relative)
+    weights = [np.full(r.size, o.weight(prior_iterations)) for o, r in zip(observations, relative, strict=True)]
+    root_w_busy = np.sqrt(np.concatenate(weights))
     root_prior = math.sqrt(prior_iterations)
 
     def factors(theta: np.ndarray) -> Refit:
