@@ -92,6 +92,8 @@ def test_an_adaptive_run_refits_from_the_iterations_it_times_and_plans_on_the_re
         trained = (observed.lbs, [(a.server, a.gpus, a.vsw, a.ga) for a in observed.assignments])
         assert trained == (plan["lbs"], plan["assignments"])
         assert observed.iterations >= 10 and observed.measured_s == refit["measured_s"]
+        # Each server's busy time rode along with the iterations it timed: a part of each iteration.
+        assert all(0 < (a.busy_s or 0) < 1.05 * observed.measured_s for a in observed.assignments), observed
         assert observed.predicted_s == refit["predicted_before_s"]
         # Towards the measurement, not past it; by how much depends on the host's load (a busy host's measurement
         # weighs as the profile: tests/test_perfmodel_online.py). Once earlier refits brought the model near the

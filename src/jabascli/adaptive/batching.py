@@ -194,12 +194,18 @@ class AdaptiveBatching:
         self.overhead_s += time.perf_counter() - start
 
     def after_step(
-        self, step: int, plan: TrainingPlan, where: dict[str, int], report: Report | None
+        self,
+        step: int,
+        plan: TrainingPlan,
+        where: dict[str, int],
+        report: Report | None,
+        busy: torch.Tensor | None = None,
     ) -> TrainingPlan | None:
-        """After ``step`` iterations: on measurement iterations, the plan to continue with if it or the LR changes."""
+        """After ``step`` iterations: on measurement iterations, the plan to continue with if it or the LR changes.
+        ``busy``: every rank's busy time in the iteration (:mod:`jabascli.engine.busy`), for the refit."""
         if self.refit is None:
             return self._after_step(step, plan, where, report)
-        self.refit.ended(plan, timed=not self.measuring(step - 1))
+        self.refit.ended(plan, timed=not self.measuring(step - 1), busy=busy)
         try:
             return self._after_step(step, plan, where, report)
         finally:
@@ -390,7 +396,12 @@ class FixedBatching:
         pass
 
     def after_step(
-        self, step: int, plan: TrainingPlan, where: dict[str, int], report: Report | None
+        self,
+        step: int,
+        plan: TrainingPlan,
+        where: dict[str, int],
+        report: Report | None,
+        busy: torch.Tensor | None = None,
     ) -> TrainingPlan | None:
         return None
 

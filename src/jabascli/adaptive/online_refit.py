@@ -3,12 +3,14 @@
 An adaptive job changes its plan as its GBS moves, so one median over a whole run says nothing about any one
 plan (``jabas run`` refits a fixed-GBS run once, at its end: :func:`jabascli.cli.run_plan.report_predicted`).
 Instead rank 0 times each iteration of the plan it trains, from the end of one GBS decision point to the next
-(``after_step``), so the decisions' own time is not counted. It leaves out the first iteration of each plan (its
-replicas, buckets and allocator warm up) and the measurement iterations (they carry the gradient-noise
-measurement, :mod:`jabascli.adaptive.batching`). At each GBS decision, once the plan has
+(``after_step``), so the decisions' own time is not counted, with every rank's busy time of the iteration
+(:mod:`jabascli.engine.busy`, kept on the device until it is learned from). It leaves out the first
+iteration of each plan (its replicas, buckets and allocator warm up) and the measurement iterations (they
+carry the gradient-noise measurement, :mod:`jabascli.adaptive.batching`). At each GBS decision, once the plan has
 :data:`MIN_ITERATIONS` timed iterations not learned from yet, they become one observation::
 
-    observation = (the plan, the median of its timed iterations, their count, what the model that chose it predicted)
+    observation = (the plan, the median of its timed iterations, their count, what the model that chose it predicted,
+                   each GPU group's median busy time)
 
 It joins the job's observations through :func:`jabascli.solver.online.learn`: the same fit, prior and refit
 generation (``<run>/perfmodel/refit-N.json``) as after a run, never written over the profiles. The solver's
@@ -26,10 +28,12 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+import torch
 
 from jabascli.config import LoadedConfig
+from jabascli.engine.busy import rank_medians
 from jabascli.engine.plan import TrainingPlan
 from jabascli.errors import InputError
 from jabascli.profiles.refit import ObservedAssignment, ObservedPlan
@@ -49,16 +53,21 @@ class RunRefit:
         """The weight sync the trainer runs (the model predicts each differently); set once the trainer chose it."""
         self.times: list[float] = []
         """Timed iterations of the current plan not learned from yet, in seconds."""
+        self.busy: list[torch.Tensor] = []
+        """Every rank's busy times of those iterations (where measured)."""
         self._plan: TrainingPlan | None = None
         self._started: float | None = None
 
-    def ended(self, plan: TrainingPlan, timed: bool) -> None:
-        """An iteration of ``plan`` ended now; ``timed``: it counts (not a measurement iteration)."""
+    def ended(self, plan: TrainingPlan, timed: bool, busy: torch.Tensor | None = None) -> None:
+        """An iteration of ``plan`` ended now; ``timed``: it counts (not a measurement iteration); ``busy``: every
+        rank's busy time in it (:attr:`~jabascli.engine.busy.BusyClock.times`, written over by the next one)."""
         now = self.clock()
         if plan != self._plan:  # a new plan: its first iteration warmed it up
-            self._plan, self.times = plan, []
+            self._plan, self.times, self.busy = plan, [], []
         elif timed and self._started is not None:
             self.times.append(now - self._started)
+            if busy is not None:
+                self.busy.append(busy.clone())
         self._started = None
 
     def started(self) -> None:
@@ -80,7 +89,7 @@ class RunRefit:
         this = ObservedPlan(
             lbs=plan.lbs,
             weight_sync=self.weight_sync,
-            assignments=assignments(plan),
+            assignments=assignments(plan, rank_medians(self.busy)),
             measured_s=statistics.median(self.times),
             iterations=len(self.times),
             disturbed=host_disturbed(load, plan.world_size, os.cpu_count() or 1),
@@ -88,14 +97,22 @@ class RunRefit:
             predicted_s=predicted_s,
             time=round(time.time(), 3),
         )
-        self.times = []
+        self.times, self.busy = [], []
         try:
             return learn(self.loaded, this)
         except (InputError, OSError):
             return None  # training goes on with the model it has
 
 
-def assignments(plan: TrainingPlan) -> list[ObservedAssignment]:
-    """``plan``'s ranks as the solver's assignments: the devices of one server with the same (VSW, GA)."""
-    counts = Counter((r.server, r.vsw, r.ga) for r in plan.ranks)
-    return [ObservedAssignment(server=s, gpus=n, vsw=v, ga=g) for (s, v, g), n in counts.items()]
+def assignments(plan: TrainingPlan, busy: Mapping[int, float] | None = None) -> list[ObservedAssignment]:
+    """``plan``'s ranks as the solver's assignments: the devices of one server with the same (VSW, GA), each with
+    the mean of its ranks' busy times where every one of them was measured."""
+    busy = busy or {}
+    groups: dict[tuple[str, int, int], list[float | None]] = {}
+    for r in plan.ranks:
+        groups.setdefault((r.server, r.vsw, r.ga), []).append(busy.get(r.rank))
+    out = []
+    for (s, v, g), times in groups.items():
+        mean = statistics.fmean(times) if all(t is not None for t in times) else None  # type: ignore[arg-type]
+        out.append(ObservedAssignment(server=s, gpus=len(times), vsw=v, ga=g, busy_s=mean))
+    return out

@@ -23,6 +23,7 @@ and reports nothing.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -66,3 +67,16 @@ class BusyClock:
         previous = self._previous
         if previous is not None and previous[1].query():  # recorded an iteration ago: done by now, as a rule
             self.times[self.rank].fill_(previous[0].elapsed_time(previous[1]) / 1e3)
+
+
+def rank_medians(busy: list[torch.Tensor]) -> dict[int, float]:
+    """Each rank's median busy time (s) over the steps given, leaving out the steps it did not measure (0)."""
+    if not busy:
+        return {}
+    table = torch.stack(busy).to("cpu", torch.float64)
+    out: dict[int, float] = {}
+    for rank in range(table.shape[1]):
+        measured = table[:, rank][table[:, rank] > 0]
+        if measured.numel():
+            out[rank] = statistics.median(measured.tolist())
+    return out

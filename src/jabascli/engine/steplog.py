@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from jabascli.engine.busy import rank_medians
 from jabascli.engine.checkpoint import Progress
 from jabascli.engine.events import EventSink
 from jabascli.engine.metrics import EpochResult, MetricsWriter
@@ -120,19 +121,6 @@ class StepLog:
             self.metrics.epoch(asdict(result))
         if self.trainer.emit:
             self.trainer.emit({"event": "epoch", **asdict(result)})
-
-
-def rank_medians(busy: list[torch.Tensor]) -> dict[int, float]:
-    """Each rank's median busy time (s) over the steps given, leaving out the steps it did not measure (0)."""
-    if not busy:
-        return {}
-    table = torch.stack(busy).to("cpu", torch.float64)
-    out: dict[int, float] = {}
-    for rank in range(table.shape[1]):
-        measured = table[:, rank][table[:, rank] > 0]
-        if measured.numel():
-            out[rank] = statistics.median(measured.tolist())
-    return out
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float | None:

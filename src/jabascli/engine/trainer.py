@@ -369,7 +369,8 @@ class Trainer:
     def _adapt(self, log: StepLog) -> None:
         p = self.progress
         report = log.adjustment if self.rank == 0 else None
-        plan = self.adaptive.after_step(p.step, self.plan, {"epoch": p.epoch, "position": p.position}, report)
+        where = {"epoch": p.epoch, "position": p.position}
+        plan = self.adaptive.after_step(p.step, self.plan, where, report, self.busy.times)
         if plan is not None:
             self.apply_plan(plan)
 
