@@ -98,7 +98,7 @@ def test_profile_solve_and_train_with_the_plan(tmp_path: Path) -> None:
     (tmp_path / "jabas.toml").write_text(JOB)
     c = ("-c", "jabas.toml")
     for server in ("fast", "slow"):
-        jabas_ok("profile", "mem", *c, "--server", server, "--search", "static", "--lbs", "16", "--max-vsw", "4",
+        jabas_ok("profile", "mem", *c, "--server", server, "--search", "static", "--lbs", "16", "--max-vsw", "2",
                  "--trial-iters", "1", cwd=tmp_path)  # fmt: skip
         jabas_ok("profile", "comp", *c, "--server", server, "--warmup", "1", "--iters", "5", "--synthetic-data",
                  cwd=tmp_path)  # fmt: skip
