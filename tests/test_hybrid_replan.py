@@ -241,7 +241,7 @@ def _plain_and_back(rank: int, world: int, port: int, config: str, out: str) -> 
     torch.set_num_threads(1)
     changes = {3: (3, ParallelConfig(sharding="full")), 6: (2, None)}  # step: (LBS, layout)
 
-    def decide(self: Any, step: int, plan: Any, where: object, report: object) -> Any:
+    def decide(self: Any, step: int, plan: Any, where: object, report: object, busy: object = None) -> Any:
         if step not in changes:
             return None
         lbs, parallel = changes[step]

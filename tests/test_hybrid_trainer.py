@@ -60,7 +60,9 @@ def _rank(rank: int, world: int, port: int, config: str, out: str, change: dict[
         options = TrainOptions(metrics=False)
         trainer = Trainer(loaded, load_plan(loaded), rank, torch.device("cpu"), options, events.append)
 
-        def decide(step: int, plan: TrainingPlan, where: object, report: object) -> TrainingPlan | None:
+        def decide(
+            step: int, plan: TrainingPlan, where: object, report: object, busy: object = None
+        ) -> TrainingPlan | None:
             return changed_plan(plan, change) if step == change["at"] else None
 
         trainer.adaptive.after_step = decide  # type: ignore[method-assign]
