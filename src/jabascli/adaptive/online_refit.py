@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 
@@ -36,8 +36,8 @@ from jabascli.config import LoadedConfig
 from jabascli.engine.busy import rank_medians
 from jabascli.engine.plan import TrainingPlan
 from jabascli.errors import InputError
-from jabascli.profiles.refit import ObservedAssignment, ObservedPlan
-from jabascli.solver.online import Learned, host_disturbed, learn
+from jabascli.profiles.refit import ObservedPlan
+from jabascli.solver.online import Learned, host_disturbed, learn, observed_assignments
 
 MIN_ITERATIONS = 10
 """Timed iterations of one plan before they are learned from: fewer say more about the host's noise."""
@@ -89,7 +89,7 @@ class RunRefit:
         this = ObservedPlan(
             lbs=plan.lbs,
             weight_sync=self.weight_sync,
-            assignments=assignments(plan, rank_medians(self.busy)),
+            assignments=observed_assignments(plan.to_solver_plan(), rank_medians(self.busy)),
             measured_s=statistics.median(self.times),
             iterations=len(self.times),
             disturbed=host_disturbed(load, plan.world_size, os.cpu_count() or 1),
@@ -102,17 +102,3 @@ class RunRefit:
             return learn(self.loaded, this)
         except (InputError, OSError):
             return None  # training goes on with the model it has
-
-
-def assignments(plan: TrainingPlan, busy: Mapping[int, float] | None = None) -> list[ObservedAssignment]:
-    """``plan``'s ranks as the solver's assignments: the devices of one server with the same (VSW, GA), each with
-    the mean of its ranks' busy times where every one of them was measured."""
-    busy = busy or {}
-    groups: dict[tuple[str, int, int], list[float | None]] = {}
-    for r in plan.ranks:
-        groups.setdefault((r.server, r.vsw, r.ga), []).append(busy.get(r.rank))
-    out = []
-    for (s, v, g), times in groups.items():
-        mean = statistics.fmean(times) if all(t is not None for t in times) else None  # type: ignore[arg-type]
-        out.append(ObservedAssignment(server=s, gpus=len(times), vsw=v, ga=g, busy_s=mean))
-    return out
