@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from jabascli.engine.control import CONTROL_FILE_ENV, StopControl, read_request
+from jabascli.engine.control import StopControl, read_request
 from jabascli.engine.launch import run_local
 from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
+from jabascli.engine.trainer_env import CONTROL_FILE_ENV
 from tests.engine_support import TRAINER_ENV, checkpoint_of, load, max_abs_diff, write_job
 
 TWO = [(3, 1), (1, 0)]  # 7 workers over 2 ranks

@@ -16,11 +16,10 @@ from typing import Any
 
 import pytest
 
-from jabascli.engine.control import CONTROL_FILE_ENV
-from jabascli.engine.distributed import GENERATION_ENV
 from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.plan import read_plan_file
 from jabascli.engine.reference import reference_run
+from jabascli.engine.trainer_env import CONTROL_FILE_ENV, GENERATION_ENV
 from jabascli.net import free_port
 from tests.engine_support import TRAINER_ENV, checkpoint_of, load, max_abs_diff, write_job
 

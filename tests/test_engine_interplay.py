@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 
-from jabascli.engine.control import CONTROL_FILE_ENV
 from jabascli.engine.launch import run_local
 from jabascli.engine.layout import checkpoint_folder
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
+from jabascli.engine.trainer_env import CONTROL_FILE_ENV
 from tests.engine_support import TRAINER_ENV, WORKLOAD, checkpoint_of, load, max_abs_diff, write_job
 from tests.test_adaptive_engine import epochs_used
 

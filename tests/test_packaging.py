@@ -31,6 +31,21 @@ def test_solver_and_perfmodel_do_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_scheduler_and_a_nodes_agent_do_not_import_torch() -> None:
+    """They only start, watch and steer trainers: an agent on every node starts in a fraction of a second and
+    holds no copy of torch while its trainers run."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # any import of torch raises, naming the module that asked\n"
+        "import jabascli.elastic.agent, jabascli.elastic.service, jabascli.elastic.job, jabascli.cli.elastic\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def _imports(path: Path) -> list[str]:
     """Every module ``path`` imports, at its top or inside a function (absolute names, as jabas writes them)."""
     names = []

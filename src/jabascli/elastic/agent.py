@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jabascli.atomic import atomic_write_json, atomic_write_text
-from jabascli.children import PREEXEC
+from jabascli.children import GRACE_S, PREEXEC, log_tail, terminate
 from jabascli.config import LoadedConfig
 from jabascli.devices import detect_devices, trainer_threads
 from jabascli.elastic.client import Rejected, SchedulerClient, Unreachable
@@ -58,11 +58,9 @@ from jabascli.elastic.protocol import (
     finite_only,
 )
 from jabascli.elastic.token import TOKEN_ENV
-from jabascli.engine.control import CONTROL_FILE_ENV
-from jabascli.engine.distributed import GENERATION_ENV
 from jabascli.engine.events import EVENT_FD_ENV
-from jabascli.engine.launch import GRACE_S, log_tail, terminate
 from jabascli.engine.layout import checkpoint_folder, run_folder
+from jabascli.engine.trainer_env import CONTROL_FILE_ENV, GENERATION_ENV
 from jabascli.errors import InputError, RuntimeFailure
 
 EXITING_S = 0.5

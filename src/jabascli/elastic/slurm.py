@@ -22,7 +22,7 @@ they start inherit it blocked (a signal mask survives fork and exec) and only a 
 it: in the scheduler it stops the job at the next iteration (the trainers all stop after the same
 iteration, write the checkpoint and exit 0, as ``jabas job stop`` does); an agent notes it and carries
 on until the scheduler says the job is over. A trainer with SIGTERM blocked ends on SIGKILL, which an
-agent sends :data:`jabascli.engine.launch.GRACE_S` after its SIGTERM when it kills a generation.
+agent sends :data:`jabascli.children.GRACE_S` after its SIGTERM when it kills a generation.
 """
 
 from __future__ import annotations

@@ -45,9 +45,9 @@ import torch.distributed as dist
 
 from jabascli.engine.events import EventSink
 from jabascli.engine.handoff import Handoff, share
+from jabascli.engine.trainer_env import CONTROL_FILE_ENV
 from jabascli.errors import InputError
 
-CONTROL_FILE_ENV = "JABAS_CONTROL_FILE"
 POLL_S = 0.1
 """Rank 0 looks at the control file at most this often between epoch ends."""
 REQUESTS = ("epoch", "now")

@@ -46,12 +46,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from jabascli.engine.plan import TrainingPlan
+from jabascli.engine.trainer_env import GENERATION_ENV, SHARE_GPUS_ENV
 from jabascli.errors import InputError, RuntimeFailure
 from jabascli.net import interface_of, listening_socket, local_address_towards
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-SHARE_GPUS_ENV = "JABAS_SHARE_GPUS"
-GENERATION_ENV = "JABAS_GENERATION"
 OPEN_TIMEOUT = timedelta(days=7)
 """How long a rank waits for rank 0 to open its generation (the agent kills it sooner when the job fails)."""
 STORE_TIMEOUT = timedelta(minutes=5)

@@ -56,9 +56,10 @@ import torch.distributed as dist
 from jabascli.config import LoadedConfig
 from jabascli.engine.bucket_undo import UndoLog
 from jabascli.engine.checkpoint import CheckpointState, checkpoint_payload
-from jabascli.engine.distributed import GENERATION_ENV, DistEnv, rendezvous_store
+from jabascli.engine.distributed import DistEnv, rendezvous_store
 from jabascli.engine.events import EventSink
 from jabascli.engine.handoff import MAX_BYTES, Handoff
+from jabascli.engine.trainer_env import GENERATION_ENV
 from jabascli.errors import JabasError, RuntimeFailure
 
 if TYPE_CHECKING:

@@ -1,0 +1,14 @@
+"""What a launcher (``jabas run``, a node's agent) tells each trainer it starts through the environment, beyond
+torch.distributed's ``RANK``, ``WORLD_SIZE`` and ``MASTER_*``.
+
+Only the names live here, so that a launcher sets them without importing torch: a node's agent never loads it.
+"""
+
+from __future__ import annotations
+
+GENERATION_ENV = "JABAS_GENERATION"
+"""The job generation the trainer belongs to; set by the elastic agent, absent for a one-machine ``jabas run``."""
+CONTROL_FILE_ENV = "JABAS_CONTROL_FILE"
+"""The file through which rank 0 is asked to stop at an epoch end or now (:mod:`jabascli.engine.control`)."""
+SHARE_GPUS_ENV = "JABAS_SHARE_GPUS"
+"""``1``: several ranks may share one GPU (an emulated cluster on one machine)."""
