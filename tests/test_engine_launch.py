@@ -17,15 +17,18 @@ from tests.engine_support import write_job
 
 
 def live_trainers(config: Path) -> list[int]:
-    """Processes still running `jabas train` on this config."""
+    """Processes still running `jabas train` on this config: started fresh (the command line says so), or
+    forked by a fork server (named jabas-train, writing into a log under the config's folder)."""
     pids = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
                 cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+                forked = (proc / "comm").read_text().strip() == "jabas-train"
+                output = os.readlink(proc / "fd" / "1") if forked else ""
             except OSError:
                 continue
-            if b"train" in cmdline and str(config).encode() in cmdline:
+            if (b"train" in cmdline and str(config).encode() in cmdline) or output.startswith(f"{config.parent}/"):
                 pids.append(int(proc.name))
     return pids
 

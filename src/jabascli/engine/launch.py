@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from jabascli.adaptive.batching import check_batching, hand_off_plans
+from jabascli.children import Child, log_tail, terminate
 from jabascli.config import LoadedConfig
 from jabascli.devices import trainer_threads
 from jabascli.engine.events import EVENT_FD_ENV
@@ -39,10 +39,12 @@ from jabascli.engine.layout import run_folder
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import TrainingPlan, load_plan
 from jabascli.errors import InputError, Problem, RuntimeFailure
+from jabascli.forkserver import Unavailable, shared_server
 from jabascli.net import free_port
 
-GRACE_S = 5.0
 PORT_ATTEMPTS = 3
+TRAINER_ENTRY = "jabascli.cli.app:main"
+"""What ``python -m jabascli`` runs: a trainer is ``jabas train``."""
 POLL_S = 0.1
 
 
@@ -198,8 +200,8 @@ class _LocalRun:
         base = {**os.environ, **(env or {})}
         threads = trainer_threads(plan.world_size)
         port = free_port()
-        command = [sys.executable, "-m", "jabascli", "train", "-c", str(config), *train_args]
-        self.procs: list[subprocess.Popen[bytes]] = []
+        argv = ["train", "-c", str(config), *train_args]
+        self.procs: list[Child] = []
         try:
             for rank in range(plan.world_size):
                 child_env = {
@@ -217,17 +219,7 @@ class _LocalRun:
                     if rank in notes:
                         log.write(f"note: {notes[rank]}\n".encode())
                         log.flush()
-                    self.procs.append(
-                        subprocess.Popen(
-                            command,
-                            env=child_env,
-                            stdin=subprocess.DEVNULL,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            pass_fds=(write_fd,),
-                            start_new_session=True,
-                        )
-                    )
+                    self.procs.append(start_trainer(argv, child_env, log.fileno(), write_fd))
         except BaseException:
             self.stop()
             os.close(read_fd)
@@ -318,41 +310,23 @@ class _LocalRun:
         return RuntimeFailure([f"trainer rank {rank} {how}: {detail} (log: {self.logs[rank]})"])
 
 
-def terminate(
-    procs: Sequence[subprocess.Popen[bytes]],
-    send: Callable[[subprocess.Popen[bytes], int], None] | None = None,
-) -> None:
-    """SIGTERM every live process of ``procs``, then SIGKILL what is left after :data:`GRACE_S`.
-
-    ``send`` delivers a signal (default: to the process alone; the elastic agent
-    passes one that signals the trainer's whole process group).
-    """
-    send = send or _signal
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        send(p, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
-    for p in live:
-        try:
-            p.wait(max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            send(p, signal.SIGKILL)
-            p.wait()
-
-
-def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(sig)
-
-
-def log_tail(path: Path, size: int = 4000) -> str:
-    """The last ``size`` bytes of a trainer's log, as text (empty if it cannot be read)."""
+def start_trainer(argv: Sequence[str], env: dict[str, str], output: int, event_fd: int) -> Child:
+    """``jabas ARGV`` as a trainer process: forked by this process's fork server (:mod:`jabascli.forkserver`,
+    torch already imported), else started fresh. Either way in a session of its own (a terminal's Ctrl-C
+    reaches the launcher, which stops the trainers), output to ``output``, ``event_fd`` passed on."""
     try:
-        with path.open("rb") as f:
-            f.seek(max(path.stat().st_size - size, 0))
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
+        server = shared_server()
+        return server.spawn(TRAINER_ENTRY, argv, env, output, (event_fd,), new_session=True, name="jabas-train")
+    except Unavailable:
+        return subprocess.Popen(
+            [sys.executable, "-m", "jabascli", *argv],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            pass_fds=(event_fd,),
+            start_new_session=True,
+        )
 
 
 def _port_taken(text: str) -> bool:

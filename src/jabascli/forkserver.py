@@ -1,0 +1,376 @@
+"""A fork server: one process that has imported torch forks every trainer a launcher starts.
+
+A trainer's interpreter spends most of its start importing torch and what its
+first optimizer pulls in (``torch._dynamo``): about 5 CPU-seconds on a small
+host, paid again by every rank. A launcher that asks a fork server instead pays
+it once: the server imports them (:data:`TRAINER_PRELOAD`), then forks one
+child per request, which becomes the command a fresh ``python -m`` would have
+run, with the requester's arguments, environment, working folder, output file
+and file descriptors. Its pages stay shared with the server until written.
+
+The server never initialises CUDA (a forked child could not use it); if its
+imports did, it says so and the launcher starts fresh processes instead, as it
+does where there is no ``fork`` or where ``JABAS_FORK_SERVER=0``.
+
+Protocol, over a Unix ``SOCK_SEQPACKET`` pair (the server's stdin; one JSON
+message per packet, never the network, nothing unpickled):
+
+* server -> launcher, once: ``{"ready": true}`` or ``{"error": "..."}``;
+* launcher -> server: ``{"entry": "pkg.mod:func", "argv": [...], "env": {...},
+  "cwd": "...", "fds": [N, ...], "session": bool, "name": "..."}`` with the
+  child's output file and then each fd of ``fds`` attached (``SCM_RIGHTS``);
+  the child gets those at their numbers;
+* server -> launcher: ``{"pid": N}`` per request, in order, and
+  ``{"pid": N, "exit": CODE}`` when that child ends (negative: killed by that
+  signal, as :attr:`subprocess.Popen.returncode`).
+
+The server ignores Ctrl-C (the launcher ends what it started), dies with the
+launcher (``PR_SET_PDEATHSIG``), and its children die with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jabascli.children import PREEXEC, die_with_parent
+
+DISABLE_ENV = "JABAS_FORK_SERVER"
+"""``0``: start every trainer as a fresh process."""
+TRAINER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "jabascli.engine.process", "jabascli.cli.app")
+"""What a trainer imports: ``torch._dynamo`` comes with the first optimizer, half of torch's import time."""
+READY_TIMEOUT_S = 300.0
+REAP_S = 0.02
+"""How often the server looks for children that ended while no request comes."""
+_PACKET = 1 << 20
+
+
+class Unavailable(Exception):
+    """No fork server here: the caller starts fresh processes."""
+
+
+class ForkServer:
+    """The launcher's side: a running server and the children it forked for us."""
+
+    def __init__(self, preload: Sequence[str] = TRAINER_PRELOAD, env: Mapping[str, str] | None = None) -> None:
+        """Start a server that imports ``preload``, in the environment ``env`` (default: ours), without waiting
+        for it (:meth:`ready`)."""
+        if not hasattr(os, "fork") or not hasattr(socket, "send_fds") or os.environ.get(DISABLE_ENV) == "0":
+            raise Unavailable("no fork here")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "jabascli.forkserver", *preload],
+                stdin=theirs,
+                env=None if env is None else dict(env),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                preexec_fn=PREEXEC,
+                start_new_session=True,  # a terminal's Ctrl-C goes to the launcher, which ends what it started
+            )
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.lock = threading.Lock()
+        self.children: dict[int, Forked] = {}
+        self.started = False
+
+    def ready(self, timeout: float = READY_TIMEOUT_S) -> bool:
+        """Whether the server has imported its preload, waiting up to ``timeout`` for it to say so.
+
+        Raises :class:`Unavailable` when it failed to (and ends it).
+        """
+        if not self.started:
+            with self.lock:
+                hello = self._receive(timeout)
+            if hello is None and self.sock.fileno() >= 0 and self.proc.poll() is None:
+                return False  # still importing
+            if hello is None or not hello.get("ready"):
+                self.close()
+                raise Unavailable(str((hello or {}).get("error", "the fork server did not start")))
+            self.started = True
+        return True
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and self.sock.fileno() >= 0
+
+    def spawn(
+        self,
+        entry: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        output: int,
+        pass_fds: Sequence[int] = (),
+        cwd: str | None = None,
+        new_session: bool = False,
+        name: str = "",
+    ) -> Forked:
+        """Fork a child running ``entry`` (``"module:function"``) with ``sys.argv[1:] = argv``, stdout and
+        stderr to the file descriptor ``output``, stdin from /dev/null, and ``pass_fds`` at the same numbers.
+
+        ``name`` is its process name (``ps -o comm``, 15 bytes at most). Raises :class:`Unavailable` when the
+        server is gone. Waits for the server to be :meth:`ready` first.
+        """
+        if not self.ready():
+            raise Unavailable(f"the fork server took over {READY_TIMEOUT_S:g} s to start")
+        request = {
+            "entry": entry,
+            "argv": list(argv),
+            "env": dict(env),
+            "cwd": cwd or os.getcwd(),
+            "fds": list(pass_fds),
+            "session": new_session,
+            "name": name,
+        }
+        attached = [output, *pass_fds]
+        with self.lock:
+            try:
+                socket.send_fds(self.sock, [json.dumps(request).encode()], attached)
+            except OSError as exc:
+                raise Unavailable(f"the fork server is gone ({exc})") from None
+            while True:
+                reply = self._receive(READY_TIMEOUT_S)
+                if reply is None:
+                    raise Unavailable("the fork server is gone")
+                if "pid" in reply and "exit" not in reply:
+                    child = Forked(self, int(reply["pid"]))
+                    self.children[child.pid] = child
+                    return child
+                if "error" in reply:
+                    raise Unavailable(str(reply["error"]))
+                self._note(reply)
+
+    def collect(self, timeout: float = 0.0) -> None:
+        """Take in what the server said of ended children, waiting up to ``timeout`` for a first message."""
+        with self.lock:
+            while True:
+                reply = self._receive(timeout)
+                if reply is None:
+                    return
+                self._note(reply)
+                timeout = 0.0
+
+    def close(self) -> None:
+        """End the server (its children, if any are left, die with it)."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def _note(self, reply: dict[str, Any]) -> None:
+        if "exit" in reply:
+            pid, code = int(reply["pid"]), int(reply["exit"])
+            child = self.children.pop(pid, None)
+            if child is not None:
+                child.returncode = code
+
+    def _receive(self, timeout: float) -> dict[str, Any] | None:
+        """One message; None after ``timeout`` without one. When the server has died, every child we still
+        count as running is dead too (it dies with the server): marked killed, and None."""
+        if self.sock.fileno() < 0:
+            return None
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            return None
+        try:
+            data = self.sock.recv(_PACKET)
+        except OSError:
+            data = b""
+        if not data:
+            for child in self.children.values():
+                child.returncode = -signal.SIGKILL
+            self.children.clear()
+            self.sock.close()
+            return None
+        message = json.loads(data)
+        return message if isinstance(message, dict) else {}
+
+
+class Forked:
+    """A forked child, used as a :class:`subprocess.Popen`: ``pid``, ``poll``, ``wait``, ``send_signal``."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self.server = server
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.server.collect()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = 1.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout or 0.0)
+            self.server.collect(min(left, 1.0))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not yet reaped by the server: the pid is still this child's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+_shared: ForkServer | None = None
+_shared_failed: str | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_server() -> ForkServer:
+    """This process's trainer fork server, started on first use and kept for later launches (a restart, the
+    next run a library caller launches).
+
+    It dies with the thread that first asked for it (``PR_SET_PDEATHSIG`` is per thread): launchers ask from
+    their main thread. Raises :class:`Unavailable` where there is none, and from then on without trying again.
+    """
+    global _shared, _shared_failed
+    with _shared_lock:
+        if _shared_failed is not None:
+            raise Unavailable(_shared_failed)
+        if _shared is None or not _shared.alive():
+            try:
+                _shared = ForkServer(TRAINER_PRELOAD)
+                _shared.ready()
+            except Unavailable as exc:
+                _shared_failed = str(exc)
+                raise
+        return _shared
+
+
+# The server's side: everything below runs in `python -m jabascli.forkserver`.
+
+
+def _set_name(name: str) -> None:
+    if name and sys.platform == "linux":
+        with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+
+
+def _become(request: dict[str, Any], fds: list[int], sock: socket.socket) -> None:  # pragma: no cover - child
+    """In the forked child: set up as a fresh process would be, run the entry, and exit without returning."""
+    code = 1
+    try:
+        sock.close()
+        die_with_parent()
+        if request.get("session"):
+            os.setsid()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # The received descriptors to their numbers: first out of the way of every target, then into place.
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in fds]
+        for fd in fds:
+            os.close(fd)
+        output, *passed = high
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        targets = [int(n) for n in request["fds"]]
+        for source, target in zip(passed, targets, strict=True):
+            os.dup2(source, target)  # inheritable, as subprocess's pass_fds leaves them
+        keep = {0, 1, 2, *targets}
+        for fd in [int(n) for n in os.listdir("/dev/fd") if int(n) not in keep]:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # the server's socket and anything else it held
+        _set_name(str(request.get("name", "")))
+        os.environ.clear()
+        os.environ.update({str(k): str(v) for k, v in request["env"].items()})
+        os.chdir(request["cwd"])
+        sys.path[0] = request["cwd"]  # as `python -m` puts its working folder first
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(threads))  # torch read it at import, in the server
+        module, _, function = str(request["entry"]).partition(":")
+        sys.argv = [module, *[str(a) for a in request["argv"]]]
+        getattr(importlib.import_module(module), function)()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.send(json.dumps(message).encode())
+
+
+def serve(preload: Sequence[str]) -> None:
+    """The server's loop: fork on each request, report each child's end, stop when the launcher hangs up."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+    sock = socket.socket(fileno=os.dup(0))
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    try:
+        for name in preload:
+            importlib.import_module(name)
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            raise RuntimeError("CUDA was initialised while importing; a forked child could not use it")
+    except Exception as exc:  # told to the launcher, which then starts fresh processes
+        _send(sock, {"error": f"{type(exc).__name__}: {exc}"})
+        return
+    _send(sock, {"ready": True})
+    running: set[int] = set()
+    while True:
+        ready, _, _ = select.select([sock], [], [], REAP_S if running else None)
+        if ready:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, _PACKET, 64)
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                return  # the launcher hung up: our children die with us
+            request = json.loads(data)
+            pid = os.fork()
+            if pid == 0:
+                _become(request, fds, sock)
+            for fd in fds:
+                os.close(fd)
+            running.add(pid)
+            _send(sock, {"pid": pid})
+        while running:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                running.clear()
+                break
+            if pid == 0:
+                break
+            running.discard(pid)
+            _send(sock, {"pid": pid, "exit": os.waitstatus_to_exitcode(status)})
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1:])

@@ -1,0 +1,151 @@
+"""The fork server (jabascli/forkserver.py): a forked child starts as a fresh process would, and is watched
+and ended as a subprocess.Popen is. A real server process with real forks; it preloads nothing here, so that
+these tests do not pay for torch's import."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jabascli.children import terminate
+from jabascli.forkserver import DISABLE_ENV, ForkServer, Unavailable
+
+CHILD = '''
+import json, os, signal, sys, time
+
+def report():
+    """Tell what this process was started with, on the passed descriptor, then print to its output."""
+    fd = int(os.environ["REPORT_FD"])
+    facts = {
+        "argv": sys.argv[1:],
+        "cwd": os.getcwd(),
+        "env": os.environ.get("ONLY_HERE"),
+        "inherited": "NOT_PASSED" in os.environ,
+        "session": os.getsid(0) == os.getpid(),
+        "name": open("/proc/self/comm").read().strip(),
+        "stdin": sys.stdin.read(),
+        # What is open, less the descriptor of the listing itself (gone once listed).
+        "open": {n: os.readlink("/dev/fd/" + n) for n in os.listdir("/dev/fd") if os.path.exists("/dev/fd/" + n)},
+    }
+    os.write(fd, json.dumps(facts).encode())
+    os.close(fd)
+    print("to the log")
+    sys.exit(int(sys.argv[1]))
+
+def sleep():
+    time.sleep(60)
+
+def ignore_term():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(60)
+'''
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ForkServer]:
+    (tmp_path / "childmod.py").write_text(CHILD)
+    started = ForkServer(preload=())
+    assert started.ready()
+    yield started
+    started.close()
+
+
+def test_a_forked_child_starts_as_a_fresh_process_would(server: ForkServer, tmp_path: Path) -> None:
+    os.environ["NOT_PASSED"] = "1"
+    read_fd, write_fd = os.pipe()
+    log = tmp_path / "child.log"
+    try:
+        with log.open("wb") as output:
+            child = server.spawn(
+                "childmod:report",
+                ["3", "x y"],
+                {"ONLY_HERE": "yes", "REPORT_FD": str(write_fd)},
+                output.fileno(),
+                (write_fd,),
+                cwd=str(tmp_path),
+                new_session=True,
+                name="jabas-test",
+            )
+        os.close(write_fd)
+        assert child.wait(timeout=60) == 3 and child.poll() == 3  # its exit code, as Popen's returncode
+        facts = json.loads(os.read(read_fd, 65536))
+    finally:
+        os.environ.pop("NOT_PASSED")
+        os.close(read_fd)
+    assert facts["argv"] == ["3", "x y"] and facts["cwd"] == str(tmp_path)
+    assert facts["env"] == "yes" and not facts["inherited"]  # the requester's environment, not the server's
+    assert facts["session"] and facts["name"] == "jabas-test" and facts["stdin"] == ""
+    # stdin from /dev/null, stdout and stderr to the log, the passed pipe at its number: nothing else.
+    opened = facts["open"]
+    assert set(opened) == {"0", "1", "2", str(write_fd)}, opened
+    assert (
+        opened["0"] == "/dev/null"
+        and opened["1"] == opened["2"] == str(log)
+        and opened[str(write_fd)].startswith("pipe:")
+    )
+    assert log.read_text() == "to the log\n"
+
+
+def test_signals_reach_the_child_and_its_end_is_told_as_popen_tells_it(server: ForkServer, tmp_path: Path) -> None:
+    children = [
+        server.spawn("childmod:" + name, [], {}, 1, cwd=str(tmp_path)) for name in ("sleep", "ignore_term", "sleep")
+    ]
+    assert [c.poll() for c in children] == [None, None, None]
+    with pytest.raises(subprocess.TimeoutExpired):
+        children[0].wait(timeout=0.2)
+    time.sleep(1)  # ignore_term has set its handler
+    children[0].send_signal(signal.SIGTERM)
+    assert children[0].wait(timeout=30) == -signal.SIGTERM
+    terminate(children[1:])  # SIGTERM, then SIGKILL for the one that ignores it
+    assert [c.returncode for c in children[1:]] == [-signal.SIGKILL, -signal.SIGTERM]
+
+
+def test_the_children_die_with_the_server(server: ForkServer, tmp_path: Path) -> None:
+    child = server.spawn("childmod:sleep", [], {}, 1, cwd=str(tmp_path))
+    server.proc.kill()
+    assert child.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while _alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child.pid)  # killed by the kernel with its parent, not only said to be
+    with pytest.raises(Unavailable):
+        server.spawn("childmod:sleep", [], {}, 1, cwd=str(tmp_path))
+
+
+def _alive(pid: int) -> bool:
+    """Running, or stopped; not gone and not a zombie waiting to be reaped by its new parent."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_a_failed_preload_or_a_switched_off_server_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    failing = ForkServer(preload=("no_such_module_here",))
+    with pytest.raises(Unavailable, match="ModuleNotFoundError"):
+        failing.ready()
+    assert not failing.alive()
+    monkeypatch.setenv(DISABLE_ENV, "0")
+    with pytest.raises(Unavailable):
+        ForkServer(preload=())
+
+
+def test_a_server_still_importing_is_not_ready_and_nobody_waits_for_it(tmp_path: Path) -> None:
+    """A caller that cannot wait (an agent between heartbeats) can ask without waiting."""
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(3)\n")
+    server = ForkServer(preload=("slow_import",), env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    try:
+        asked = time.monotonic()
+        assert server.ready(0) is False and server.alive()
+        assert time.monotonic() - asked < 1
+        assert server.ready(60) is True
+    finally:
+        server.close()
