@@ -142,7 +142,8 @@ def _restore(path: Path, whole_model: bool, model: torch.nn.Module, optimizer: t
     return progress  # as a trainer under a layout resumes
 
 
-if __name__ == "__main__":
+def command() -> None:
+    """``python -m tests.hybrid_support CONFIG RANK WORLD PORT OUT [--store ...]``, or forked with that argv."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--store")
     parser.add_argument("--save-every", type=int, default=0)
@@ -156,3 +157,7 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    command()

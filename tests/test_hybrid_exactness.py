@@ -26,6 +26,7 @@ import torch
 
 from jabascli.engine.plan import load_plan
 from jabascli.engine.reference import reference_run
+from jabascli.forkserver import Unavailable, shared_server
 from jabascli.net import free_port
 from jabascli.workload import workload_of
 from tests.conftest import REPO
@@ -68,22 +69,33 @@ def write_config(
     return path
 
 
+SUPPORT = "tests.hybrid_support:command"
+
+
 def run_ranks(config: Path, world: int, out: Path, *args: str) -> None:
-    """``world`` processes of tests/hybrid_support.py on ``config`` (``args``: its checkpoint options)."""
+    """``world`` processes of tests/hybrid_support.py on ``config`` (``args``: its checkpoint options), forked
+    as `jabas run` forks its trainers (jabascli/forkserver.py), each writing to ``out``'s folder's rank log."""
     port = free_port()
     env = {**os.environ, **TRAINER_ENV, "PYTHONPATH": str(REPO)}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.hybrid_support", str(config), str(r), str(world), str(port), str(out), *args],
-            cwd=REPO,
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    errors = [p.communicate(timeout=300)[1] for p in ranks]
-    assert all(p.returncode == 0 for p in ranks), errors
+    logs = [out.parent / f"{out.name}.rank{r}.log" for r in range(world)]
+    ranks = []
+    for r, log in enumerate(logs):
+        argv = [str(config), str(r), str(world), str(port), str(out), *args]
+        with log.open("wb") as output:
+            try:
+                ranks.append(shared_server().spawn(SUPPORT, argv, env, output.fileno(), cwd=str(REPO)))
+            except Unavailable:
+                ranks.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tests.hybrid_support", *argv],
+                        cwd=REPO,
+                        env=env,
+                        stdout=output,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+    codes = [p.wait(timeout=300) for p in ranks]
+    assert all(code == 0 for code in codes), [log.read_text()[-3000:] for log in logs]
 
 
 def train_sharded(config: Path, world: int, out: Path, stages: int = 1) -> dict[str, torch.Tensor]:

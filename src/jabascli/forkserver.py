@@ -30,6 +30,7 @@ launcher (``PR_SET_PDEATHSIG``), and its children die with it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import importlib
@@ -259,6 +260,13 @@ def shared_server() -> ForkServer:
         return _shared
 
 
+@atexit.register
+def _close_shared() -> None:
+    """End the shared server with this process, and wait for it (its time counts as this process's child's)."""
+    if _shared is not None:
+        _shared.close()
+
+
 # The server's side: everything below runs in `python -m jabascli.forkserver`.
 
 
@@ -268,12 +276,15 @@ def _set_name(name: str) -> None:
             f.write(name[:15])
 
 
-def _become(request: dict[str, Any], fds: list[int], sock: socket.socket) -> None:  # pragma: no cover - child
-    """In the forked child: set up as a fresh process would be, run the entry, and exit without returning."""
+def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, server: int) -> None:  # pragma: no cover
+    """In the forked child of ``server`` (its pid): set up as a fresh process would be, run the entry, and exit
+    without returning."""
     code = 1
     try:
         sock.close()
         die_with_parent()
+        if os.getppid() != server:
+            os._exit(1)  # the server died before the line above asked the kernel to kill us with it
         if request.get("session"):
             os.setsid()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
@@ -353,9 +364,10 @@ def serve(preload: Sequence[str]) -> None:
             if not data:
                 return  # the launcher hung up: our children die with us
             request = json.loads(data)
+            server = os.getpid()
             pid = os.fork()
             if pid == 0:
-                _become(request, fds, sock)
+                _become(request, fds, sock, server)
             for fd in fds:
                 os.close(fd)
             running.add(pid)
