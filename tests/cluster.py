@@ -89,6 +89,8 @@ MAX_NODES = 200
 TOOLS = ("ip", "tc", "nsenter")
 TERM_GRACE_S = 3.0
 KILL_WAIT_S = 5.0
+LINK_GONE_S = 5.0
+"""How long a deleted interface may stay listed before teardown calls it left."""
 
 _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
 _PREFIX = re.compile(r"[A-Za-z][A-Za-z_-]{0,11}")  # no digit, so PREFIX+K names one K only
@@ -455,6 +457,10 @@ class EmulatedCluster:
         left = [f"processes {pids} in {name}" for name, pids in survivors.items() if pids]
         left += [f"namespace {n.netns}" for n in self.nodes if Path(n.netns_path).exists()]
         links = [n.peer for n in self.nodes] + ([self.bridge] if self.k is not None else [])
+        # A deleted interface can stay listed a moment on a busy host (the kernel frees it after `ip` returns).
+        deadline = time.monotonic() + LINK_GONE_S
+        while any(Path("/sys/class/net", link).exists() for link in links) and time.monotonic() < deadline:
+            time.sleep(0.1)
         left += [f"interface {link}" for link in links if Path("/sys/class/net", link).exists()]
         if left:
             raise ClusterError(f"emulated cluster not fully torn down: {'; '.join(left)} left")
