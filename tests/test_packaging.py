@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import tomllib
 
 from tests.conftest import REPO
@@ -41,6 +42,28 @@ def test_the_scheduler_and_a_nodes_agent_do_not_import_torch() -> None:
         "import sys\n"
         "sys.modules['torch'] = None  # any import of torch raises, naming the module that asked\n"
         "import jabascli.elastic.agent, jabascli.elastic.service, jabascli.elastic.job, jabascli.cli.elastic\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_an_agent_registering_on_a_node_without_a_gpu_driver_does_not_import_torch() -> None:
+    """The agent asks detect_devices when it registers. Importing torch there cost every agent seconds, and a
+    SIGTERM landing inside torch's import of numpy was swallowed, so the agent outlived its launcher."""
+    import os
+    import subprocess
+    import sys
+
+    from jabascli.devices import GPU_DEVICE_FILES
+
+    if any(os.path.exists(path) for path in GPU_DEVICE_FILES):
+        pytest.skip("a GPU driver is installed here: torch.cuda is rightly asked")
+    code = (
+        "import sys\n"
+        "from jabascli.devices import detect_devices\n"
+        "found = detect_devices()\n"
+        "assert found.backend == 'cpu', found\n"
+        "assert 'torch' not in sys.modules, 'detect_devices imported torch'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -2,7 +2,9 @@
 
 NVIDIA GPUs are found through NVML (``pynvml``, from the ``nvidia-ml-py``
 distribution) without initialising CUDA; where NVML is missing, ``torch.cuda``
-is asked; otherwise the node is a CPU node. A CPU node counts as one device of
+is asked, but only where a GPU driver's device file exists (importing torch
+takes seconds, and the agents and launchers that ask are otherwise torch-free);
+otherwise the node is a CPU node. A CPU node counts as one device of
 type ``cpu``: several trainer processes on it stand for several GPUs, and a
 server may be *emulated* (see :class:`jabascli.config.models.EmulationConfig`).
 """
@@ -12,9 +14,13 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+"""What an NVIDIA, an AMD (ROCm) or a WSL GPU driver creates; where none exists ``torch.cuda`` finds no device."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,8 @@ def _detect_nvml() -> NodeDevices | None:
 
 
 def _detect_torch_cuda() -> NodeDevices | None:
+    if "torch" not in sys.modules and not any(os.path.exists(path) for path in GPU_DEVICE_FILES):
+        return None
     try:
         import torch
     except ImportError:
