@@ -209,7 +209,7 @@ def write_job(
 
 def checkpoint_of(loaded: LoadedConfig) -> dict[str, Any]:
     """The job's newest checkpoint, read as any torch.save file is (not through jabas's own reader)."""
-    from jabascli.engine.checkpoint import newest_checkpoint
+    from jabascli.engine.checkpoint_store import newest_checkpoint
     from jabascli.engine.layout import checkpoint_folder
 
     found = newest_checkpoint(checkpoint_folder(loaded))

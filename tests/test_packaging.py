@@ -42,6 +42,24 @@ def test_the_scheduler_and_a_nodes_agent_do_not_import_torch() -> None:
         "import sys\n"
         "sys.modules['torch'] = None  # any import of torch raises, naming the module that asked\n"
         "import jabascli.elastic.agent, jabascli.elastic.service, jabascli.elastic.job, jabascli.cli.elastic\n"
+        "import jabascli.elastic.slurm\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_what_a_launcher_checks_before_its_trainers_start_does_not_import_torch() -> None:
+    """The launcher's own work (its plan, its checkpoint to resume, an fp32 job's precision) needs no torch; only
+    the job's workload module, which it imports to check it, brings torch in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "import jabascli.engine.launch, jabascli.engine.rerun, jabascli.adaptive.checks\n"
+        "from jabascli.engine.precision_checks import check_precision\n"
+        "check_precision('fp32', 'cpu')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -80,12 +98,14 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
-def test_engine_does_not_import_cli_or_elastic_and_reaches_adaptive_through_one_hook() -> None:
+def test_engine_does_not_import_cli_or_elastic_and_reaches_adaptive_through_its_hooks() -> None:
+    """The trainer's hook (adaptive/batching.py) and the launcher's checks (adaptive/checks.py), nothing else."""
+    hooks = {"jabascli.adaptive.batching", "jabascli.adaptive.checks"}
     for path in (REPO / "src" / "jabascli" / "engine").rglob("*.py"):
         for name in _imports(path):
             assert not name.startswith(("jabascli.cli", "jabascli.elastic")), f"{path}: imports {name}"
             if name.startswith("jabascli.adaptive"):
-                assert name == "jabascli.adaptive.batching", f"{path}: imports {name}, not the hook"
+                assert name in hooks, f"{path}: imports {name}, not a hook"
 
 
 def test_nothing_imports_cli() -> None:

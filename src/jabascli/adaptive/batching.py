@@ -1,4 +1,4 @@
-"""Adaptive GBS in a running job: the engine's one hook.
+"""Adaptive GBS in a running job: the trainer's hook (the launcher's is :mod:`jabascli.adaptive.checks`).
 
 Every ``adjust_interval`` iterations (a *measurement iteration*, the one that
 completes a multiple of the interval), on every rank:
@@ -37,12 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# The engine's one hook into adaptive batching is this module: what it builds per trainer (``build``), what it
-# checks before training, and what the one-process reference follows, re-exported here.
-from jabascli.adaptive.checks import check_batching as check_batching
+# The trainer's hook into adaptive batching is this module: what it builds per trainer (``build``) and what the
+# one-process reference follows, re-exported here. What is checked before training is adaptive/checks.py.
 from jabascli.adaptive.estimators import HalfGradients
 from jabascli.adaptive.estimators import half_split as half_split
-from jabascli.adaptive.hybrid_plans import hand_off_plans as hand_off_plans
 from jabascli.adaptive.lr_scaling import ScaledLr, lr_factor
 from jabascli.adaptive.measure import FirstHalf
 from jabascli.adaptive.noise import NoiseScale

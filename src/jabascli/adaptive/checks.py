@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+# With check_batching, the launcher hands the hybrid plans it checked to its trainers (torch-free, as this module).
+from jabascli.adaptive.hybrid_plans import hand_off_plans as hand_off_plans
 from jabascli.adaptive.replan import hybrid_candidates, solver_candidates
 from jabascli.config import LoadedConfig
 from jabascli.engine.plan import TrainingPlan

@@ -340,7 +340,7 @@ def serve_allocation(
     from jabascli.elastic.job import Scheduler
     from jabascli.elastic.local import Steering
     from jabascli.elastic.service import serve
-    from jabascli.engine.checkpoint import newest_checkpoint
+    from jabascli.engine.checkpoint_store import newest_checkpoint
     from jabascli.engine.layout import checkpoint_folder
 
     env = os.environ if environ is None else environ

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from jabascli.engine.checkpoint_store import CheckpointStore, Found
+from jabascli.engine.checkpoint_store import CheckpointStore, Found, newest_checkpoint
 from jabascli.errors import InputError
 
 FORMAT = "jabas-checkpoint"
@@ -147,11 +147,6 @@ def extra_payload(state: CheckpointState) -> dict[str, Any]:
         "adaptive": state.adaptive,
         "grad_scaler": state.grad_scaler or {},  # fp16's loss scale (engine/step_policy.py); empty otherwise
     }
-
-
-def newest_checkpoint(folder: Path) -> Found | None:
-    """The newest intact checkpoint of a job's checkpoint folder (None: it holds none); see CheckpointStore."""
-    return CheckpointStore(folder).newest() if folder.is_dir() else None
 
 
 def resolve_checkpoint(path: Path) -> Found:

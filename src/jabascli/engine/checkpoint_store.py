@@ -225,3 +225,8 @@ def _folder_problem(path: Path, files: dict[str, dict[str, Any]] | None) -> str 
         if found["sha256"] != written["sha256"]:
             return f"corrupt: the SHA-256 of {name} differs from the one written with it"
     return None
+
+
+def newest_checkpoint(folder: Path) -> Found | None:
+    """The newest intact checkpoint of a job's checkpoint folder (None: it holds none); see CheckpointStore."""
+    return CheckpointStore(folder).newest() if folder.is_dir() else None

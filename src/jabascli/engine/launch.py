@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jabascli.adaptive.batching import check_batching, hand_off_plans
+from jabascli.adaptive.checks import check_batching, hand_off_plans
 from jabascli.children import Child, log_tail, terminate
 from jabascli.config import LoadedConfig
 from jabascli.devices import trainer_threads
@@ -108,7 +108,7 @@ def run_local(
 
 def check_plan_inputs(loaded: LoadedConfig, plan: TrainingPlan) -> None:
     """The checks of a job and its plan that come before any trainer starts (bad input raises)."""
-    from jabascli.engine.step_policy import check_job_precision_inputs
+    from jabascli.engine.precision_checks import check_job_precision_inputs
 
     check_batching(loaded, plan)
     check_job_precision_inputs(loaded, plan)
@@ -127,7 +127,7 @@ def restarting(
     wrote it (its modification time says so), else as the first attempt did.
     Bad input (:class:`InputError`) is never retried.
     """
-    from jabascli.engine.checkpoint import newest_checkpoint
+    from jabascli.engine.checkpoint_store import newest_checkpoint
 
     started = time.time()
     resume: Path | None = None

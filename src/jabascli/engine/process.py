@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from jabascli.adaptive.batching import check_batching
+from jabascli.adaptive.checks import check_batching
 from jabascli.config import LoadedConfig
 from jabascli.engine.distributed import (
     DistEnv,
@@ -38,8 +38,8 @@ from jabascli.engine.layout import checkpoint_folder, run_folder
 from jabascli.engine.metrics import EpochResult, MetricsWriter, open_metrics
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import load_plan, plan_from_dict
+from jabascli.engine.precision_checks import check_job_precision_inputs
 from jabascli.engine.recovery import check_agreement, lost_peer
-from jabascli.engine.step_policy import check_job_precision_inputs
 from jabascli.engine.trainer import Trainer
 from jabascli.errors import InputError, JabasError
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jabascli.config import LoadedConfig
-from jabascli.engine.checkpoint import load_payload, newest_checkpoint
+from jabascli.engine.checkpoint_store import newest_checkpoint
 from jabascli.engine.layout import checkpoint_folder, run_folder
 from jabascli.errors import InputError
 
@@ -48,6 +48,8 @@ def choose_start(loaded: LoadedConfig, *, resume: Path | None, fresh: bool, max_
         return Start(None)
     step, epoch = found.entry.step, found.entry.epoch
     if step < 0:  # a checkpoint written before the manifest: its progress is in the payload
+        from jabascli.engine.checkpoint import load_payload  # torch: only for such a checkpoint
+
         progress = load_payload(found.path, found.data)["progress"]
         step, epoch = progress["step"], progress["epoch"]
     notes = [f"{line}; resuming from {found.path}" for line in found.passed_over]

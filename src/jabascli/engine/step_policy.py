@@ -29,14 +29,15 @@ import contextlib
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from jabascli.errors import InputError
+from jabascli.engine.precision_checks import DTYPE_NAMES
 
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS: dict[str, torch.dtype | None] = {
+    name: dtype and getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()
+}
 """``[job] precision`` and the dtype autocast runs the forward in (None: the model's own)."""
 
 
@@ -63,66 +64,6 @@ def step_settings(job: Any, workload: Any) -> StepSettings:
     """``[job] precision`` and the clip norm: ``[job] clip_grad_norm``, else the workload's ``clip_grad_norm``."""
     clip = job.clip_grad_norm if job.clip_grad_norm is not None else workload.clip_grad_norm()
     return StepSettings(job.precision, clip)
-
-
-NO_NATIVE: dict[str, tuple[str, ...]] = {
-    "fp16": ("K80", "K40", "K20", "M40", "M60", "M10", "GTX 9"),
-    "bf16": ("K80", "K40", "K20", "M40", "M60", "M10", "GTX", "P100", "P40", "P4", "V100", "T4", "RTX 20", "TITAN V"),
-}
-"""GPU names (substrings of ``device_type``) without native arithmetic in that precision: fp16 needs compute
-capability 5.3 (Pascal), bf16 8.0 (Ampere). Names not listed are checked on the device when a trainer starts."""
-
-
-def check_job_precision_inputs(loaded: Any, plan: Any) -> None:
-    """Before any trainer trains: the precision suits the plan's devices, and the plan's profiles were measured in it.
-
-    A plan file is the solver's, made from the memory and computation profiles:
-    those (where this node has them) must be of the job's precision.
-    """
-    precision = loaded.config.job.precision
-    check_job_precision(precision, plan, loaded.path)
-    if plan.from_plan_file:
-        from jabascli.profiles.store import check_profiles_precision
-
-        dirs = loaded.profile_dirs()
-        check_profiles_precision(dirs.memory, dirs.computation, precision)
-
-
-def check_job_precision(precision: str, plan: Any, file: Path | str | None = None) -> None:
-    """Before any trainer starts: the plan's devices, and this torch where trainers run on the CPU."""
-    for rank in plan.ranks:
-        if rank.emulated or rank.device_type.lower() == "cpu":
-            continue
-        for name in NO_NATIVE.get(precision, ()):
-            if name.lower() in rank.device_type.lower():
-                raise InputError.at(
-                    file, "job.precision", f"{precision} is not supported by {rank.device_type} (server {rank.server})"
-                )
-    gpu_job = all(not r.emulated and r.device_type.lower() != "cpu" for r in plan.ranks)
-    check_precision(precision, "cuda" if gpu_job and torch.cuda.is_available() else "cpu", file)
-
-
-def check_precision(precision: str, device_type: str, file: Path | str | None = None) -> None:
-    """Refuse a precision this torch cannot run on ``device_type`` (``cpu`` or ``cuda``)."""
-    dtype = PRECISIONS[precision]
-    if dtype is None:
-        return
-    problem = None
-    if not torch.amp.autocast_mode.is_autocast_available(device_type):
-        problem = f"this torch ({torch.__version__}) has no autocast on {device_type}"
-    elif device_type == "cuda" and torch.cuda.is_available():
-        if dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
-            problem = f"{torch.cuda.get_device_name()} has no native bf16"
-        elif dtype is torch.float16 and torch.cuda.get_device_capability() < (5, 3):
-            problem = f"{torch.cuda.get_device_name()} (compute capability < 5.3) has no fp16 arithmetic"
-    else:
-        try:  # the one sure test on the CPU: does this build compute a matmul under autocast in dtype?
-            with torch.autocast(device_type, dtype=dtype):
-                torch.ones(2, 2) @ torch.ones(2, 2)
-        except RuntimeError as exc:
-            problem = f"this torch ({torch.__version__}) cannot autocast to {precision} on {device_type}: {exc}"
-    if problem is not None:
-        raise InputError.at(file, "job.precision", f"{precision} is not supported here: {problem}")
 
 
 class Precision:

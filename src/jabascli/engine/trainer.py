@@ -56,10 +56,11 @@ from jabascli.engine.parallel.runner import (
     trainer_layout,
 )
 from jabascli.engine.plan import TrainingPlan
+from jabascli.engine.precision_checks import check_precision
 from jabascli.engine.recovery import iteration_begins
 from jabascli.engine.relayout import changes_layout
 from jabascli.engine.sampler import IIDPSampler, Iteration
-from jabascli.engine.step_policy import StepPolicy, check_precision, step_settings
+from jabascli.engine.step_policy import StepPolicy, step_settings
 from jabascli.engine.steplog import StepLog, report_start
 from jabascli.engine.timing import PhaseTimer
 from jabascli.engine.validate import validate
