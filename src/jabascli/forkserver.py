@@ -8,17 +8,9 @@ child per request, which becomes the command a fresh ``python -m`` would have
 run, with the requester's arguments, environment, working folder, output file
 and file descriptors. Its pages stay shared with the server until written.
 
-The server is itself forked from the launcher where the launcher runs one
-Python thread (a fork copies only the calling thread, and a lock another thread
-held would stay held in the copy): it then starts with what the launcher already
-imported (``jabas run`` imports the job's workload, so torch) and imports only
-the rest. Elsewhere (a launcher with threads, or one given another environment
-for the server) it is a fresh ``python -m jabascli.forkserver``.
-
 The server never initialises CUDA (a forked child could not use it); if its
-imports did, or the launcher had, it says so and the launcher starts fresh
-processes instead, as it does where there is no ``fork`` or where
-``JABAS_FORK_SERVER=0``.
+imports did, it says so and the launcher starts fresh processes instead, as it
+does where there is no ``fork`` or where ``JABAS_FORK_SERVER=0``.
 
 Protocol, over a Unix ``SOCK_SEQPACKET`` pair (the server's stdin; one JSON
 message per packet, never the network, nothing unpickled):
@@ -59,8 +51,7 @@ from jabascli.children import PREEXEC, die_with_parent
 DISABLE_ENV = "JABAS_FORK_SERVER"
 """``0``: start every trainer as a fresh process."""
 TRAINER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "jabascli.engine.process", "jabascli.cli.app")
-"""What a trainer imports: ``torch._dynamo`` comes with the first optimizer, half of torch's import time. A
-preload may also be ``module:function``: the module imported, then the function called once in the server."""
+"""What a trainer imports: ``torch._dynamo`` comes with the first optimizer, half of torch's import time."""
 READY_TIMEOUT_S = 300.0
 REAP_S = 0.02
 """How often the server looks for children that ended while no request comes."""
@@ -80,25 +71,8 @@ class ForkServer:
         if not hasattr(os, "fork") or not hasattr(socket, "send_fds") or os.environ.get(DISABLE_ENV) == "0":
             raise Unavailable("no fork here")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        if env is None and _single_threaded():
-            pid = os.fork()
-            if pid == 0:
-                _serve_forked(theirs, preload)
-            theirs.close()
-            self.proc: subprocess.Popen[bytes] | _ServerChild = _ServerChild(pid)
-        else:
-            self.proc = self._start_fresh(theirs, preload, env)
-        self.sock = ours
-        self.lock = threading.Lock()
-        self.children: dict[int, Forked] = {}
-        self.started = False
-
-    @staticmethod
-    def _start_fresh(
-        theirs: socket.socket, preload: Sequence[str], env: Mapping[str, str] | None
-    ) -> subprocess.Popen[bytes]:
         try:
-            return subprocess.Popen(
+            self.proc = subprocess.Popen(
                 [sys.executable, "-m", "jabascli.forkserver", *preload],
                 stdin=theirs,
                 env=None if env is None else dict(env),
@@ -109,6 +83,10 @@ class ForkServer:
             )
         finally:
             theirs.close()
+        self.sock = ours
+        self.lock = threading.Lock()
+        self.children: dict[int, Forked] = {}
+        self.started = False
 
     def ready(self, timeout: float = READY_TIMEOUT_S) -> bool:
         """Whether the server has imported its preload, waiting up to ``timeout`` for it to say so.
@@ -186,17 +164,12 @@ class ForkServer:
                 timeout = 0.0
 
     def close(self) -> None:
-        """End the server. Its children, if any are left, die with it, and are told as killed: the ends it
-        reported first keep their codes."""
-        self.collect()
+        """End the server (its children, if any are left, die with it)."""
         with contextlib.suppress(OSError):
             self.sock.close()
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        for child in self.children.values():
-            child.returncode = -signal.SIGKILL
-        self.children.clear()
 
     def _note(self, reply: dict[str, Any]) -> None:
         if "exit" in reply:
@@ -261,89 +234,37 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-class _ServerChild:
-    """A server forked from this process, used as the :class:`subprocess.Popen` of a fresh one would be."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self) -> int:
-        if self.returncode is None:
-            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-
-
-def _single_threaded() -> bool:
-    """Whether this process runs no Python thread but the main one.
-
-    A fork copies only the calling thread; a lock another Python thread held (the import lock, a stream's)
-    would stay held in the copy. Native thread pools are not counted: numpy's OpenBLAS starts one at import and
-    re-forms it after a fork (``pthread_atfork``), as it does in every trainer a fresh server forks. A launcher
-    runs no parallel torch operation before it starts its server (so torch's OpenMP pool is not started).
-    """
-    return threading.active_count() == 1
-
-
-_shared: dict[tuple[str, ...], ForkServer] = {}
-_shared_failed: dict[tuple[str, ...], str] = {}
+_shared: ForkServer | None = None
+_shared_failed: str | None = None
 _shared_lock = threading.Lock()
 
 
-def shared_server(preload: Sequence[str] = TRAINER_PRELOAD) -> ForkServer:
-    """This process's fork server for children that import ``preload`` (trainers by default), started on first
-    use and kept for later launches (a restart, the next run a library caller launches).
+def shared_server() -> ForkServer:
+    """This process's trainer fork server, started on first use and kept for later launches (a restart, the
+    next run a library caller launches).
 
     It dies with the thread that first asked for it (``PR_SET_PDEATHSIG`` is per thread): launchers ask from
     their main thread. Raises :class:`Unavailable` where there is none, and from then on without trying again.
     """
-    key = tuple(preload)
+    global _shared, _shared_failed
     with _shared_lock:
-        if key in _shared_failed:
-            raise Unavailable(_shared_failed[key])
-        try:
-            if key not in _shared or not _shared[key].alive():
-                _shared[key] = ForkServer(key)
-            _shared[key].ready()
-        except Unavailable as exc:
-            _shared_failed[key] = str(exc)
-            raise
-        return _shared[key]
-
-
-def start_shared_server(preload: Sequence[str] = TRAINER_PRELOAD) -> None:
-    """Start :func:`shared_server` now, without waiting for its imports (it waits, when children are to start).
-
-    A launcher calls it while it runs one Python thread, before it starts others (a progress display's, a
-    lifeline's), so that the server is forked from it and starts with what it imported.
-    """
-    key = tuple(preload)
-    with _shared_lock:
-        if key not in _shared and key not in _shared_failed:
+        if _shared_failed is not None:
+            raise Unavailable(_shared_failed)
+        if _shared is None or not _shared.alive():
             try:
-                _shared[key] = ForkServer(key)
+                _shared = ForkServer(TRAINER_PRELOAD)
+                _shared.ready()
             except Unavailable as exc:
-                _shared_failed[key] = str(exc)
+                _shared_failed = str(exc)
+                raise
+        return _shared
 
 
 @atexit.register
 def _close_shared() -> None:
-    """End the shared servers with this process, and wait for them (their time counts as this process's
-    children's)."""
-    for server in _shared.values():
-        server.close()
+    """End the shared server with this process, and wait for it (its time counts as this process's child's)."""
+    if _shared is not None:
+        _shared.close()
 
 
 # The server's side: everything below runs in `python -m jabascli.forkserver`.
@@ -353,17 +274,6 @@ def _set_name(name: str) -> None:
     if name and sys.platform == "linux":
         with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
             f.write(name[:15])
-
-
-def _fresh_streams() -> None:  # pragma: no cover - runs in a forked child
-    """``sys.stdin``, ``stdout`` and ``stderr`` over descriptors 0, 1 and 2, as a fresh interpreter makes them
-    (the forked ones are the server's, or the launcher's where the server was forked from it: pytest's capture,
-    a terminal's encoding)."""
-    sys.stdin = sys.__stdin__ = os.fdopen(0, encoding="utf-8", closefd=False)
-    sys.stdout = sys.__stdout__ = os.fdopen(1, "w", encoding="utf-8", closefd=False)
-    sys.stderr = sys.__stderr__ = os.fdopen(
-        2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
-    )
 
 
 def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, server: int) -> None:  # pragma: no cover
@@ -395,7 +305,6 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, server
         for fd in [int(n) for n in os.listdir("/dev/fd") if int(n) not in keep]:
             with contextlib.suppress(OSError):
                 os.close(fd)  # the server's socket and anything else it held
-        _fresh_streams()
         _set_name(str(request.get("name", "")))
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in request["env"].items()})
@@ -406,8 +315,8 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, server
             sys.modules["torch"].set_num_threads(int(threads))  # torch read it at import, in the server
         module, _, function = str(request["entry"]).partition(":")
         sys.argv = [module, *[str(a) for a in request["argv"]]]
-        returned = getattr(importlib.import_module(module), function)()
-        code = returned if isinstance(returned, int) else 0  # `sys.exit(main())` in a fresh process
+        getattr(importlib.import_module(module), function)()
+        code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
@@ -419,25 +328,6 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, server
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
-        os._exit(code)
-
-
-def _serve_forked(theirs: socket.socket, preload: Sequence[str]) -> None:  # pragma: no cover - a forked child
-    """In a server forked from the launcher: become what ``python -m jabascli.forkserver`` would be, serve, and
-    exit without returning into the launcher's code (nor running its exit handlers)."""
-    code = 1
-    try:
-        os.setsid()  # a terminal's Ctrl-C goes to the launcher, which ends what it started
-        os.dup2(theirs.fileno(), 0)
-        devnull = os.open(os.devnull, os.O_RDWR)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        serve(preload)
-        code = 0
-    finally:
         os._exit(code)
 
 
@@ -455,10 +345,7 @@ def serve(preload: Sequence[str]) -> None:
     os.close(devnull)
     try:
         for name in preload:
-            module, _, function = name.partition(":")
-            imported = importlib.import_module(module)
-            if function:  # a warm-up, run once here for every child (jabascli.cli.spare)
-                getattr(imported, function)()
+            importlib.import_module(name)
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             raise RuntimeError("CUDA was initialised while importing; a forked child could not use it")
