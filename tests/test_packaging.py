@@ -35,25 +35,18 @@ def test_solver_and_perfmodel_do_not_import_torch() -> None:
 def test_the_scheduler_and_a_nodes_agent_do_not_import_torch() -> None:
     """They only start, watch and steer trainers: an agent on every node starts in a fraction of a second and
     holds no copy of torch while its trainers run."""
-    import subprocess
-    import sys
-
     code = (
         "import sys\n"
         "sys.modules['torch'] = None  # any import of torch raises, naming the module that asked\n"
         "import jabascli.elastic.agent, jabascli.elastic.service, jabascli.elastic.job, jabascli.cli.elastic\n"
         "import jabascli.elastic.slurm\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
+    _in_a_fresh_interpreter(code)
 
 
 def test_what_a_launcher_checks_before_its_trainers_start_does_not_import_torch() -> None:
     """The launcher's own work (its plan, its checkpoint to resume, an fp32 job's precision) needs no torch; only
     the job's workload module, which it imports to check it, brings torch in."""
-    import subprocess
-    import sys
-
     code = (
         "import sys\n"
         "sys.modules['torch'] = None\n"
@@ -61,16 +54,13 @@ def test_what_a_launcher_checks_before_its_trainers_start_does_not_import_torch(
         "from jabascli.engine.precision_checks import check_precision\n"
         "check_precision('fp32', 'cpu')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
+    _in_a_fresh_interpreter(code)
 
 
 def test_an_agent_registering_on_a_node_without_a_gpu_driver_does_not_import_torch() -> None:
     """The agent asks detect_devices when it registers. Importing torch there cost every agent seconds, and a
     SIGTERM landing inside torch's import of numpy was swallowed, so the agent outlived its launcher."""
     import os
-    import subprocess
-    import sys
 
     from jabascli.devices import GPU_DEVICE_FILES
 
@@ -83,6 +73,14 @@ def test_an_agent_registering_on_a_node_without_a_gpu_driver_does_not_import_tor
         "assert found.backend == 'cpu', found\n"
         "assert 'torch' not in sys.modules, 'detect_devices imported torch'\n"
     )
+    _in_a_fresh_interpreter(code)
+
+
+def _in_a_fresh_interpreter(code: str) -> None:
+    """Run ``code`` in a new Python (this process has long imported torch); its error, if any, fails the test."""
+    import subprocess
+    import sys
+
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
 
