@@ -2,8 +2,7 @@
 
 These checks run before any trainer trains: in the launcher (``jabas run``, before a trainer starts) and in
 every trainer (so that all ranks stop alike). Only a reduced precision (``bf16``, ``fp16``) asks torch, and
-imports it then: the launcher of an ``fp32`` job stays torch-free, so its trainers (forked from a process that
-holds torch) are all that pays for it.
+imports it then: for an ``fp32`` job these checks bring no torch into the launcher (its workload module may).
 """
 
 from __future__ import annotations

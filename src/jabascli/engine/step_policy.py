@@ -36,7 +36,7 @@ import torch
 from jabascli.engine.precision_checks import DTYPE_NAMES
 
 PRECISIONS: dict[str, torch.dtype | None] = {
-    name: dtype and getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()
+    name: None if dtype is None else getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()
 }
 """``[job] precision`` and the dtype autocast runs the forward in (None: the model's own)."""
 
