@@ -149,3 +149,60 @@ def test_a_server_still_importing_is_not_ready_and_nobody_waits_for_it(tmp_path:
         assert server.ready(60) is True
     finally:
         server.close()
+
+
+LAUNCHER = """
+import json, os, sys, threading, time
+folder, threads = sys.argv[1], sys.argv[2]
+sys.path.insert(0, folder)
+import launchmod  # what this launcher imported before its server started
+from jabascli.forkserver import ForkServer
+if threads == "two":
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+kept_open = os.open(os.path.join(folder, "launcher-only"), os.O_WRONLY | os.O_CREAT)  # not for its server
+server = ForkServer(preload=())
+read_fd, write_fd = os.pipe()
+with open(os.path.join(folder, "child.log"), "wb") as output:
+    env = {"REPORT_FD": str(write_fd)}
+    child = server.spawn("launchmod:report", [], env, output.fileno(), (write_fd,), cwd=folder)
+os.close(write_fd)
+facts = json.loads(os.read(read_fd, 65536))
+assert child.wait(60) == 0
+fds = f"/proc/{server.proc.pid}/fd"
+server_fds = sorted(os.readlink(os.path.join(fds, n)).split(":")[0] for n in os.listdir(fds))
+server_session = os.getsid(server.proc.pid) == server.proc.pid
+server.close()
+print(json.dumps({"child": facts, "server_fds": server_fds, "server_session": server_session}))
+"""
+LAUNCHMOD = """
+import json, os
+IMPORTED_IN = os.getpid()
+
+def report():
+    listing = os.listdir("/dev/fd")  # less the descriptor of the listing itself, gone once listed
+    opened = sorted(int(n) for n in listing if os.path.exists("/dev/fd/" + n))
+    facts = {"inherited": IMPORTED_IN != os.getpid(), "open": opened, "report": int(os.environ["REPORT_FD"])}
+    os.write(int(os.environ["REPORT_FD"]), json.dumps(facts).encode())
+"""
+
+
+@pytest.mark.parametrize("threads", ["one", "two"])
+def test_a_one_threaded_launcher_forks_its_server_and_a_threaded_one_starts_it_fresh(
+    tmp_path: Path, threads: str
+) -> None:
+    """Forked from a launcher running one Python thread, the server starts with what the launcher imported (its children
+    inherit the module) and holds none of the launcher's descriptors; a launcher with a second Python thread (whose
+    locks a fork would copy held) gets a fresh server, whose children import the module themselves."""
+    import sys
+
+    (tmp_path / "launchmod.py").write_text(LAUNCHMOD)
+    result = subprocess.run(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path), threads], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(result.stdout)
+    assert seen["child"]["inherited"] is (threads == "one")
+    assert seen["server_session"]  # a terminal's Ctrl-C reaches the launcher alone, either way
+    # /dev/null for 0, 1 and 2 and its socket: not the launcher's file "launcher-only" (nor anything else of it).
+    assert seen["server_fds"] == ["/dev/null"] * 3 + ["socket"], seen
+    assert seen["child"]["open"] == [0, 1, 2, seen["child"]["report"]], seen

@@ -8,9 +8,17 @@ child per request, which becomes the command a fresh ``python -m`` would have
 run, with the requester's arguments, environment, working folder, output file
 and file descriptors. Its pages stay shared with the server until written.
 
+The server is itself forked from the launcher where the launcher runs one
+Python thread (a fork copies only the calling thread, and a lock another thread
+held would stay held in the copy): it then starts with what the launcher already
+imported (``jabas run`` imports the job's workload, so torch) and imports only
+the rest. Elsewhere (a launcher with threads, or one given another environment
+for the server) it is a fresh ``python -m jabascli.forkserver``.
+
 The server never initialises CUDA (a forked child could not use it); if its
-imports did, it says so and the launcher starts fresh processes instead, as it
-does where there is no ``fork`` or where ``JABAS_FORK_SERVER=0``.
+imports did, or the launcher had, it says so and the launcher starts fresh
+processes instead, as it does where there is no ``fork`` or where
+``JABAS_FORK_SERVER=0``.
 
 Protocol, over a Unix ``SOCK_SEQPACKET`` pair (the server's stdin; one JSON
 message per packet, never the network, nothing unpickled):
@@ -71,8 +79,25 @@ class ForkServer:
         if not hasattr(os, "fork") or not hasattr(socket, "send_fds") or os.environ.get(DISABLE_ENV) == "0":
             raise Unavailable("no fork here")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if env is None and _single_threaded():
+            pid = os.fork()
+            if pid == 0:
+                _serve_forked(theirs, preload)
+            theirs.close()
+            self.proc: subprocess.Popen[bytes] | _ServerChild = _ServerChild(pid)
+        else:
+            self.proc = self._start_fresh(theirs, preload, env)
+        self.sock = ours
+        self.lock = threading.Lock()
+        self.children: dict[int, Forked] = {}
+        self.started = False
+
+    @staticmethod
+    def _start_fresh(
+        theirs: socket.socket, preload: Sequence[str], env: Mapping[str, str] | None
+    ) -> subprocess.Popen[bytes]:
         try:
-            self.proc = subprocess.Popen(
+            return subprocess.Popen(
                 [sys.executable, "-m", "jabascli.forkserver", *preload],
                 stdin=theirs,
                 env=None if env is None else dict(env),
@@ -83,10 +108,6 @@ class ForkServer:
             )
         finally:
             theirs.close()
-        self.sock = ours
-        self.lock = threading.Lock()
-        self.children: dict[int, Forked] = {}
-        self.started = False
 
     def ready(self, timeout: float = READY_TIMEOUT_S) -> bool:
         """Whether the server has imported its preload, waiting up to ``timeout`` for it to say so.
@@ -234,6 +255,42 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
+class _ServerChild:
+    """A server forked from this process, used as the :class:`subprocess.Popen` of a fresh one would be."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def _single_threaded() -> bool:
+    """Whether this process runs no Python thread but the main one.
+
+    A fork copies only the calling thread; a lock another Python thread held (the import lock, a stream's)
+    would stay held in the copy. Native thread pools are not counted: numpy's OpenBLAS starts one at import and
+    re-forms it after a fork (``pthread_atfork``), as it does in every trainer a fresh server forks. A launcher
+    runs no parallel torch operation before it starts its server (so torch's OpenMP pool is not started).
+    """
+    return threading.active_count() == 1
+
+
 _shared: ForkServer | None = None
 _shared_failed: str | None = None
 _shared_lock = threading.Lock()
@@ -250,14 +307,27 @@ def shared_server() -> ForkServer:
     with _shared_lock:
         if _shared_failed is not None:
             raise Unavailable(_shared_failed)
-        if _shared is None or not _shared.alive():
+        try:
+            if _shared is None or not _shared.alive():
+                _shared = ForkServer(TRAINER_PRELOAD)
+            _shared.ready()
+        except Unavailable as exc:
+            _shared_failed = str(exc)
+            raise
+        return _shared
+
+
+def start_shared_server() -> None:
+    """Start this process's trainer fork server now, without waiting for its imports (:func:`shared_server`
+    waits, when trainers are to start). A launcher calls it while it runs one Python thread, before it starts
+    others (a progress display's), so that the server is forked from it and starts with what it imported."""
+    global _shared, _shared_failed
+    with _shared_lock:
+        if _shared is None and _shared_failed is None:
             try:
                 _shared = ForkServer(TRAINER_PRELOAD)
-                _shared.ready()
             except Unavailable as exc:
                 _shared_failed = str(exc)
-                raise
-        return _shared
 
 
 @atexit.register
@@ -274,6 +344,17 @@ def _set_name(name: str) -> None:
     if name and sys.platform == "linux":
         with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
             f.write(name[:15])
+
+
+def _fresh_streams() -> None:  # pragma: no cover - runs in a forked child
+    """``sys.stdin``, ``stdout`` and ``stderr`` over descriptors 0, 1 and 2, as a fresh interpreter makes them
+    (the forked ones are the server's, or the launcher's where the server was forked from it: pytest's capture,
+    a terminal's encoding)."""
+    sys.stdin = sys.__stdin__ = os.fdopen(0, encoding="utf-8", closefd=False)
+    sys.stdout = sys.__stdout__ = os.fdopen(1, "w", encoding="utf-8", closefd=False)
+    sys.stderr = sys.__stderr__ = os.fdopen(
+        2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
+    )
 
 
 def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, server: int) -> None:  # pragma: no cover
@@ -305,6 +386,7 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, server
         for fd in [int(n) for n in os.listdir("/dev/fd") if int(n) not in keep]:
             with contextlib.suppress(OSError):
                 os.close(fd)  # the server's socket and anything else it held
+        _fresh_streams()
         _set_name(str(request.get("name", "")))
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in request["env"].items()})
@@ -328,6 +410,25 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, server
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve_forked(theirs: socket.socket, preload: Sequence[str]) -> None:  # pragma: no cover - a forked child
+    """In a server forked from the launcher: become what ``python -m jabascli.forkserver`` would be, serve, and
+    exit without returning into the launcher's code (nor running its exit handlers)."""
+    code = 1
+    try:
+        os.setsid()  # a terminal's Ctrl-C goes to the launcher, which ends what it started
+        os.dup2(theirs.fileno(), 0)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        serve(preload)
+        code = 0
+    finally:
         os._exit(code)
 
 

@@ -27,6 +27,7 @@ from jabascli.cli.display import epoch_line, print_results
 from jabascli.config import LoadedConfig, load_config
 from jabascli.engine.options import TrainOptions
 from jabascli.errors import InputError
+from jabascli.forkserver import start_shared_server
 
 if TYPE_CHECKING:
     from jabascli.engine.plan import TrainingPlan
@@ -250,6 +251,7 @@ def run(
         max_steps=max_steps,
         bucket_cap_mb=bucket_cap_mb,
     )
+    start_shared_server()  # forked from this process while it runs one Python thread: before the display starts one
     try:
         with _RunDisplay(disable=json_out) as display:
             from jabascli.cli.trial import run_with_trial
