@@ -291,50 +291,53 @@ def _single_threaded() -> bool:
     return threading.active_count() == 1
 
 
-_shared: ForkServer | None = None
-_shared_failed: str | None = None
+_shared: dict[tuple[str, ...], ForkServer] = {}
+_shared_failed: dict[tuple[str, ...], str] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_server() -> ForkServer:
-    """This process's trainer fork server, started on first use and kept for later launches (a restart, the
-    next run a library caller launches).
+def shared_server(preload: Sequence[str] = TRAINER_PRELOAD) -> ForkServer:
+    """This process's fork server for children that import ``preload`` (trainers by default), started on first
+    use and kept for later launches (a restart, the next run a library caller launches).
 
     It dies with the thread that first asked for it (``PR_SET_PDEATHSIG`` is per thread): launchers ask from
     their main thread. Raises :class:`Unavailable` where there is none, and from then on without trying again.
     """
-    global _shared, _shared_failed
+    key = tuple(preload)
     with _shared_lock:
-        if _shared_failed is not None:
-            raise Unavailable(_shared_failed)
+        if key in _shared_failed:
+            raise Unavailable(_shared_failed[key])
         try:
-            if _shared is None or not _shared.alive():
-                _shared = ForkServer(TRAINER_PRELOAD)
-            _shared.ready()
+            if key not in _shared or not _shared[key].alive():
+                _shared[key] = ForkServer(key)
+            _shared[key].ready()
         except Unavailable as exc:
-            _shared_failed = str(exc)
+            _shared_failed[key] = str(exc)
             raise
-        return _shared
+        return _shared[key]
 
 
-def start_shared_server() -> None:
-    """Start this process's trainer fork server now, without waiting for its imports (:func:`shared_server`
-    waits, when trainers are to start). A launcher calls it while it runs one Python thread, before it starts
-    others (a progress display's), so that the server is forked from it and starts with what it imported."""
-    global _shared, _shared_failed
+def start_shared_server(preload: Sequence[str] = TRAINER_PRELOAD) -> None:
+    """Start :func:`shared_server` now, without waiting for its imports (it waits, when children are to start).
+
+    A launcher calls it while it runs one Python thread, before it starts others (a progress display's, a
+    lifeline's), so that the server is forked from it and starts with what it imported.
+    """
+    key = tuple(preload)
     with _shared_lock:
-        if _shared is None and _shared_failed is None:
+        if key not in _shared and key not in _shared_failed:
             try:
-                _shared = ForkServer(TRAINER_PRELOAD)
+                _shared[key] = ForkServer(key)
             except Unavailable as exc:
-                _shared_failed = str(exc)
+                _shared_failed[key] = str(exc)
 
 
 @atexit.register
 def _close_shared() -> None:
-    """End the shared server with this process, and wait for it (its time counts as this process's child's)."""
-    if _shared is not None:
-        _shared.close()
+    """End the shared servers with this process, and wait for them (their time counts as this process's
+    children's)."""
+    for server in _shared.values():
+        server.close()
 
 
 # The server's side: everything below runs in `python -m jabascli.forkserver`.
@@ -397,8 +400,8 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, server
             sys.modules["torch"].set_num_threads(int(threads))  # torch read it at import, in the server
         module, _, function = str(request["entry"]).partition(":")
         sys.argv = [module, *[str(a) for a in request["argv"]]]
-        getattr(importlib.import_module(module), function)()
-        code = 0
+        returned = getattr(importlib.import_module(module), function)()
+        code = returned if isinstance(returned, int) else 0  # `sys.exit(main())` in a fresh process
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:

@@ -34,6 +34,7 @@ from jabascli.cli.profile_tables import (
 )
 from jabascli.config import load_config
 from jabascli.errors import InputError
+from jabascli.profiler.child import prepare_forked_children
 
 app = typer.Typer(help="Measure what the solver needs, per device type.", no_args_is_help=True)
 
@@ -75,6 +76,7 @@ def mem(
     from jabascli.profiler.memory import profile_memory
 
     loaded = load_config(config, check_profiles=False)
+    prepare_forked_children()
     with reporting("Memory profile", json_out) as reporter:
         run = profile_memory(
             loaded,
@@ -133,6 +135,7 @@ def comp(
     from jabascli.profiler.comp import profile_comp
 
     loaded = load_config(config, check_profiles=False)
+    prepare_forked_children()
     with reporting("Computation profile", json_out) as reporter:
         run = profile_comp(
             loaded,
@@ -368,9 +371,12 @@ def all_(
 
             ssh = SshOptions(known_hosts, ssh_config, accept_new_host_keys)
         began = time.monotonic()
+        on_nodes = server is None and bool(servers_here(loaded)[1])  # servers on other machines: each on its node
+        if not on_nodes:
+            prepare_forked_children()
         shown = launched_reporting() if launched else reporting("All profiles", json_out)
         with shown as reporter:
-            if server is None and servers_here(loaded)[1]:  # servers on other machines: each on its node
+            if on_nodes:
                 from jabascli.profiler.remote import ClusterOptions, profile_cluster
 
                 measure = ClusterOptions(lbs, gbs_max, gbs_min, iters, sizes, force, hybrid)

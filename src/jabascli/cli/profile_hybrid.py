@@ -13,6 +13,7 @@ from jabascli.cli.profile_options import ForceOption
 from jabascli.cli.profile_progress import reporting
 from jabascli.config import load_config
 from jabascli.errors import InputError
+from jabascli.profiler.child import prepare_forked_children
 
 
 @cli_command
@@ -43,6 +44,7 @@ def hybrid(
 
     sizes = _mbs_list(mbs)
     loaded = load_config(config, check_profiles=False)
+    prepare_forked_children()
     with reporting("Hybrid profiles", json_out) as reporter:
         result = profile_hybrid(loaded, out=out, mbs=sizes, force=force, reporter=reporter)
     if json_out:

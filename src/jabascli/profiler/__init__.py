@@ -8,7 +8,7 @@
 ``summary``        a profile folder as rows of LBS x server
 ``step``           the measured training step: n VSW replicas, data/fwd/bwd/copy/update
 ``trial``          one memory trial or computation run, in a child process
-``child``          runs children (fresh, or forked from ``zygote``) and follows their progress
+``child``          runs children (fresh, or forked by a fork server) and follows their progress
 ``common``         the device being profiled, progress reporting, output folders
 =================  ============================================================
 

@@ -14,13 +14,13 @@ Children are started in one of two ways:
 - *fresh*: ``python -m <module> SPEC RESULT``, a new interpreter. Always used
   for CUDA work (a CUDA context must never be inherited) and for the
   processes of an all-reduce measurement, which run together.
-- *forked* from a zygote (Linux, CPU work): a helper process
-  (:mod:`jabascli.profiler.zygote`) that imported torch once forks a child per
-  run. Importing torch and ``torch._dynamo`` (which every training step pulls
-  in) takes seconds, more than a small trial itself. The child is still a
-  process of its own: the zygote never runs a model, a crash or a leak stays
-  in the child, and the workload is imported afresh in each. Set
-  ``JABAS_PROFILE_FRESH=1`` to start every child fresh.
+- *forked* (Linux, CPU work) from the profiler's fork server
+  (:mod:`jabascli.forkserver`, :data:`TRIAL_PRELOAD`), which imported torch
+  once and forks a child per run. Importing torch and ``torch._dynamo`` (which
+  every training step pulls in) takes seconds, more than a small trial itself.
+  The child is still a process of its own: the server never runs a model, and
+  a crash or a leak stays in the child. Set ``JABAS_PROFILE_FRESH=1`` to start
+  every child fresh.
 
 Every child dies with the profiler (Linux's parent-death signal), and on any
 exception in the parent, Ctrl-C included, the children are killed before the
@@ -30,24 +30,26 @@ the profile folders, which only the parent writes.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from jabascli.children import PREEXEC
+from jabascli.forkserver import Unavailable, shared_server, start_shared_server
 
 PROGRESS_PREFIX = "@@jabas-progress "
+FRESH_ENV = "JABAS_PROFILE_FRESH"
+"""Set (to anything): every child is a fresh interpreter, none is forked."""
+TRIAL_PRELOAD = ("torch", "torch._dynamo", "jabascli.profiler.trial", "jabascli.workload")
+"""What the fork server of measurements imports once: a training step pulls in ``torch._dynamo``."""
 POLL_SECONDS = 0.05
 
 
@@ -101,9 +103,8 @@ def run_child(
 
     ``fresh``, or a spec whose ``device`` is ``cuda``, starts a new interpreter.
     """
-    fresh = fresh or spec.get("device") == "cuda" or bool(os.environ.get("JABAS_PROFILE_FRESH"))
-    use_zygote = not fresh and sys.platform == "linux"
-    return _run(module, [spec], on_progress, timeout, forked=use_zygote)[0]
+    fresh = fresh or spec.get("device") == "cuda" or bool(os.environ.get(FRESH_ENV))
+    return _run(module, [spec], on_progress, timeout, forked=not fresh and sys.platform == "linux")[0]
 
 
 def run_children(
@@ -173,11 +174,28 @@ def _run(
                 spec_path, result_path, log_path = (folder / f"{name}{i}" for name in ("spec", "result", "log"))
                 spec_path.write_text(json.dumps(spec, default=str), encoding="utf-8")
                 args = [str(spec_path), str(result_path)]
-                procs.append(_zygote().start(module, args, log_path) if forked else _start(module, args, log_path))
+                procs.append(_fork(module, args, log_path) if forked else _start(module, args, log_path))
             timed_out = _follow(procs, folder / "log0", on_progress, timeout)
             return _collect(folder, procs, timed_out)
         finally:
             _kill_all(procs)
+
+
+def prepare_forked_children() -> None:
+    """Start the fork server of this process's measurements now: called by a profiler command while it runs one
+    Python thread (before its progress display or lifeline starts one), the server is forked from it."""
+    if sys.platform == "linux" and not os.environ.get(FRESH_ENV):
+        start_shared_server(TRIAL_PRELOAD)
+
+
+def _fork(module: str, args: list[str], log_path: Path) -> _Process:
+    """A child forked by this process's fork server (:mod:`jabascli.forkserver`); a fresh one without it."""
+    try:
+        server = shared_server(TRIAL_PRELOAD)
+        with open(log_path, "wb") as log:
+            return server.spawn(f"{module}:main", args, os.environ, log.fileno(), name="jabas-profile")
+    except Unavailable:
+        return _start(module, args, log_path)
 
 
 def _start(module: str, args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
@@ -294,119 +312,3 @@ def _last_line(path: Path) -> str:
             continue
         return line
     return ""
-
-
-# The zygote ---------------------------------------------------------------------
-
-
-class _ForkedChild:
-    """A child forked by the zygote, seen through the zygote's reports."""
-
-    def __init__(self, zygote: _Zygote, pid: int) -> None:
-        self.zygote = zygote
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self.zygote.poll_exit(self.pid)
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-
-
-class _Zygote:
-    """The parent's handle on ``python -m jabascli.profiler.zygote``: one run at a time."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jabascli.profiler.zygote"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            preexec_fn=PREEXEC,
-        )
-        self.lock = threading.Lock()
-        self.buffer = b""
-        self.exits: dict[int, int] = {}
-        self.running: _ForkedChild | None = None
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def start(self, module: str, args: list[str], log_path: Path) -> _ForkedChild:
-        with self.lock:
-            if self.running is not None and self.running.poll() is None:
-                raise RuntimeError("the zygote runs one child at a time")
-            request = {"module": module, "args": args, "log": str(log_path), "env": dict(os.environ)}
-            request["cwd"] = os.getcwd()
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-                self.proc.stdin.flush()
-                reply = self._read(timeout=None)
-                while reply is not None and "exit" in reply:  # a late report on an earlier child
-                    self.exits[int(reply["pid"])] = int(reply["exit"])
-                    reply = self._read(timeout=None)
-            except BaseException:
-                # Interrupted between request and reply: the zygote may fork a child nobody watches.
-                # Stopping the zygote stops that child too (parent-death signal).
-                self.close(kill=True)
-                raise
-            if reply is None or "pid" not in reply:
-                self.close(kill=True)
-                raise ChildCrashed(self.proc.poll(), "the zygote process that starts children died")
-            self.running = _ForkedChild(self, int(reply["pid"]))
-            return self.running
-
-    def poll_exit(self, pid: int) -> int | None:
-        """The exit code of ``pid`` if the zygote has reported it (never blocks)."""
-        while pid not in self.exits:
-            reply = self._read(timeout=0)
-            if reply is None:
-                if not self.alive():
-                    return -signal.SIGKILL  # the zygote died, and its children with it
-                return None
-            if "exit" in reply:
-                self.exits[int(reply["pid"])] = int(reply["exit"])
-        return self.exits.pop(pid)
-
-    def _read(self, timeout: float | None) -> dict[str, Any] | None:
-        """One reply line, or None if none is complete within ``timeout``."""
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.buffer:
-            ready, _, _ = select.select([fd], [], [], timeout)
-            if not ready:
-                return None
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return None
-            self.buffer += chunk
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        reply: dict[str, Any] = json.loads(line)
-        return reply
-
-    def close(self, kill: bool = False) -> None:
-        if self.alive() and not kill:
-            with contextlib.suppress(OSError):
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=5)
-        if self.alive():
-            self.proc.kill()
-            self.proc.wait()
-
-
-_ZYGOTE: _Zygote | None = None
-
-
-def _zygote() -> _Zygote:
-    global _ZYGOTE
-    if _ZYGOTE is None or not _ZYGOTE.alive():
-        _ZYGOTE = _Zygote()
-        atexit.register(_ZYGOTE.close)
-    return _ZYGOTE

@@ -396,9 +396,9 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     return measure_blocks(spec) if spec["kind"] == "blocks" else measure_collectives(spec)
 
 
-def main(argv: list[str]) -> int:
-    return worker_main(argv, _measure)
+def main(argv: list[str] | None = None) -> int:
+    return worker_main(sys.argv[1:] if argv is None else argv, _measure)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -59,7 +59,7 @@ INTER_PORT = 29510
 # Calibrated on the tiny ResNet on 2 cores (30 memory trials in 28 s, 15 computation points in 68 s).
 CHILD_S = 1.5
 TRIAL_S = 1.0
-# On CUDA no process forks from a zygote (CUDA does not survive a fork): every memory trial and
+# On CUDA no process is forked (CUDA does not survive a fork): every memory trial and
 # computation point starts a process of its own, ~4 s of it torch's import and CUDA's start, and a
 # point's warm-up (cuDNN's autotuning) takes longer. Calibrated on the tiny ResNet on an H100:
 # memory trials 9.7-10 s each, computation points 13-27 s.

@@ -237,9 +237,9 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     return run_memory_trial(spec) if spec["kind"] == "memory" else run_comp(spec)
 
 
-def main(argv: list[str]) -> int:
-    return worker_main(argv, _measure)
+def main(argv: list[str] | None = None) -> int:
+    return worker_main(sys.argv[1:] if argv is None else argv, _measure)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

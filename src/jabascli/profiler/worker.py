@@ -1,6 +1,6 @@
 """What every measuring child shares: its entry, its exit code, and joining its measurement's process group.
 
-A child is ``python -m MODULE SPEC RESULT`` (or forked from the zygote, :mod:`.child`); its module's
+A child is ``python -m MODULE SPEC RESULT`` (or forked by the profiler's fork server, :mod:`.child`); its module's
 ``main(argv)`` is ``worker_main(argv, measure)``: the spec read from SPEC, ``measure(spec)`` run, its
 result written to RESULT as JSON. The exit code says whether there is a measurement to read:
 
