@@ -170,9 +170,12 @@ def test_a_killed_trainer_is_restarted_from_the_last_checkpoint(cluster_factory)
     cluster: Cluster = cluster_factory(**kwargs)
     status = cluster.wait(lambda s: len(s["trainers"]) == 2 and (s["checkpoint_step"] or 0) >= every + 1)
     victim = status["trainers"][1]["pid"]
-    # The agents' warm spares became the trainers (cli/spare.py).
-    assert b"jabascli.cli.spare" in Path(f"/proc/{victim}/cmdline").read_bytes()
     os.kill(victim, signal.SIGKILL)  # rank 1, on B, mid-job
+    # The restart's trainers are forked by the agents' warm trainer servers (cli/spare.py), ready by now; B's
+    # is slow (20x), so it is still running when looked at.
+    restarted = cluster.wait(lambda s: s["generation"] >= 2 and len(s["trainers"]) == 2)
+    server = _parent(restarted["trainers"][1]["pid"])
+    assert b"jabascli.cli.spare:warm_up_from_env" in Path(f"/proc/{server}/cmdline").read_bytes()
     status = cluster.finish()
 
     assert status["state"] == "succeeded" and status["restarts"] == 1, cluster.logs()
@@ -351,3 +354,8 @@ def test_jabas_run_elastic_trains_the_plan_a_plain_run_of_the_config_trains(tmp_
     assert elastic["state"] == "succeeded" and plain.gbs == 64
     assert (elastic["gbs"], elastic["plan"]) == (plain.gbs, plain.seed_form())
     assert elastic["allocation"] == ["fast", "slow"]  # --servers all, as the plain run's
+
+
+def _parent(pid: int) -> int:
+    """The parent of a live process (/proc/PID/stat: the field after the state)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

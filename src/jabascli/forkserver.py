@@ -59,7 +59,8 @@ from jabascli.children import PREEXEC, die_with_parent
 DISABLE_ENV = "JABAS_FORK_SERVER"
 """``0``: start every trainer as a fresh process."""
 TRAINER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "jabascli.engine.process", "jabascli.cli.app")
-"""What a trainer imports: ``torch._dynamo`` comes with the first optimizer, half of torch's import time."""
+"""What a trainer imports: ``torch._dynamo`` comes with the first optimizer, half of torch's import time. A
+preload may also be ``module:function``: the module imported, then the function called once in the server."""
 READY_TIMEOUT_S = 300.0
 REAP_S = 0.02
 """How often the server looks for children that ended while no request comes."""
@@ -449,7 +450,10 @@ def serve(preload: Sequence[str]) -> None:
     os.close(devnull)
     try:
         for name in preload:
-            importlib.import_module(name)
+            module, _, function = name.partition(":")
+            imported = importlib.import_module(module)
+            if function:  # a warm-up, run once here for every child (jabascli.cli.spare)
+                getattr(imported, function)()
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             raise RuntimeError("CUDA was initialised while importing; a forked child could not use it")

@@ -8,10 +8,10 @@ exited) send a :class:`Heartbeat`; its reply's commands are applied:
   argument list (never a shell), with the torch.distributed environment
   (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
   in a session of its own, killed by the kernel if this agent dies
-  (``PR_SET_PDEATHSIG``), and without the token in its environment. A warm
-  spare (:mod:`jabascli.cli.spare`, one per device, started a few seconds
-  after each generation) becomes the trainer when there is one, so a move does
-  not wait for a new interpreter to import torch;
+  (``PR_SET_PDEATHSIG``), and without the token in its environment. Once this
+  node's warm trainer server (:mod:`jabascli.cli.spare`, started a few seconds
+  after the first generation and kept) is ready, each trainer is forked from
+  it, so a move does not wait for a new interpreter to import torch;
 * ``stop`` ``epoch``/``now``: write the request into rank 0's control file
   (:mod:`jabascli.engine.control`): the trainers checkpoint and exit 0; with a
   *handoff* (a move in place, :mod:`jabascli.engine.handoff`) those that stay
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jabascli.atomic import atomic_write_json, atomic_write_text
-from jabascli.children import GRACE_S, PREEXEC, log_tail, terminate
+from jabascli.children import GRACE_S, PREEXEC, Child, log_tail, terminate
 from jabascli.config import LoadedConfig
 from jabascli.devices import detect_devices, trainer_threads
 from jabascli.elastic.client import Rejected, SchedulerClient, Unreachable
@@ -60,13 +60,22 @@ from jabascli.elastic.protocol import (
 from jabascli.elastic.token import TOKEN_ENV
 from jabascli.engine.events import EVENT_FD_ENV
 from jabascli.engine.layout import checkpoint_folder, run_folder
-from jabascli.engine.trainer_env import CONTROL_FILE_ENV, GENERATION_ENV
+from jabascli.engine.trainer_env import (
+    CONTROL_FILE_ENV,
+    GENERATION_ENV,
+    TRAINER_ENTRY,
+    WARM_CONFIG_ENV,
+    WARM_CPU_ENV,
+    WARM_UP,
+)
 from jabascli.errors import InputError, RuntimeFailure
+from jabascli.forkserver import TRAINER_PRELOAD, ForkServer, Unavailable
 
 EXITING_S = 0.5
 """How long to wait for a trainer that closed its event pipe to exit."""
-SPARE_DELAY_S = 5.0
-"""Spares are started this long after a generation, not to slow its own start."""
+WARM_DELAY_S = 5.0
+"""The warm trainer server is started this long after a generation, not to slow its own start."""
+
 LOG_TAIL = 4000
 URGENT_S, URGENT_FOR_S = 0.01, 5.0
 """After a trainer's ``peer_lost`` (engine/recovery.py), heartbeats every URGENT_S for at most URGENT_FOR_S, or
@@ -90,19 +99,17 @@ def check_writable(folder: Path) -> None:
 
 @dataclass
 class Process:
-    """A child this agent started (a spare, then a trainer) and the read end of its event pipe."""
+    """A trainer this agent started (forked by its warm server, or fresh) and the read end of its event pipe."""
 
-    proc: subprocess.Popen[bytes]
+    proc: Child
     read_fd: int
-    child_fd: int
-    """The pipe's write end, as numbered in the child (``JABAS_EVENT_FD``)."""
 
 
 @dataclass
 class Trainer:
     generation: int
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: Child
     log: Path
     read_fd: int
     buffer: bytes = b""
@@ -136,10 +143,13 @@ class WorkerAgent:
         self.runs: list[Run] = []
         self.pending_events: list[TrainerEvent] = []
         self.pending_exits: list[TrainerExit] = []
-        self.spares: list[Process] = []
+        self.warm: ForkServer | None = None
+        """The warm trainer server, once started (:meth:`_keep_warm`)."""
+        self.warm_failed = False
+        """It could not start (no fork here, or its imports failed): trainers start fresh."""
         self.cpu = False
-        """Trainers here compute on the CPU: spares also warm the data and the CPU kernels."""
-        self.last_start = -SPARE_DELAY_S
+        """Trainers here compute on the CPU: the warm server also warms the data and the CPU kernels."""
+        self.last_start = -WARM_DELAY_S
         self.urgent_until = 0.0
         """Until then, heartbeats every URGENT_S: a trainer here lost a peer and waits for its recovery order."""
         self.devices = loaded.config.cluster.servers[rank].devices if rank < len(loaded.config.cluster.servers) else 0
@@ -164,7 +174,7 @@ class WorkerAgent:
                 exited = self._reap()
                 if self.clock() < self.urgent_until:
                     next_beat = min(next_beat, last_ok + URGENT_S)
-                self._keep_spares()
+                self._keep_warm()
                 if self.clock() < next_beat and not exited:
                     continue
                 try:
@@ -272,9 +282,7 @@ class WorkerAgent:
                 if rank == 0 and control is not None:
                     env[CONTROL_FILE_ENV] = str(control)
                 log = logs / f"g{gen}-rank{rank}.log"
-                child = self._take_spare(argv, env, log) or self._spawn(
-                    [sys.executable, "-m", "jabascli", *argv], env, log
-                )
+                child = self._fork(argv, env, log) or self._spawn([sys.executable, "-m", "jabascli", *argv], env, log)
                 trainers.append(Trainer(gen, rank, child.proc, log, child.read_fd))
         except OSError as exc:
             for t in trainers:
@@ -282,19 +290,18 @@ class WorkerAgent:
             raise RuntimeFailure.at(None, None, f"cannot start a trainer: {exc}") from None
         self.runs.append(Run(gen, trainers, control))
 
-    def _spawn(self, args: list[str], env: dict[str, str], log: Path | None) -> Process:
-        """A child in its own session, killed with this agent, with an event pipe; never through a shell."""
+    def _spawn(self, args: list[str], env: dict[str, str], log: Path) -> Process:
+        """A fresh trainer in its own session, killed with this agent, with an event pipe; never through a shell."""
         read_fd, write_fd = os.pipe()
         env = {**env, EVENT_FD_ENV: str(write_fd)}
         try:
-            with contextlib.ExitStack() as stack:
-                out = stack.enter_context(log.open("wb")) if log is not None else subprocess.DEVNULL
+            with log.open("wb") as out:
                 proc = subprocess.Popen(
                     args,
                     env=env,
-                    stdin=subprocess.DEVNULL if log is not None else subprocess.PIPE,
+                    stdin=subprocess.DEVNULL,
                     stdout=out,
-                    stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT,
                     pass_fds=(write_fd,),
                     start_new_session=True,
                     preexec_fn=PREEXEC,
@@ -304,35 +311,62 @@ class WorkerAgent:
             raise
         finally:
             os.close(write_fd)  # the child holds it: EOF once it is gone
-        return Process(proc, read_fd, write_fd)
+        return Process(proc, read_fd)
 
-    def _keep_spares(self) -> None:
-        """Keep one warm spare per device of this node (:mod:`jabascli.cli.spare`)."""
-        self.spares = [p for p in self.spares if p.proc.poll() is None or _close(p)]
-        if self.clock() - self.last_start < SPARE_DELAY_S:
+    def _fork(self, argv: list[str], env: dict[str, str], log: Path) -> Process | None:
+        """A trainer forked by the warm server, in its own session and killed with it (so with this agent), with
+        an event pipe; None while the server is not ready (the trainer then starts fresh: nobody waits for it)."""
+        if self.warm is None or not self._warm_ready():
+            return None
+        read_fd, write_fd = os.pipe()
+        env = {**env, EVENT_FD_ENV: str(write_fd)}
+        try:
+            with log.open("wb") as out:
+                proc = self.warm.spawn(
+                    TRAINER_ENTRY, argv, env, out.fileno(), (write_fd,), new_session=True, name="jabas-train"
+                )
+        except Unavailable:  # the server is gone: this trainer and the next start fresh, until it is back
+            os.close(read_fd)
+            self._drop_warm()
+            return None
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        return Process(proc, read_fd)
+
+    def _keep_warm(self) -> None:
+        """Keep this node's warm trainer server (:mod:`jabascli.cli.spare`): started :data:`WARM_DELAY_S` after
+        a generation started fresh, started again should it die; never again once it failed to start."""
+        if self.warm is not None and not self.warm.alive():
+            self._drop_warm()
+        if self.warm is not None:
+            self._warm_ready()  # takes in a failed start
             return
-        while len(self.spares) < self.devices:
-            args = [sys.executable, "-m", "jabascli.cli.spare", str(self.loaded.path)]
-            if self.cpu or self.loaded.config.cluster.servers[self.rank].emulate is not None:
-                args.append("cpu")
-            self.spares.append(self._spawn(args, _environment(), None))
+        if self.warm_failed or self.clock() - self.last_start < WARM_DELAY_S:
+            return
+        env = {**_environment(), WARM_CONFIG_ENV: str(self.loaded.path)}
+        if self.cpu or self.loaded.config.cluster.servers[self.rank].emulate is not None:
+            env[WARM_CPU_ENV] = "1"
+        try:
+            self.warm = ForkServer((*TRAINER_PRELOAD, WARM_UP), env=env)
+        except Unavailable:
+            self.warm_failed = True
 
-    def _take_spare(self, argv: list[str], env: dict[str, str], log: Path) -> Process | None:
-        while self.spares:
-            spare = self.spares.pop(0)
-            if spare.proc.poll() is not None or spare.proc.stdin is None:
-                _close(spare)
-                continue
-            order = {"argv": argv, "env": {**env, EVENT_FD_ENV: str(spare.child_fd)}, "log": str(log)}
-            try:
-                spare.proc.stdin.write((json.dumps(order) + "\n").encode())
-                spare.proc.stdin.close()
-            except OSError:
-                _signal_group(spare.proc, signal.SIGKILL)
-                _close(spare)
-                continue
-            return spare
-        return None
+    def _warm_ready(self) -> bool:
+        """Whether the warm server has done its imports and warm-up, without waiting for it."""
+        assert self.warm is not None
+        try:
+            return self.warm.ready(0)
+        except Unavailable:
+            self.warm, self.warm_failed = None, True
+            return False
+
+    def _drop_warm(self) -> None:
+        if self.warm is not None:
+            self.warm.close()
+            self.warm = None
 
     def _stop(self, command: StopCommand) -> None:
         for run in self.runs:
@@ -422,16 +456,13 @@ class WorkerAgent:
         return exited
 
     def _kill_all(self) -> None:
-        procs = [t.proc for r in self.runs for t in r.trainers] + [s.proc for s in self.spares]
-        terminate(procs, _signal_group)
+        terminate([t.proc for r in self.runs for t in r.trainers], _signal_group)
         for r in self.runs:
             for t in r.trainers:
                 if t.read_fd >= 0:
                     os.close(t.read_fd)
                     t.read_fd = -1
-        for spare in self.spares:
-            _close(spare)
-        self.spares = []
+        self._drop_warm()  # after its trainers: they would die with it, without their SIGTERM's grace
 
 
 def _environment() -> dict[str, str]:
@@ -439,17 +470,7 @@ def _environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
 
 
-def _close(process: Process) -> bool:
-    if process.read_fd >= 0:
-        os.close(process.read_fd)
-        process.read_fd = -1
-    with contextlib.suppress(OSError):
-        if process.proc.stdin is not None:
-            process.proc.stdin.close()
-    return False
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(proc: Child, sig: int) -> None:
     """Signal the process group of a trainer this agent started (its own session: pgid == pid).
 
     Only while it has not been reaped, so the id cannot belong to another process yet.

@@ -1,8 +1,8 @@
 """What a trainer's process keeps across a move in place: the workload, its datasets and loader workers.
 
 None of it depends on the plan or the world; nor does a freshly built model, which a survivor of a lost
-peer builds ahead while its recovery order travels (:func:`fresh_model`). A warm spare
-(:mod:`jabascli.cli.spare`) prepares them before it becomes a trainer (:func:`prepare_inputs`), so that a
+peer builds ahead while its recovery order travels (:func:`fresh_model`). A node's warm trainer server
+(:mod:`jabascli.cli.spare`) prepares them before it forks any trainer (:func:`prepare_inputs`), so that a
 rank started for a move has its data before the move happens rather than during it.
 """
 
@@ -49,10 +49,10 @@ def _job_key(loaded: LoadedConfig) -> tuple[str, ...]:
 
 
 def prepare_inputs(loaded: LoadedConfig) -> None:
-    """Load the job's workload and datasets now, for the trainer this process becomes later.
+    """Load the job's workload and datasets now, for the trainers forked from this process later.
 
-    A warm spare (:mod:`jabascli.cli.spare`) calls it, so that a rank started for a
-    move has its data before the move happens rather than during it.
+    A node's warm trainer server (:mod:`jabascli.cli.spare`) calls it, so that a rank
+    started for a move has its data before the move happens rather than during it.
     """
     global _prepared
     workload = workload_of(loaded)

@@ -38,13 +38,12 @@ from jabascli.engine.events import EVENT_FD_ENV
 from jabascli.engine.layout import run_folder
 from jabascli.engine.options import TrainOptions
 from jabascli.engine.plan import TrainingPlan, load_plan
+from jabascli.engine.trainer_env import TRAINER_ENTRY
 from jabascli.errors import InputError, Problem, RuntimeFailure
 from jabascli.forkserver import Unavailable, shared_server
 from jabascli.net import free_port
 
 PORT_ATTEMPTS = 3
-TRAINER_ENTRY = "jabascli.cli.app:main"
-"""What ``python -m jabascli`` runs: a trainer is ``jabas train``."""
 POLL_S = 0.1
 
 
