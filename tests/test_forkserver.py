@@ -119,6 +119,25 @@ def test_the_children_die_with_the_server(server: ForkServer, tmp_path: Path) ->
         server.spawn("childmod:sleep", [], {}, 1, cwd=str(tmp_path))
 
 
+def test_children_of_a_closed_server_are_told_as_killed(server: ForkServer, tmp_path: Path) -> None:
+    """Closed before anyone read that it died (an agent dropping its dead warm server), the server's children
+    are not left counted as running forever; one whose end the server reported keeps its code."""
+    ended = server.spawn("childmod:report", ["5"], {"REPORT_FD": "1"}, 1, cwd=str(tmp_path))
+    running = server.spawn("childmod:sleep", [], {}, 1, cwd=str(tmp_path))
+    deadline = time.monotonic() + 30
+    while _alive(ended.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # the server's report of that end is on its way, not read yet
+    server.proc.kill()
+    server.proc.wait()
+    server.close()
+    assert ended.poll() == 5 and running.poll() == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while _alive(running.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(running.pid)
+
+
 def _alive(pid: int) -> bool:
     """Running, or stopped; not gone and not a zombie waiting to be reaped by its new parent."""
     try:

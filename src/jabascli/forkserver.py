@@ -186,12 +186,17 @@ class ForkServer:
                 timeout = 0.0
 
     def close(self) -> None:
-        """End the server (its children, if any are left, die with it)."""
+        """End the server. Its children, if any are left, die with it, and are told as killed: the ends it
+        reported first keep their codes."""
+        self.collect()
         with contextlib.suppress(OSError):
             self.sock.close()
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        for child in self.children.values():
+            child.returncode = -signal.SIGKILL
+        self.children.clear()
 
     def _note(self, reply: dict[str, Any]) -> None:
         if "exit" in reply:
