@@ -366,6 +366,26 @@ def _fresh_streams() -> None:  # pragma: no cover - runs in a forked child
     )
 
 
+def _retire_descriptors(keep: set[int]) -> None:  # pragma: no cover - runs in a forked child
+    """Point every open descriptor but ``keep`` at /dev/null (close-on-exec) instead of closing it.
+
+    A forked heap still holds the objects that owned them: a file, a socket, the launcher's garbage not yet
+    collected. Whichever of them is freed later closes its descriptor's number. Closed now, that number would
+    go to the next socket this process opens (a trainer's store connection), and the late close would cut
+    it (a broken pipe at the next rendezvous). Held by /dev/null, the number is freed by its owner alone.
+    """
+    devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    for fd in [int(n) for n in os.listdir("/proc/self/fd")]:
+        if fd in keep or fd == devnull:
+            continue
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue  # the listing's own descriptor, closed once listed
+        os.dup2(devnull, fd, inheritable=False)
+    os.close(devnull)
+
+
 def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, server: int) -> None:  # pragma: no cover
     """In the forked child of ``server`` (its pid): set up as a fresh process would be, run the entry, and exit
     without returning."""
@@ -385,16 +405,17 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, server
         for fd in fds:
             os.close(fd)
         output, *passed = high
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
         os.dup2(output, 1)
         os.dup2(output, 2)
         targets = [int(n) for n in request["fds"]]
         for source, target in zip(passed, targets, strict=True):
             os.dup2(source, target)  # inheritable, as subprocess's pass_fds leaves them
-        keep = {0, 1, 2, *targets}
-        for fd in [int(n) for n in os.listdir("/dev/fd") if int(n) not in keep]:
-            with contextlib.suppress(OSError):
-                os.close(fd)  # the server's socket and anything else it held
+        for fd in high:
+            os.close(fd)
+        _retire_descriptors(keep={0, 1, 2, *targets})  # anything the server held
         _fresh_streams()
         _set_name(str(request.get("name", "")))
         os.environ.clear()
@@ -432,7 +453,8 @@ def _serve_forked(theirs: socket.socket, preload: Sequence[str]) -> None:  # pra
         devnull = os.open(os.devnull, os.O_RDWR)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        os.close(devnull)
+        _retire_descriptors(keep={0, 1, 2})  # the launcher's files and sockets
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         serve(preload)
