@@ -44,6 +44,17 @@ def test_the_scheduler_and_a_nodes_agent_do_not_import_torch() -> None:
     _in_a_fresh_interpreter(code)
 
 
+def test_the_command_line_starts_without_torch_or_paramiko() -> None:
+    """Every jabas command (an agent, a worker, `jabas run` before it reads the workload) imports the whole CLI;
+    paramiko alone took a fifth of that, and only `jabas sync` and remote nodes need it."""
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = sys.modules['paramiko'] = None  # an import of either raises, naming who asked\n"
+        "import jabascli.cli.app\n"
+    )
+    _in_a_fresh_interpreter(code)
+
+
 def test_what_a_launcher_checks_before_its_trainers_start_does_not_import_torch() -> None:
     """The launcher's own work (its plan, its checkpoint to resume, an fp32 job's precision) needs no torch; only
     the job's workload module, which it imports to check it, brings torch in."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.filesize import decimal
@@ -15,7 +15,11 @@ from rich.table import Table
 from jabascli.cli.common import JsonOption, cli_command, console, err_console, print_json
 from jabascli.config import load_config
 from jabascli.errors import RuntimeFailure
-from jabascli.sync import Failed, Moved, Planned, Status, SyncEvent, SyncOptions, SyncReport, sync_profiles
+
+if TYPE_CHECKING:
+    from jabascli.sync import SyncEvent, SyncReport
+
+# jabascli.sync brings paramiko, a fifth of every jabas command's start: it is imported when a sync runs.
 
 
 @cli_command
@@ -61,6 +65,8 @@ def sync(
 
         jabas sync profiles/local profiles/all -c jabas.toml --dry-run
     """
+    from jabascli.sync import SyncOptions, sync_profiles
+
     # paramiko logs a cut connection as an error of its own; the report already says it in one line.
     paramiko_log = logging.getLogger("paramiko")
     if not paramiko_log.handlers:
@@ -111,6 +117,8 @@ class _ProgressView:
         self.progress.stop()
 
     def __call__(self, event: SyncEvent) -> None:
+        from jabascli.sync import Failed, Moved, Planned, Status
+
         with self.lock:
             if event.server not in self.tasks:
                 self.tasks[event.server] = self.progress.add_task("", server=event.server, total=None)
