@@ -169,6 +169,11 @@ def test_a_killed_trainer_is_restarted_from_the_last_checkpoint(cluster_factory)
     kwargs = {"available": ["A", "B"], "epochs": 2, "slowdown": (2.0, 20.0), "scheduler": scheduler}
     cluster: Cluster = cluster_factory(**kwargs)
     status = cluster.wait(lambda s: len(s["trainers"]) == 2 and (s["checkpoint_step"] or 0) >= every + 1)
+    # The first generation's trainers are forked by the agents' warm trainer servers too: their start waited for
+    # the servers' imports instead of importing torch beside them (elastic/warm.py).
+    for trainer in status["trainers"]:
+        server = _parent(trainer["pid"])
+        assert b"jabascli.cli.spare:warm_up_from_env" in Path(f"/proc/{server}/cmdline").read_bytes(), trainer
     victim = status["trainers"][1]["pid"]
     os.kill(victim, signal.SIGKILL)  # rank 1, on B, mid-job
     # The restart's trainers are forked by the agents' warm trainer servers (cli/spare.py), ready by now; B's

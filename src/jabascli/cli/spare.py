@@ -1,8 +1,8 @@
 """A node's warm trainer server: torch, jabas and the job's workload imported, and warmed, once.
 
-A worker agent keeps one fork server (:mod:`jabascli.forkserver`) per node, started a few seconds after its
-first generation (not to slow that one's start) and kept for the job. The server imports what a trainer
-imports, then runs :func:`warm_up_from_env` once; every trainer the agent starts after that is forked from it
+A worker agent keeps one fork server (:mod:`jabascli.forkserver`) per node, started when the agent registers
+and kept for the job (:mod:`jabascli.elastic.warm`). The server imports what a trainer imports, then runs
+:func:`warm_up_from_env` once; every trainer the agent starts is forked from it
 and starts with all of it done: what a move or a recovery then waits for is the job's own start (rendezvous,
 checkpoint), not a new interpreter importing torch. A fork leaves the server as it was, so nothing has to be
 started again after a generation takes its trainers.

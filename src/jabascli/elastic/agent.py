@@ -8,10 +8,13 @@ exited) send a :class:`Heartbeat`; its reply's commands are applied:
   argument list (never a shell), with the torch.distributed environment
   (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
   in a session of its own, killed by the kernel if this agent dies
-  (``PR_SET_PDEATHSIG``), and without the token in its environment. Once this
-  node's warm trainer server (:mod:`jabascli.cli.spare`, started a few seconds
-  after the first generation and kept) is ready, each trainer is forked from
-  it, so a move does not wait for a new interpreter to import torch;
+  (``PR_SET_PDEATHSIG``), and without the token in its environment. Each
+  trainer is forked from this node's warm trainer server
+  (:mod:`jabascli.cli.spare`, started when the agent registers and kept), so a
+  move does not wait for a new interpreter to import torch. A start that comes
+  while the server still imports waits for it (heartbeats go on), for at most
+  :data:`WARM_WAIT_S`: trainers started fresh beside it would import torch a
+  second time on the node, on the same cores;
 * ``stop`` ``epoch``/``now``: write the request into rank 0's control file
   (:mod:`jabascli.engine.control`): the trainers checkpoint and exit 0; with a
   *handoff* (a move in place, :mod:`jabascli.engine.handoff`) those that stay
@@ -58,23 +61,21 @@ from jabascli.elastic.protocol import (
     finite_only,
 )
 from jabascli.elastic.token import TOKEN_ENV
+from jabascli.elastic.warm import WarmServer
 from jabascli.engine.events import EVENT_FD_ENV
 from jabascli.engine.layout import checkpoint_folder, run_folder
 from jabascli.engine.trainer_env import (
     CONTROL_FILE_ENV,
     GENERATION_ENV,
-    TRAINER_ENTRY,
-    WARM_CONFIG_ENV,
-    WARM_CPU_ENV,
-    WARM_UP,
 )
 from jabascli.errors import InputError, RuntimeFailure
-from jabascli.forkserver import TRAINER_PRELOAD, ForkServer, Unavailable
 
 EXITING_S = 0.5
 """How long to wait for a trainer that closed its event pipe to exit."""
-WARM_DELAY_S = 5.0
-"""The warm trainer server is started this long after a generation, not to slow its own start."""
+WARM_WAIT_S = 60.0
+"""The longest a start waits for the warm server still importing; then its trainers start fresh."""
+WARM_POLL_S = 0.05
+"""How often the loop looks at the importing server while a start waits for it."""
 
 LOG_TAIL = 4000
 URGENT_S, URGENT_FOR_S = 0.01, 5.0
@@ -95,14 +96,6 @@ def check_writable(folder: Path) -> None:
             pass
     except OSError as exc:
         raise InputError.at(folder, None, f"checkpoint folder is not writable: {exc.strerror or exc}") from None
-
-
-@dataclass
-class Process:
-    """A trainer this agent started (forked by its warm server, or fresh) and the read end of its event pipe."""
-
-    proc: Child
-    read_fd: int
 
 
 @dataclass
@@ -143,13 +136,9 @@ class WorkerAgent:
         self.runs: list[Run] = []
         self.pending_events: list[TrainerEvent] = []
         self.pending_exits: list[TrainerExit] = []
-        self.warm: ForkServer | None = None
-        """The warm trainer server, once started (:meth:`_keep_warm`)."""
-        self.warm_failed = False
-        """It could not start (no fork here, or its imports failed): trainers start fresh."""
-        self.cpu = False
-        """Trainers here compute on the CPU: the warm server also warms the data and the CPU kernels."""
-        self.last_start = -WARM_DELAY_S
+        self.warm = WarmServer(loaded, rank, _environment(), clock)
+        self.waiting: list[tuple[StartCommand, float]] = []
+        """Starts waiting for the warm server to finish importing, each with its deadline."""
         self.urgent_until = 0.0
         """Until then, heartbeats every URGENT_S: a trainer here lost a peer and waits for its recovery order."""
         self.devices = loaded.config.cluster.servers[rank].devices if rank < len(loaded.config.cluster.servers) else 0
@@ -170,11 +159,13 @@ class WorkerAgent:
         next_beat = 0.0
         try:
             while True:
-                self._read_events(max(0.0, min(next_beat - self.clock(), self.interval)))
+                wait = min(next_beat - self.clock(), self.interval)
+                self._read_events(max(0.0, min(wait, WARM_POLL_S) if self.waiting else wait))
                 exited = self._reap()
                 if self.clock() < self.urgent_until:
                     next_beat = min(next_beat, last_ok + URGENT_S)
-                self._keep_warm()
+                self.warm.keep()
+                self._start_waiting()
                 if self.clock() < next_beat and not exited:
                     continue
                 try:
@@ -212,7 +203,7 @@ class WorkerAgent:
             Registration(rank=self.rank, host=socket.gethostname() or "?", devices=devices, pid=os.getpid())
         )
         self.server = registered.server
-        self.cpu = found.backend == "cpu"
+        self.warm.cpu = found.backend == "cpu"
         self.interval = registered.heartbeat_interval_s
 
     def _retrying(self, call: Callable[[], None]) -> None:
@@ -245,13 +236,29 @@ class WorkerAgent:
     def _apply(self, reply: Commands) -> None:
         for command in reply.commands:
             if isinstance(command, StartCommand):
-                self._start(command)
+                if self.warm.importing():
+                    self.waiting.append((command, self.clock() + WARM_WAIT_S))
+                else:
+                    self._start(command)
             elif isinstance(command, StopCommand):
+                self._start_waiting(generation=command.generation)  # a stop finds the trainers it stops
                 self._stop(command)
+
+    def _start_waiting(self, generation: int | None = None) -> None:
+        """Start the waiting starts once the warm server is ready (or gone, or past their deadline), in order;
+        ``generation``'s, and those before it, now."""
+        ready = not self.warm.importing()
+        while self.waiting:
+            command, deadline = self.waiting[0]
+            now = generation is not None and command.generation <= generation
+            if not (ready or now or self.clock() >= deadline):
+                return
+            self.waiting.pop(0)
+            self._start(command)
 
     def _start(self, command: StartCommand) -> None:
         gen = command.generation
-        self.last_start = self.clock()
+        self.warm.last_start = self.clock()
         plan_file = self.folder / f"plan-g{gen}.json"
         atomic_write_json(plan_file, command.plan, indent=2)
         control = self.folder / f"control-g{gen}" if 0 in command.ranks else None
@@ -282,15 +289,17 @@ class WorkerAgent:
                 if rank == 0 and control is not None:
                     env[CONTROL_FILE_ENV] = str(control)
                 log = logs / f"g{gen}-rank{rank}.log"
-                child = self._fork(argv, env, log) or self._spawn([sys.executable, "-m", "jabascli", *argv], env, log)
-                trainers.append(Trainer(gen, rank, child.proc, log, child.read_fd))
+                proc, read_fd = self.warm.fork(argv, env, log) or self._spawn(
+                    [sys.executable, "-m", "jabascli", *argv], env, log
+                )
+                trainers.append(Trainer(gen, rank, proc, log, read_fd))
         except OSError as exc:
             for t in trainers:
                 _signal_group(t.proc, signal.SIGKILL)
             raise RuntimeFailure.at(None, None, f"cannot start a trainer: {exc}") from None
         self.runs.append(Run(gen, trainers, control))
 
-    def _spawn(self, args: list[str], env: dict[str, str], log: Path) -> Process:
+    def _spawn(self, args: list[str], env: dict[str, str], log: Path) -> tuple[Child, int]:
         """A fresh trainer in its own session, killed with this agent, with an event pipe; never through a shell."""
         read_fd, write_fd = os.pipe()
         env = {**env, EVENT_FD_ENV: str(write_fd)}
@@ -311,62 +320,7 @@ class WorkerAgent:
             raise
         finally:
             os.close(write_fd)  # the child holds it: EOF once it is gone
-        return Process(proc, read_fd)
-
-    def _fork(self, argv: list[str], env: dict[str, str], log: Path) -> Process | None:
-        """A trainer forked by the warm server, in its own session and killed with it (so with this agent), with
-        an event pipe; None while the server is not ready (the trainer then starts fresh: nobody waits for it)."""
-        if self.warm is None or not self._warm_ready():
-            return None
-        read_fd, write_fd = os.pipe()
-        env = {**env, EVENT_FD_ENV: str(write_fd)}
-        try:
-            with log.open("wb") as out:
-                proc = self.warm.spawn(
-                    TRAINER_ENTRY, argv, env, out.fileno(), (write_fd,), new_session=True, name="jabas-train"
-                )
-        except Unavailable:  # the server is gone: this trainer and the next start fresh, until it is back
-            os.close(read_fd)
-            self._drop_warm()
-            return None
-        except BaseException:
-            os.close(read_fd)
-            raise
-        finally:
-            os.close(write_fd)
-        return Process(proc, read_fd)
-
-    def _keep_warm(self) -> None:
-        """Keep this node's warm trainer server (:mod:`jabascli.cli.spare`): started :data:`WARM_DELAY_S` after
-        a generation started fresh, started again should it die; never again once it failed to start."""
-        if self.warm is not None and not self.warm.alive():
-            self._drop_warm()
-        if self.warm is not None:
-            self._warm_ready()  # takes in a failed start
-            return
-        if self.warm_failed or self.clock() - self.last_start < WARM_DELAY_S:
-            return
-        env = {**_environment(), WARM_CONFIG_ENV: str(self.loaded.path)}
-        if self.cpu or self.loaded.config.cluster.servers[self.rank].emulate is not None:
-            env[WARM_CPU_ENV] = "1"
-        try:
-            self.warm = ForkServer((*TRAINER_PRELOAD, WARM_UP), env=env)
-        except Unavailable:
-            self.warm_failed = True
-
-    def _warm_ready(self) -> bool:
-        """Whether the warm server has done its imports and warm-up, without waiting for it."""
-        assert self.warm is not None
-        try:
-            return self.warm.ready(0)
-        except Unavailable:
-            self.warm, self.warm_failed = None, True
-            return False
-
-    def _drop_warm(self) -> None:
-        if self.warm is not None:
-            self.warm.close()
-            self.warm = None
+        return proc, read_fd
 
     def _stop(self, command: StopCommand) -> None:
         for run in self.runs:
@@ -462,7 +416,7 @@ class WorkerAgent:
                 if t.read_fd >= 0:
                     os.close(t.read_fd)
                     t.read_fd = -1
-        self._drop_warm()  # after its trainers: they would die with it, without their SIGTERM's grace
+        self.warm.close()  # after its trainers: they would die with it, without their SIGTERM's grace
 
 
 def _environment() -> dict[str, str]:
