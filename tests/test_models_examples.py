@@ -86,3 +86,27 @@ def test_example_data_paths_are_only_comments() -> None:
     for name in FULL_SIZE:
         text = (EXAMPLES / f"{name}.toml").read_text()
         assert "# data = " in text and "\ndata = " not in text, name
+
+
+def test_digits_read_without_scikit_learn_equal_what_scikit_learn_loads() -> None:
+    """The digits workload reads scikit-learn's bundled file itself (its import costs every trainer seconds)."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from jabascli.builtin_models.digits import bundled_digits
+
+    images, labels = bundled_digits()
+    expected_images, expected_labels = load_digits(return_X_y=True)
+    assert images.dtype == expected_images.dtype and labels.dtype == expected_labels.dtype
+    assert np.array_equal(images, expected_images) and np.array_equal(labels, expected_labels)
+    code = (
+        "import sys\n"
+        "from jabascli.builtin_models.digits import bundled_digits\n"
+        "assert bundled_digits()[0].shape == (1797, 64)\n"
+        "assert 'sklearn' not in sys.modules, 'scikit-learn was imported'\n"
+    )
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
