@@ -340,6 +340,3 @@ def _close_shared() -> None:
     children's)."""
     for server in _shared.values():
         server.close()
-
-
-# The server's side: everything below runs in `python -m jabascli.forkserver`.

@@ -92,7 +92,7 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, server
         targets = [int(n) for n in request["fds"]]
         for source, target in zip(passed, targets, strict=True):
             os.dup2(source, target)  # inheritable, as subprocess's pass_fds leaves them
-        for fd in high:
+        for fd in set(high) - set(targets):  # a target may have a number above 100 too
             os.close(fd)
         _retire_descriptors(keep={0, 1, 2, *targets})  # anything the server held
         _fresh_streams()

@@ -247,6 +247,8 @@ class WorkerAgent:
     def _start_waiting(self, generation: int | None = None) -> None:
         """Start the waiting starts once the warm server is ready (or gone, or past their deadline), in order;
         ``generation``'s, and those before it, now."""
+        if not self.waiting:
+            return
         ready = not self.warm.importing()
         while self.waiting:
             command, deadline = self.waiting[0]
