@@ -10,11 +10,10 @@ mean loss times ``b_i / GBS``) and the gradients are *summed* across ranks
 sample on a small rank more than one on a large rank). BatchNorm is the
 exception: its batch statistics are per rank, as in plain DDP.
 
-It lives beside the benchmark, not in jabas: jabas plans give every worker one
-LBS (the exactness of its plans, checkpoints and moves rests on that), so
-offering uneven batches would be a new kind of plan, sampler and trainer; this
-module is what ``heterogeneous_efficiency.py`` measures to see whether that
-would pay, and what ``tests/test_uneven_ddp.py`` checks is exact.
+It lives beside the benchmark as the rival a user would write, plain DDP and
+nothing of jabas's engine: ``heterogeneous_efficiency.py`` measures jabas's
+plans (its own uneven plans among them, docs/engine.md#uneven-plans) against
+it, and ``tests/test_uneven_ddp.py`` checks it is exact.
 
 An emulated slower device sleeps ``(slowdown - 1)`` times the thread CPU time
 of its forward, and of its backward just before the last bucket's all-reduce,
