@@ -47,7 +47,10 @@ Printed per row: samples/s of each server alone, of jabas's plan and of plain
 DDP on both, of uneven-batch DDP, the efficiency (jabas over the sum of the two
 alone; its limit is below 1 by the all-reduce), jabas over DDP and over uneven
 DDP, and jabas's predicted beside its measured iteration time (median of
-``steps.csv`` after 5 warm-up iterations), before and after the refit.
+``steps.csv`` after 5 warm-up iterations), before and after the refit. Beside
+jabas over uneven DDP stands the 95% interval of that ratio from its rounds
+taken in pairs (each round's jabas over the same round's uneven DDP, Student's
+t): a row whose interval holds 1 cannot tell the two apart on this host.
 Every trainer runs at one thread (``OMP_NUM_THREADS=1``), so that "alone" and
 "together" share the machine alike; the load average is printed before and
 after (on a busy machine, two trainers side by side each lose part of a core).
@@ -74,6 +77,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from scipy.stats import t as t_dist
 
 from jabascli.cli.trial import plan_trial
 from jabascli.config import load_config
@@ -350,6 +355,22 @@ def main() -> None:
     print(f"\nafter: {load()}; {time.monotonic() - began:.0f} s in all")
 
 
+def paired_interval(mine: list[float], rival: list[float]) -> tuple[float, float] | None:
+    """The 95% interval of jabas's speed over a rival's from rounds taken in pairs (iteration times, round by
+    round, at the same GBS): each round's ratio ``rival_i / mine_i``, their mean plus or minus Student's t at
+    ``n - 1`` degrees of freedom times the standard error. None below two pairs."""
+    ratios = [r / m for m, r in zip(mine, rival, strict=False)]
+    if len(ratios) < 2:
+        return None
+    half = float(t_dist.ppf(0.975, len(ratios) - 1)) * statistics.stdev(ratios) / math.sqrt(len(ratios))
+    centre = statistics.fmean(ratios)
+    return centre - half, centre + half
+
+
+def interval_text(interval: tuple[float, float] | None) -> str:
+    return "-" if interval is None else f"{interval[0]:.2f}-{interval[1]:.2f}"
+
+
 @dataclass
 class Uneven:
     """Uneven-batch DDP of one row: each server's local batch, and the measured iteration time (mean of rounds)."""
@@ -496,7 +517,8 @@ def row_line(row: tuple[Any, ...]) -> str:
         f"DDP {ddp.samples_per_s:.0f}/s, uneven DDP {uneven.samples_per_s:.0f}/s "
         f"(batches {'+'.join(map(str, uneven.batches))}; rounds "
         + ", ".join(f"{sum(uneven.batches) / t:.0f}/s" for t in uneven.rounds)
-        + f"), refit plan {refit_cell(refit)}{trial_cell(refit)}"
+        + f"; jabas/uneven 95% {interval_text(paired_interval(mine.rounds, uneven.rounds))}), "
+        f"refit plan {refit_cell(refit)}{trial_cell(refit)}"
     )
 
 
@@ -526,10 +548,10 @@ def both_cell(every: Measured, mine: Measured) -> str:
 def table(rows: list[tuple[Any, ...]]) -> str:
     head = (
         "| workload | slow | GBS | fast alone | slow alone | jabas (offline plan) | both, best plan | plain DDP "
-        "| uneven DDP (batches) | efficiency | jabas/fast | jabas/DDP | jabas/uneven | predicted | measured | error "
-        "| error after refit | refit plan | after refit and trial | its /uneven |"
+        "| uneven DDP (batches) | efficiency | jabas/fast | jabas/DDP | jabas/uneven | its 95% | predicted | measured "
+        "| error | error after refit | refit plan | after refit and trial | its /uneven |"
     )
-    lines = [head, "|" + " --- |" * 20]
+    lines = [head, "|" + " --- |" * 21]
     for key, slowdown, gbs, fast, slow, mine, every, ddp, uneven, refit in rows:
         efficiency = mine.samples_per_s / (fast.samples_per_s + slow.samples_per_s)
         both = len(mine.plan.assignments) > 1
@@ -547,6 +569,7 @@ def table(rows: list[tuple[Any, ...]]) -> str:
             f"| {uneven.samples_per_s:.0f}/s ({'+'.join(map(str, uneven.batches))}) | {efficiency:.2f} "
             f"| {mine.samples_per_s / fast.samples_per_s:.2f} | {mine.samples_per_s / ddp.samples_per_s:.2f} "
             f"| {mine.samples_per_s / uneven.samples_per_s:.2f} "
+            f"| {interval_text(paired_interval(mine.rounds, uneven.rounds))} "
             f"| {predicted} | {mine.measured_s * 1e3:.1f} ms | {error} | {after} | {refit_cell(refit)} "
             f"| x{final.gain:.2f} (LBS {final.run.plan.lbs_text()}{trial_cell(refit)}) "
             f"| {final.gain * mine.samples_per_s / uneven.samples_per_s:.2f} |"
