@@ -58,6 +58,12 @@ after (on a busy machine, two trainers side by side each lose part of a core).
     .venv/bin/python benchmarks/heterogeneous_efficiency.py                  # everything, 70 min to 2 h on 2 cores
     .venv/bin/python benchmarks/heterogeneous_efficiency.py --quick          # tiny ResNet, 3x, GBS 64
     .venv/bin/python benchmarks/heterogeneous_efficiency.py --workloads resnet,vit --slowdowns 3
+    .venv/bin/python benchmarks/heterogeneous_efficiency.py --repeat 3 --also resnet:2.5:128   # issue #35's check
+
+With ``--repeat N`` the whole benchmark runs N times in a row, each run profiling
+afresh in its own folder, and then prints each row's worst figure over the runs
+against the targets: jabas at least 0.98x the fast server alone, plain DDP and
+uneven-batch DDP, and efficiency at least 0.85 on ResNet and ViT.
 
 It prints figures; it asserts nothing.
 """
@@ -310,6 +316,10 @@ def main() -> None:
     parser.add_argument("--slowdowns", default="3,1.5", help="the slow server's slowdowns (the first one's profile "
                         "all time covers both servers)")  # fmt: skip
     parser.add_argument("--gbs", default="64,256", help="GBS values, small to large")
+    parser.add_argument("--also", action="append", default=[], metavar="WORKLOAD:SLOWDOWN:GBS", help="one more "
+                        "case after the others, e.g. resnet:2.5:128 (repeatable)")  # fmt: skip
+    parser.add_argument("--repeat", type=int, default=1, help="whole runs in a row, each profiling afresh in its "
+                        "own folder; then each row's worst figure over the runs against the targets")  # fmt: skip
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per run, about")
     parser.add_argument("--rounds", type=int, default=2, help="runs of every plan of a row, in reversed order "
                         "each other round; figures are their means")  # fmt: skip
@@ -321,38 +331,129 @@ def main() -> None:
     if args.quick:
         args.workloads, args.slowdowns, args.gbs, args.seconds, args.rounds = "resnet", "3", "64", 2.0, 1
         args.max_rounds = 1
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    slowdowns = [float(s) for s in args.slowdowns.split(",")]
-    gbs_values = [int(g) for g in args.gbs.split(",")]
+    if args.rounds < 1 or args.repeat < 1:
+        parser.error("--rounds and --repeat must be at least 1")
+    try:
+        cases = parse_cases(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     root = args.root or Path(tempfile.mkdtemp(prefix="jabas-hetero-"))
     root.mkdir(parents=True, exist_ok=True)
+    runs: list[list[tuple[Any, ...]]] = []
+    for n in range(args.repeat):
+        folder = root if args.repeat == 1 else root / f"run{n + 1}"
+        folder.mkdir(parents=True, exist_ok=True)
+        if args.repeat > 1:
+            print(f"\nrun {n + 1} of {args.repeat}", flush=True)
+        runs.append(run_once(cases, folder, args))
+    if args.repeat > 1:
+        print()
+        print(targets_table(runs))
+
+
+Case = tuple[str, float, list[int]]
+"""A workload, its slow server's slowdown and the GBS values measured on that pair (one ``profile all``)."""
+
+
+def parse_cases(args: argparse.Namespace) -> list[Case]:
+    """Every (workload, slowdown) of ``--workloads`` x ``--slowdowns`` at ``--gbs``, then each ``--also``."""
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"--workloads: unknown {', '.join(unknown)} (expected some of {', '.join(WORKLOADS)})")
+    gbs_values = [int(g) for g in args.gbs.split(",")]
+    cases = [(key, float(s), gbs_values) for key in workloads for s in args.slowdowns.split(",")]
+    for extra in args.also:
+        key, _, rest = extra.partition(":")
+        slowdown, _, gbs = rest.partition(":")
+        try:
+            if key not in WORKLOADS or float(slowdown) < 1 or not gbs.isdigit():
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--also {extra}: expected WORKLOAD:SLOWDOWN:GBS, e.g. resnet:2.5:128") from None
+        cases.append((key, float(slowdown), [int(gbs)]))
+    return cases
+
+
+def run_once(cases: list[Case], root: Path, args: argparse.Namespace) -> list[tuple[Any, ...]]:
+    """One whole run: each case's ``profile all`` and rows, in ``root``; prints each row and the table."""
     print(f"before: {load()}, {os.cpu_count()} cores; every trainer at 1 thread; folder {root}", flush=True)
     began = time.monotonic()
     rows = []
-    for key in workloads:
+    profiled: set[str] = set()  # a workload's fast server is profiled with its first slow server
+    for key, slowdown, gbs_values in cases:
         workload, options = WORKLOADS[key]
-        for slowdown in slowdowns:
-            bench = Bench(root, key, workload, options, slowdown, gbs_values)
-            report = bench.profile_all()
-            print(
-                f"{key} fast + {slowdown:g}x slower: jabas profile all took {report['wall_s']:.0f} s "
-                f"(said it expected about {report['expected_s']:.0f} s; LBS {report['lbs_values']}"
-                f"{'' if slowdown == slowdowns[0] else '; the fast server from disk'})",
-                flush=True,
-            )
-            print("  where the time went: " + ", ".join(f"{x['name']} {x['seconds']:.0f} s" for x in report["stages"]))
-            for gbs in gbs_values:
-                try:
-                    rows.append(measure_row(bench, key, slowdown, gbs, args))
-                except RuntimeError as exc:  # one failed run does not lose the others' figures
-                    print(f"{key} x{slowdown:g} GBS {gbs}: failed: {exc}", flush=True)
-                    continue
-                print(row_line(rows[-1]), flush=True)
+        bench = Bench(root, key, workload, options, slowdown, gbs_values)
+        report = bench.profile_all()
+        print(
+            f"{key} fast + {slowdown:g}x slower: jabas profile all took {report['wall_s']:.0f} s "
+            f"(said it expected about {report['expected_s']:.0f} s; LBS {report['lbs_values']}"
+            f"{'; the fast server from disk' if key in profiled else ''})",
+            flush=True,
+        )
+        profiled.add(key)
+        print("  where the time went: " + ", ".join(f"{x['name']} {x['seconds']:.0f} s" for x in report["stages"]))
+        for gbs in gbs_values:
+            try:
+                rows.append(measure_row(bench, key, slowdown, gbs, args))
+            except RuntimeError as exc:  # one failed run does not lose the others' figures
+                print(f"{key} x{slowdown:g} GBS {gbs}: failed: {exc}", flush=True)
+                continue
+            print(row_line(rows[-1]), flush=True)
     print()
     print(table(rows))
-    print(f"\nafter: {load()}; {time.monotonic() - began:.0f} s in all")
+    print(f"\nafter: {load()}; {time.monotonic() - began:.0f} s in all", flush=True)
+    return rows
+
+
+TARGET_RATIO = 0.98
+"""jabas at least this times the fast server alone, plain DDP and uneven-batch DDP, on every row of every run."""
+TARGET_EFFICIENCY = 0.85
+"""jabas at least this efficiency (its samples/s over the sum of the servers' alone) on every ResNet/ViT row."""
+
+
+def targets_table(runs: list[list[tuple[Any, ...]]]) -> str:
+    """Each row's worst figure over the runs, a ``*`` where it misses its target, and how many rows of how many
+    runs met every target."""
+    worst: dict[tuple[str, float, int], dict[str, float]] = {}
+    count: dict[tuple[str, float, int], int] = {}
+    for rows in runs:
+        for key, slowdown, gbs, fast, slow, mine, _every, ddp, uneven, refit in rows:
+            figures = {
+                "fast": mine.samples_per_s / fast.samples_per_s,
+                "ddp": mine.samples_per_s / ddp.samples_per_s,
+                "uneven": mine.samples_per_s / uneven.samples_per_s,
+                "after": refit.chosen(mine).gain * mine.samples_per_s / uneven.samples_per_s,
+                "efficiency": mine.samples_per_s / (fast.samples_per_s + slow.samples_per_s),
+            }
+            row = worst.setdefault((key, slowdown, gbs), figures)
+            for name, value in figures.items():
+                row[name] = min(row[name], value)
+            count[(key, slowdown, gbs)] = count.get((key, slowdown, gbs), 0) + 1
+    lines = [
+        f"Worst of {len(runs)} runs (* misses its target: {TARGET_RATIO}x each rival; efficiency {TARGET_EFFICIENCY} "
+        "on ResNet/ViT)",
+        "| workload | slow | GBS | runs | jabas/fast | jabas/DDP | jabas/uneven | after refit and trial /uneven "
+        "| efficiency |",
+        "|" + " --- |" * 9,
+    ]
+    met = 0
+    for (key, slowdown, gbs), row in worst.items():
+        misses = {name for name in ("fast", "ddp", "uneven") if row[name] < TARGET_RATIO}
+        if key in ("resnet", "vit") and row["efficiency"] < TARGET_EFFICIENCY:
+            misses.add("efficiency")
+        complete = count[(key, slowdown, gbs)] == len(runs)
+        met += not misses and complete
+
+        def cell(name: str, row: dict[str, float] = row, misses: set[str] = misses) -> str:
+            return f"{row[name]:.3f}{' *' if name in misses else ''}"
+
+        lines.append(
+            f"| {key} | {slowdown:g}x | {gbs} | {count[(key, slowdown, gbs)]} | {cell('fast')} | {cell('ddp')} "
+            f"| {cell('uneven')} | {row['after']:.3f} | {cell('efficiency')} |"
+        )
+    lines.append(f"\n{met} of {len(worst)} rows met every target in all {len(runs)} runs")
+    return "\n".join(lines)
 
 
 def paired_interval(mine: list[float], rival: list[float]) -> tuple[float, float] | None:
