@@ -234,9 +234,9 @@ def test_the_runner_up_trial_takes_the_other_kind(tmp_path: Path) -> None:
     assert solved is not None and solved.plan.uneven and solved.choice is not None
     last = ObservedPlan(
         lbs=32, weight_sync="sequential", assignments=[ObservedAssignment(server="fast", gpus=1, vsw=1, ga=0)],
-        measured_s=0.026, iterations=20, predicted_s=0.020,
+        measured_s=0.0208, iterations=20, predicted_s=0.016,
     )  # fmt: skip
-    write_measured_error(loaded, tmp_path / "runs" / "job", last)
+    write_measured_error(loaded, tmp_path / "runs" / "job", last)  # 30% off the profiles' 16 ms for that plan
     trial = plan_trial(loaded, solved, None, 0)
     # IIDP's best (5 + 3 workers of LBS 32) is predicted within the measured 30% of the uneven plan.
     assert trial is not None and trial.error == pytest.approx(0.3)

@@ -19,7 +19,7 @@ from jabascli.errors import InputError
 from jabascli.hybrid.job import load_job, model_name, profiles_root
 from jabascli.perfmodel import ServerSpec
 from jabascli.solver.cluster import server_specs
-from jabascli.solver.online import job_refit, measured_error
+from jabascli.solver.online import measured_error
 from jabascli.solver.setup import performance_model_from_config
 
 
@@ -75,7 +75,7 @@ def scaling_from_config(loaded: LoadedConfig, *, warm_gbs: int | None = None) ->
         assert plain is not None
         cost_model = plain
     objective = Objective.from_config(config.scaling)
-    error = measured_error(job_refit(loaded)) if model is not None else None
+    error = measured_error(loaded) if model is not None else None
     if error is not None:  # a move must gain more than the model's measured error, and the margin on top
         objective = replace(objective, margin=min(0.95, objective.margin + error))
     return ScalingSetup(space, cost_model, objective)

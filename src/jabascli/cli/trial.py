@@ -1,8 +1,9 @@
 """``jabas run``'s runner-up trial: when the model cannot tell two plans apart, train a few iterations of each.
 
-When the job's model has a measured error (its latest refit generation holds a
-run whose measured iteration time was ``e`` off what the model that planned it
-predicted, :mod:`jabascli.solver.online`) and the runner-up plan for the GBS is
+When the job's model has a measured error ``e`` (its latest refit generation
+holds a run whose measured iteration time was ``e`` off what the model that
+planned it predicted, or the refit itself misses a run it was fit to by ``e``:
+:func:`jabascli.solver.online.measured_error`) and the runner-up plan for the GBS is
 predicted within ``e`` of the best one, ``jabas run`` trains ``TRIAL_STEPS``
 iterations of the best plan, then ``TRIAL_STEPS`` of the runner-up, each resumed
 from the checkpoint the one before wrote, and goes on with the one whose
@@ -41,7 +42,7 @@ class Trial:
     best: Plan
     runner_up: Plan
     error: float
-    """The model's measured error: the latest run's ``|measured / predicted - 1|``."""
+    """The model's measured error (:func:`jabascli.solver.online.measured_error`)."""
 
 
 def _time(plan: Plan) -> float:
@@ -51,14 +52,14 @@ def _time(plan: Plan) -> float:
 def plan_trial(loaded: LoadedConfig, solved: RunPlan, max_steps: int | None, first_step: int) -> Trial | None:
     """The trial to run before the rest of the job, or None (see the module doc)."""
     from jabascli.solver.choice import solver_for
-    from jabascli.solver.online import job_refit, measured_error
+    from jabascli.solver.online import measured_error
 
     best = solved.plan
     if best.parallel is not None or best.iteration_time_s is None or loaded.config.batching.metric != "fixed":
         return None
     if max_steps is not None and max_steps - first_step < 3 * TRIAL_STEPS:
         return None  # too short a run to spend two trials of it
-    error = measured_error(job_refit(loaded))
+    error = measured_error(loaded)
     if error is None:
         return None
     candidates: list[Plan] = []

@@ -23,7 +23,7 @@ from pathlib import Path
 from jabascli.config import LoadedConfig
 from jabascli.errors import InputError
 from jabascli.perfmodel import GroupConfig
-from jabascli.perfmodel.online import PRIOR_ITERATIONS, Observation, Refit, fingerprint, fit, predict
+from jabascli.perfmodel.online import PRIOR_ITERATIONS, Observation, Refit, errors, fingerprint, fit, predict
 from jabascli.profiles import ProfileSet, load_profile_set
 from jabascli.profiles.refit import (
     ObservedAssignment,
@@ -92,13 +92,23 @@ def refit_in_use(loaded: LoadedConfig, measured: ProfileSet) -> InUse | None:
     return None
 
 
-def measured_error(in_use: InUse | None) -> float | None:
-    """The model's measured error: how far the job's last run was from what the model that planned it predicted,
-    ``|measured / predicted - 1|`` (None: no refit, or its last run has no prediction)."""
+def measured_error(loaded: LoadedConfig) -> float | None:
+    """The job's model's measured error (None: no refit, or its last run has no prediction): the larger of
+
+    - how far the job's last run was from what the model that planned it predicted, ``|measured / predicted - 1|``
+      (the model's error on a plan it had not seen), and
+    - the refit's largest miss on the undisturbed runs it was fit to, ``|measured / refit's prediction - 1|``: a
+      model that cannot explain a plan it has seen within ``e`` cannot rank two plans ``e`` apart (with one factor
+      per server, a server faster beside another than alone is such a miss).
+    """
+    measured = measured_profiles(loaded)
+    in_use = refit_in_use(loaded, measured)
     last = in_use.record.observations[-1] if in_use is not None and in_use.record.observations else None
-    if last is None or not last.predicted_s:
+    if in_use is None or last is None or not last.predicted_s:
         return None
-    return abs(last.measured_s / last.predicted_s - 1.0)
+    seen = observations(loaded, measured, [o for o in in_use.record.observations if not o.disturbed])
+    misses = [abs(e) for e in errors(in_use.refit.apply(measured), seen)]
+    return max([abs(last.measured_s / last.predicted_s - 1.0), *misses])
 
 
 def measured_profiles(loaded: LoadedConfig) -> ProfileSet:
