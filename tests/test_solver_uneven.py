@@ -45,11 +45,11 @@ ALL_REDUCE_MS = 8.0
 ADAPTIVE = '[batching]\nmetric = "similarity"\ngbs_min = 64\ngbs_max = 1024\ninitial_gbs = 256\n\n'
 
 
-def write_profiles(root: Path, vsw_gain: bool = False, small_pays: float = 0.0) -> None:
+def write_profiles(root: Path, vsw_gain: bool = False, small_pays: float = 0.0, slowdown: float = SLOWDOWN) -> None:
     """Both servers' profiles; ``vsw_gain``: the fast one also runs 2 VSWs in 1.2x one VSW's time (VSWs pay);
     ``small_pays``: a sample costs ``1 + small_pays * LBS / 128`` times as much, so small micro-batches are the
-    cheapest."""
-    for server, factor in (("fast", 1.0), ("slow", SLOWDOWN)):
+    cheapest (below 0: the dearest); ``slowdown``: the slow server's."""
+    for server, factor in (("fast", 1.0), ("slow", slowdown)):
         device = f"cpu-{server}"
         for lbs in LBS:
             two = vsw_gain and server == "fast"
@@ -68,9 +68,11 @@ def write_profiles(root: Path, vsw_gain: bool = False, small_pays: float = 0.0) 
         write_comm_profile(root / COMMUNICATION_DIRNAME, comm)
 
 
-def write_config(tmp_path: Path, extra: str = "", vsw_gain: bool = False, small_pays: float = 0.0) -> Path:
+def write_config(
+    tmp_path: Path, extra: str = "", vsw_gain: bool = False, small_pays: float = 0.0, slowdown: float = SLOWDOWN
+) -> Path:
     root = tmp_path / "profiles"
-    write_profiles(root, vsw_gain, small_pays)
+    write_profiles(root, vsw_gain, small_pays, slowdown)
     config = tmp_path / "jabas.toml"
     servers = "".join(
         f'[[cluster.servers]]\nname = "{s}"\ndevice_type = "cpu-{s}"\ndevices = 1\n\n' for s in ("fast", "slow")
@@ -226,6 +228,23 @@ def test_an_older_refit_without_own_lbs_still_reads(tmp_path: Path) -> None:
     )  # fmt: skip
     back = read_refit(write_refit(tmp_path / "runs" / "job", record))
     assert [a.lbs for o in back.observations for a in o.assignments] == [None, 96]
+
+
+def test_a_tie_goes_to_the_plan_with_slack_beside_the_pace_setter(tmp_path: Path) -> None:
+    """A 3.5x slower server at its smallest LBS, 32, paces both kinds at GBS 128: IIDP's 3 + 1 workers of 32 and
+    the uneven 96 + 32 are predicted alike. A sample costs less in a larger micro-batch (15 ms for 32, 38 ms for
+    96), so the fast server's one micro-batch of 96 leaves it 7 ms more slack than its three of 32: were the slow
+    server faster than its profile, only the uneven plan would gain, so the tie goes to it."""
+    solver = solver_for(load_config(write_config(tmp_path, small_pays=-0.25, slowdown=3.5)), "all")
+    iidp = solver.solve(128)
+    uneven = best_uneven_plan(solver, 128)
+    assert uneven is not None and iidp.lbs == 32 and iidp.workers == 4
+    assert {a.server: a.samples(uneven.lbs) for a in uneven.assignments} == {"fast": 96, "slow": 32}
+    assert uneven.iteration_time_s == pytest.approx(iidp.iteration_time_s, rel=1e-12)  # the slow server's 32
+    slack = {p.uneven: next(a.iteration_time_s for a in p.assignments if a.server == "fast") for p in (iidp, uneven)}
+    # Each group's time: its computation and the 8 ms all-reduce.
+    assert slack[True] == pytest.approx(46e-3) and slack[False] == pytest.approx(53e-3)
+    assert choose_plan(load_config(tmp_path / "jabas.toml"), 128, "all").plan == uneven
 
 
 def test_the_runner_up_trial_takes_the_other_kind(tmp_path: Path) -> None:

@@ -18,14 +18,22 @@ leaving them out gains: ``slow left out: 291 ms with it, 172 ms without``.
 IIDP or uneven: for a job that trains a fixed GBS without a ``[parallel]``
 layout (adaptive batching's estimators need identical workers), :func:`choose_plan`
 also builds the best uneven plan (:mod:`jabascli.solver.uneven`: one
-micro-batch per GPU, sized to its speed) and takes it only when it is
-predicted faster than the best IIDP plan (a tie goes to IIDP); the other one
-is kept as ``ServerChoice.alternative``, for ``jabas solve`` to show and for
-``jabas run``'s runner-up trial.
+micro-batch per GPU, sized to its speed) and takes it when it is predicted
+faster than the best IIDP plan; the other one is kept as
+``ServerChoice.alternative``, for ``jabas solve`` to show and for ``jabas
+run``'s runner-up trial. A tie (the same pace-setting GPU at the same LBS in
+both) goes to the plan whose other GPUs have the most slack, the smaller sum
+of the groups' predicted times: where the pace-setter runs faster than its
+profile said (one profile point is one process's draw of the host's speed),
+the plan with slack runs faster, and where it was predicted right, both run
+alike. So IIDP's 3 + 1 workers of 16 (the fast GPU's three micro-batches
+predicted 198 ms) and the uneven 48 + 16 (its one micro-batch 154 ms), both
+paced by the slow GPU's 212 ms, go to the uneven plan.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from jabascli.config import LoadedConfig
@@ -96,8 +104,8 @@ def uneven_offered(loaded: LoadedConfig) -> bool:
 def best_plan(solver: Solver, gbs: int, uneven: bool) -> tuple[Plan, Plan | None]:
     """The faster of the best IIDP plan and (``uneven``) the best uneven plan, and the other one (or None).
 
-    The uneven plan wins only when predicted strictly faster; InputError (IIDP's reasons) when neither
-    reaches ``gbs``.
+    The uneven plan wins when predicted faster, or as fast with more slack (the module doc); InputError
+    (IIDP's reasons) when neither reaches ``gbs``.
     """
     try:
         iidp: Plan | None = solver.solve(gbs)
@@ -110,13 +118,22 @@ def best_plan(solver: Solver, gbs: int, uneven: bool) -> tuple[Plan, Plan | None
         if other is None:
             raise InputError(solver.unreachable(gbs))
         return other, None
-    if other is not None and _faster(other, iidp):
+    if other is not None and _preferred(other, iidp):
         return other, iidp
     return iidp, other
 
 
-def _faster(a: Plan, b: Plan) -> bool:
-    return (a.iteration_time_s or float("inf")) < (b.iteration_time_s or float("inf"))
+def _preferred(a: Plan, b: Plan) -> bool:
+    """``a`` predicted faster than ``b``, or as fast with the smaller sum of its groups' times (the module doc)."""
+    time_a, time_b = (p.iteration_time_s or float("inf") for p in (a, b))
+    if not math.isclose(time_a, time_b, rel_tol=1e-9):
+        return time_a < time_b
+    return _work(a) < _work(b)
+
+
+def _work(plan: Plan) -> float:
+    """The sum of the plan's groups' predicted times: the pace-setter's plus the others' (their slack's complement)."""
+    return sum(a.iteration_time_s or 0.0 for a in plan.assignments)
 
 
 def choose_plan(
