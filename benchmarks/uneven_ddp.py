@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from jabascli.engine.host_memory import keep_freed_memory
 from jabascli.net import free_port
 from jabascli.workload import load_workload
 
@@ -140,6 +141,7 @@ def _batch(dataset: Any, indices: list[int], collate: Any, dtype: torch.dtype) -
 
 def _rank(rank: int, spec: UnevenSpec, port: int, out: Path) -> None:
     torch.set_num_threads(1)
+    keep_freed_memory()  # the host setting jabas's trainers run with: the two differ in parallelism, not malloc
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(spec.batches))
     try:
         _train(rank, spec, out)

@@ -33,6 +33,7 @@ from jabascli.engine.distributed import (
     wait_for_generation,
 )
 from jabascli.engine.events import EventSink
+from jabascli.engine.host_memory import keep_freed_memory
 from jabascli.engine.inputs import fresh_model, take_prepared
 from jabascli.engine.layout import checkpoint_folder, run_folder
 from jabascli.engine.metrics import EpochResult, MetricsWriter, open_metrics
@@ -60,6 +61,7 @@ def run_trainer(
     before it propagates.
     """
     options = options or TrainOptions()
+    keep_freed_memory()  # every iteration reuses the last one's pages (engine/host_memory.py)
     env = DistEnv.from_environ(environ)
     created = False
     trainer: Trainer | None = None

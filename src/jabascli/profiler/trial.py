@@ -62,6 +62,10 @@ def median_is_stable(values: list[float], tolerance: float) -> bool:
 def _setup(spec: dict[str, Any]) -> Any:
     import torch
 
+    from jabascli.engine.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # as the trainer does: a profile describes the trainer that will run
+
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     if spec["device"] == "cuda":
