@@ -412,20 +412,29 @@ TARGET_EFFICIENCY = 0.85
 """jabas at least this efficiency (its samples/s over the sum of the servers' alone) on every ResNet/ViT row."""
 
 
+def row_figures(row: tuple[Any, ...]) -> dict[str, float]:
+    """A row's figures against the targets: jabas's offline plan over the fast server alone (``fast``), plain
+    DDP (``ddp``) and uneven DDP (``uneven``), after the refit and the trial over uneven DDP (``after``), and its
+    efficiency (over the sum of the two servers alone)."""
+    _key, _slowdown, _gbs, fast, slow, mine, _every, ddp, uneven, refit = row
+    return {
+        "fast": mine.samples_per_s / fast.samples_per_s,
+        "ddp": mine.samples_per_s / ddp.samples_per_s,
+        "uneven": mine.samples_per_s / uneven.samples_per_s,
+        "after": refit.chosen(mine).gain * mine.samples_per_s / uneven.samples_per_s,
+        "efficiency": mine.samples_per_s / (fast.samples_per_s + slow.samples_per_s),
+    }
+
+
 def targets_table(runs: list[list[tuple[Any, ...]]]) -> str:
     """Each row's worst figure over the runs, a ``*`` where it misses its target, and how many rows of how many
     runs met every target."""
     worst: dict[tuple[str, float, int], dict[str, float]] = {}
     count: dict[tuple[str, float, int], int] = {}
     for rows in runs:
-        for key, slowdown, gbs, fast, slow, mine, _every, ddp, uneven, refit in rows:
-            figures = {
-                "fast": mine.samples_per_s / fast.samples_per_s,
-                "ddp": mine.samples_per_s / ddp.samples_per_s,
-                "uneven": mine.samples_per_s / uneven.samples_per_s,
-                "after": refit.chosen(mine).gain * mine.samples_per_s / uneven.samples_per_s,
-                "efficiency": mine.samples_per_s / (fast.samples_per_s + slow.samples_per_s),
-            }
+        for measured in rows:
+            key, slowdown, gbs = measured[:3]
+            figures = row_figures(measured)
             row = worst.setdefault((key, slowdown, gbs), figures)
             for name, value in figures.items():
                 row[name] = min(row[name], value)
@@ -653,8 +662,9 @@ def table(rows: list[tuple[Any, ...]]) -> str:
         "| error | error after refit | refit plan | after refit and trial | its /uneven |"
     )
     lines = [head, "|" + " --- |" * 21]
-    for key, slowdown, gbs, fast, slow, mine, every, ddp, uneven, refit in rows:
-        efficiency = mine.samples_per_s / (fast.samples_per_s + slow.samples_per_s)
+    for row in rows:
+        key, slowdown, gbs, fast, slow, mine, every, ddp, uneven, refit = row
+        figures = row_figures(row)
         both = len(mine.plan.assignments) > 1
         if mine.predicted_s and both:
             error = f"{(mine.measured_s - mine.predicted_s) / mine.predicted_s:+.0%}"
@@ -667,13 +677,12 @@ def table(rows: list[tuple[Any, ...]]) -> str:
         lines.append(
             f"| {key} | {slowdown:g}x | {gbs} | {fast.samples_per_s:.0f}/s | {slow.samples_per_s:.0f}/s "
             f"| {mine.samples_per_s:.0f}/s ({plan}) | {both_cell(every, mine)} | {ddp.samples_per_s:.0f}/s "
-            f"| {uneven.samples_per_s:.0f}/s ({'+'.join(map(str, uneven.batches))}) | {efficiency:.2f} "
-            f"| {mine.samples_per_s / fast.samples_per_s:.2f} | {mine.samples_per_s / ddp.samples_per_s:.2f} "
-            f"| {mine.samples_per_s / uneven.samples_per_s:.2f} "
+            f"| {uneven.samples_per_s:.0f}/s ({'+'.join(map(str, uneven.batches))}) | {figures['efficiency']:.2f} "
+            f"| {figures['fast']:.2f} | {figures['ddp']:.2f} | {figures['uneven']:.2f} "
             f"| {interval_text(paired_interval(mine.rounds, uneven.rounds))} "
             f"| {predicted} | {mine.measured_s * 1e3:.1f} ms | {error} | {after} | {refit_cell(refit)} "
             f"| x{final.gain:.2f} (LBS {final.run.plan.lbs_text()}{trial_cell(refit)}) "
-            f"| {final.gain * mine.samples_per_s / uneven.samples_per_s:.2f} |"
+            f"| {figures['after']:.2f} |"
         )
     return "\n".join(lines)
 
