@@ -23,10 +23,10 @@ GBS (``--gbs``, default 64 and 256), through the commands a user types:
    ``busy.csv``) refits the model (``jabas run`` does this
    after every solved run; here it is called directly, since these runs
    train plan files); the plan the refit model then chooses (``refit plan``)
-   is trained too when it differs, and so is the runner-up ``jabas run``'s
+   is trained too when it differs, and so are the runners-up ``jabas run``'s
    trial would try beside it (``cli/trial.py``: where the refit model cannot
-   tell the two apart), side by side with jabas's offline plan in the same
-   rounds; "after refit and trial" is the faster of them, as its speed over
+   tell them apart), side by side with jabas's offline plan in the same
+   rounds; "after refit and trial" is the fastest of them, as its speed over
    the offline plan's (``x1.03``), and "its /uneven" that ratio times the
    offline plan's over uneven DDP (each measured side by side); the model's
    error on jabas's plan is printed before (the offline profiles' prediction against the mean of the
@@ -287,22 +287,24 @@ class Bench:
         error = (statistics.fmean(later) - predicted) / predicted if predicted else None
         plan = self.solve(gbs, "auto", self.online)
         others: dict[str, Plan] = {}
-        if shape(plan) != shape(mine.plan):
+        if plan.shape() != mine.plan.shape():
             others["refit"] = plan
-        # jabas run's runner-up trial under the refit model: its runner-up, where the model cannot tell them apart.
+        # jabas run's runner-up trial under the refit model: its runners-up, where the model cannot tell them apart.
         online = load_config(self.online)
         choice = choose_plan(online, gbs)
         trial = plan_trial(online, RunPlan(choice.plan, "--gbs", choice), None, 0)
-        if trial is not None and shape(trial.runner_up) not in (shape(mine.plan), shape(plan)):
-            others["runner-up"] = trial.runner_up
+        runners_up = trial.runners_up if trial is not None else ()
+        for i, other in enumerate(runners_up):
+            if other.shape() not in (mine.plan.shape(), plan.shape()):
+                others[f"runner-up {i + 1}"] = other
         # Side by side with the offline plan, in the same rounds: minutes after the row's own rounds, this host
         # has drifted by more than the gains compared.
         found = measure_rounds(self, {"offline": mine.plan, **others}, args) if others else {}
         sides = {name: Side(found[name], found[name].samples_per_s / found["offline"].samples_per_s) for name in others}
         # A runner-up of the offline plan's or the refit plan's shape was measured as that plan.
-        by_shape = {tuple(shape(mine.plan)): Side(mine, 1.0), **{tuple(shape(others[n])): s for n, s in sides.items()}}
-        runner_up = by_shape[tuple(shape(trial.runner_up))] if trial is not None else None
-        return Refit(predicted, error, plan, sides.get("refit"), runner_up)
+        by_shape = {mine.plan.shape(): Side(mine, 1.0), **{others[n].shape(): s for n, s in sides.items()}}
+        tried = [by_shape[other.shape()] for other in runners_up]
+        return Refit(predicted, error, plan, sides.get("refit"), tried)
 
 
 def load() -> str:
@@ -514,14 +516,13 @@ class Refit:
     """The plan the refit model chooses for the row's GBS."""
     measured: Side | None
     """That plan trained beside the offline one, when it differs from it."""
-    runner_up: Side | None = None
-    """The runner-up ``jabas run`` would try beside that plan (its trial), trained; None: no trial."""
+    runners_up: list[Side] = field(default_factory=list)
+    """The runners-up ``jabas run`` would try beside that plan (its trial), trained; empty: no trial."""
 
     def chosen(self, mine: Measured) -> Side:
-        """What jabas runs after the refit and the trial: the faster of the refit plan and its runner-up, as its
+        """What jabas runs after the refit and the trial: the fastest of the refit plan and its runners-up, as its
         speed over the offline plan's measured side by side (1 for the offline plan itself)."""
-        ran = [self.measured or Side(mine, 1.0), *([self.runner_up] if self.runner_up is not None else [])]
-        return max(ran, key=lambda side: side.gain)
+        return max([self.measured or Side(mine, 1.0), *self.runners_up], key=lambda side: side.gain)
 
 
 def measure_row(bench: Bench, key: str, slowdown: float, gbs: int, args: argparse.Namespace) -> tuple[Any, ...]:
@@ -529,7 +530,7 @@ def measure_row(bench: Bench, key: str, slowdown: float, gbs: int, args: argpars
     and the plan of the model refit to the first round."""
     plans = {"fast": bench.solve(gbs, "fast"), "slow": bench.solve(gbs, bench.slow)}
     own = bench.solve(gbs, "auto")
-    if own.lbs != plans["fast"].lbs or shape(own) != shape(plans["fast"]):
+    if own.lbs != plans["fast"].lbs or own.shape() != plans["fast"].shape():
         plans["jabas"] = own
     if len(own.assignments) == 1:  # was leaving the slow server out right? Its best plan with both, measured too
         plans["every"] = bench.solve(gbs, "all")
@@ -608,12 +609,6 @@ def measure_rounds(bench: Bench, plans: dict[str, Plan], args: argparse.Namespac
     return {name: Measured.mean(found) for name, found in runs.items()}
 
 
-def shape(plan: Plan) -> list[tuple[str, int, int, int, int]]:
-    """What a run trains: each server's GPUs, VSW, GA and LBS (not the times predicted from one or another
-    profile)."""
-    return [(a.server, a.gpus, a.vsw, a.ga, a.lbs or plan.lbs) for a in plan.assignments]
-
-
 def row_line(row: tuple[Any, ...]) -> str:
     key, slowdown, gbs, fast, slow, mine, every, ddp, uneven, refit = row
     both = "" if every is mine else f", both servers' best plan {every.samples_per_s:.0f}/s"
@@ -641,10 +636,12 @@ def refit_cell(refit: Refit) -> str:
 
 
 def trial_cell(refit: Refit) -> str:
-    """``, runner-up x0.97 (LBS 39+25)``: the trial's other plan over the offline one; nothing without a trial."""
-    if refit.runner_up is None:
+    """``, runner-up x0.97 (LBS 39+25)``, ``, runners-up x0.97 (LBS 39+25), x1.20 (LBS 256)``: the trial's other
+    plans over the offline one; nothing without a trial."""
+    if not refit.runners_up:
         return ""
-    return f", runner-up x{refit.runner_up.gain:.2f} (LBS {refit.runner_up.run.plan.lbs_text()})"
+    label = "runner-up" if len(refit.runners_up) == 1 else "runners-up"
+    return f", {label} " + ", ".join(f"x{s.gain:.2f} (LBS {s.run.plan.lbs_text()})" for s in refit.runners_up)
 
 
 def both_cell(every: Measured, mine: Measured) -> str:

@@ -259,7 +259,30 @@ def test_the_runner_up_trial_takes_the_other_kind(tmp_path: Path) -> None:
     trial = plan_trial(loaded, solved, None, 0)
     # IIDP's best (5 + 3 workers of LBS 32) is predicted within the measured 30% of the uneven plan.
     assert trial is not None and trial.error == pytest.approx(0.3)
-    assert trial.best == solved.plan and trial.runner_up == solved.choice.alternative
+    assert trial.best == solved.plan and trial.runners_up == (solved.choice.alternative,)
+
+
+def test_the_trial_tries_every_plan_within_the_error_closest_first(tmp_path: Path) -> None:
+    loaded = load_config(write_config(tmp_path))
+    solved = solve_for_run(loaded, 256, servers="all")
+    assert solved is not None and solved.choice is not None
+    last = ObservedPlan(
+        lbs=32, weight_sync="sequential", assignments=[ObservedAssignment(server="fast", gpus=1, vsw=1, ga=0)],
+        measured_s=0.0256, iterations=20, predicted_s=0.016,
+    )  # fmt: skip
+    write_measured_error(loaded, tmp_path / "runs" / "job", last)  # 60% off
+    trial = plan_trial(loaded, solved, None, 0)
+    # A model 60% off cannot rank the fast server alone (256 samples, 128 ms, no all-reduce) behind the uneven
+    # plan (154 + 102: 85 ms) either; the slow server alone (192 ms) is out of reach.
+    assert trial is not None and trial.error == pytest.approx(0.6)
+    assert solved.plan.iteration_time_s is not None and 0.128 < 1.6 * solved.plan.iteration_time_s < 0.192
+    closer, alone = trial.runners_up
+    assert closer == solved.choice.alternative
+    assert alone.servers() == ["fast"] and alone.iteration_time_s == pytest.approx(256 * MS_PER_SAMPLE * 1e-3)
+    # A run with room for three trials of 15 iterations and no more tries the closer one only.
+    short = plan_trial(loaded, solved, 45, 0)
+    assert short is not None and short.runners_up == (closer,)
+    assert plan_trial(loaded, solved, 44, 0) is None
 
 
 def test_jabas_solve_shows_the_uneven_plan_and_the_other_kind(tmp_path: Path) -> None:

@@ -1,21 +1,26 @@
-"""``jabas run``'s runner-up trial: when the model cannot tell two plans apart, train a few iterations of each.
+"""``jabas run``'s runner-up trial: when the model cannot tell plans apart, train a few iterations of each.
 
 When the job's model has a measured error ``e`` (its latest refit generation
 holds a run whose measured iteration time was ``e`` off what the model that
 planned it predicted, or the refit itself misses a run it was fit to by ``e``:
-:func:`jabascli.solver.online.measured_error`) and the runner-up plan for the GBS is
-predicted within ``e`` of the best one, ``jabas run`` trains ``TRIAL_STEPS``
-iterations of the best plan, then ``TRIAL_STEPS`` of the runner-up, each resumed
-from the checkpoint the one before wrote, and goes on with the one whose
-iterations measured faster. The trial costs time, not correctness: every
+:func:`jabascli.solver.online.measured_error`) and runner-up plans for the GBS
+are predicted within ``e`` of the best one, ``jabas run`` trains ``TRIAL_STEPS``
+iterations of the best plan, then ``TRIAL_STEPS`` of each runner-up, each
+resumed from the checkpoint the one before wrote, and goes on with the one
+whose iterations measured fastest. The trial costs time, not correctness: every
 iteration is one of the job's, at its GBS, on its samples, and a resumed run is
-exact under any plan of the same GBS (``docs/engine.md``). Both measurements
-refit the model, as any run's does.
+exact under any plan of the same GBS (``docs/engine.md``). Every measurement
+refits the model, as any run's does.
 
-The runner-up: the fastest of the candidates, which are the best plan on every
-available server when ``--servers auto`` left some out, else the best plan
-without one of the plan's servers; and the best plan of the other kind, IIDP's
-or the uneven one (:mod:`jabascli.solver.uneven`), when the choice built both.
+The candidates: the best plan on every available server when ``--servers
+auto`` left some out, else the best plan without one of the plan's servers;
+and the best plan of the other kind, IIDP's or the uneven one
+(:mod:`jabascli.solver.uneven`), when the choice built both. The runners-up
+are those within ``e`` of the best, fastest predicted first, at most
+``MAX_RUNNERS_UP``: all of them, not only the closest, because a model ``e``
+off cannot rank them either (a benchmark row on a noisy host tried the closest,
+IIDP's plan at LBS 64, which measured 0.86x, while the fast server alone,
+predicted 16% behind, measured 1.23x the plan it kept).
 A job without a refit (its first run) has no measured error: no trial.
 """
 
@@ -36,13 +41,22 @@ from jabascli.solver.plan import Plan
 TRIAL_STEPS = 15
 """Iterations of each plan (the first 5 are the measurement's warm-up)."""
 
+MAX_RUNNERS_UP = 2
+"""Plans tried beside the best: a trial of three plans costs three trainer starts and 45 iterations."""
+
 
 @dataclass(frozen=True)
 class Trial:
     best: Plan
-    runner_up: Plan
+    runners_up: tuple[Plan, ...]
+    """Every candidate predicted within ``error`` of ``best`` (at most ``MAX_RUNNERS_UP``), fastest first."""
     error: float
     """The model's measured error (:func:`jabascli.solver.online.measured_error`)."""
+
+    @property
+    def plans(self) -> tuple[Plan, ...]:
+        """The plans tried, in order: the best, then the runners-up."""
+        return (self.best, *self.runners_up)
 
 
 def _time(plan: Plan) -> float:
@@ -57,7 +71,8 @@ def plan_trial(loaded: LoadedConfig, solved: RunPlan, max_steps: int | None, fir
     best = solved.plan
     if best.parallel is not None or best.iteration_time_s is None or loaded.config.batching.metric != "fixed":
         return None
-    if max_steps is not None and max_steps - first_step < 3 * TRIAL_STEPS:
+    left = None if max_steps is None else max_steps - first_step
+    if left is not None and left < 3 * TRIAL_STEPS:
         return None  # too short a run to spend two trials of it
     error = measured_error(loaded)
     if error is None:
@@ -74,12 +89,22 @@ def plan_trial(loaded: LoadedConfig, solved: RunPlan, max_steps: int | None, fir
                 continue  # no plan reaches the GBS without it
     if solved.choice is not None and solved.choice.alternative is not None:
         candidates.append(solved.choice.alternative)  # IIDP's best beside an uneven plan, or the other way round
-    if not candidates:
-        return None
-    runner_up = min(candidates, key=_time)
-    if _time(runner_up) - _time(best) > error * _time(best):
-        return None
-    return Trial(best, runner_up, error)
+    within = [p for p in candidates if _time(p) - _time(best) <= error * _time(best)]
+    room = MAX_RUNNERS_UP if left is None else min(MAX_RUNNERS_UP, left // TRIAL_STEPS - 2)
+    runners_up = _distinct(best, sorted(within, key=_time))[:room]
+    return Trial(best, tuple(runners_up), error) if runners_up else None
+
+
+def _distinct(best: Plan, plans: list[Plan]) -> list[Plan]:
+    """``plans`` without repeats and without ``best`` (one plan can be a candidate twice: the best without a
+    server and the other kind's best)."""
+    seen = {best.shape()}
+    out = []
+    for plan in plans:
+        if plan.shape() not in seen:
+            seen.add(plan.shape())
+            out.append(plan)
+    return out
 
 
 @dataclass(frozen=True)
@@ -96,7 +121,7 @@ class TrialResult:
 
 def run_trial(loaded: LoadedConfig, trial: Trial, options: Any, start: Any, train: Callable[[Any], Any]) -> TrialResult:
     """Train ``TRIAL_STEPS`` iterations of each plan from ``start`` (``train(options)`` runs the trainers), then
-    point ``plan.json`` at the faster one."""
+    point ``plan.json`` at the fastest one (the earlier plan on a tie)."""
     from jabascli.engine.layout import run_folder
     from jabascli.engine.metrics import median_busy_s, median_iteration_s
     from jabascli.engine.rerun import choose_start
@@ -104,9 +129,9 @@ def run_trial(loaded: LoadedConfig, trial: Trial, options: Any, start: Any, trai
     from jabascli.solver.plan import write_plan
 
     folder = run_folder(loaded)
-    measured: list[float | None] = [None, None]
+    measured: list[float | None] = [None] * len(trial.plans)
     result = None
-    for i, plan in enumerate((trial.best, trial.runner_up)):
+    for i, plan in enumerate(trial.plans):
         if start.done is not None:
             break  # the job ended within the trial
         first = start.step
@@ -120,19 +145,28 @@ def run_trial(loaded: LoadedConfig, trial: Trial, options: Any, start: Any, trai
             with contextlib.suppress(InputError):  # the trial still chooses; the refit is what it would add
                 learn_from_run(loaded, plan, found[0], found[1], load=load, cpus=cpus, busy=busy)
         start = choose_start(loaded, resume=None, fresh=False, max_steps=options.max_steps)
-    a, b = measured
-    chosen = trial.runner_up if a is not None and b is not None and b < a else trial.best
+    chosen = trial.best
+    if measured[0] is not None:  # the best plan stays unless a runner-up measured faster than it
+        times = [(t, i) for i, t in enumerate(measured) if t is not None]
+        chosen = trial.plans[min(times)[1]]
     path = write_plan(folder / "plan.json", chosen)
 
     def ms(t: float | None) -> str:
         return f"{t * 1e3:.1f} ms" if t is not None else "not measured"
 
+    predicted = _and([f"{_time(p) * 1e3:.1f}" for p in trial.plans])
+    results = [f"{p.seed_form()} {ms(t)}" for p, t in zip(trial.plans, measured, strict=True)]
+    results[0] = f"{trial.best.seed_form()} measured {ms(measured[0])}"
     line = (
-        f"runner-up trial (predicted {_time(trial.best) * 1e3:.1f} and {_time(trial.runner_up) * 1e3:.1f} ms, "
-        f"within the model's measured error of {trial.error:.0%}): {trial.best.seed_form()} measured {ms(a)}, "
-        f"{trial.runner_up.seed_form()} {ms(b)} over {TRIAL_STEPS} iterations each; kept {chosen.seed_form()}"
+        f"runner-up trial (predicted {predicted} ms, within the model's measured error of {trial.error:.0%}): "
+        f"{', '.join(results)} over {TRIAL_STEPS} iterations each; kept {chosen.seed_form()}"
     )
     return TrialResult(chosen, path, line, result, start)
+
+
+def _and(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def run_with_trial(

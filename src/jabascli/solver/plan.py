@@ -125,6 +125,11 @@ class Plan:
             return str(self.lbs)
         return "+".join(str(a.lbs or self.lbs) for a in self.assignments)
 
+    def shape(self) -> tuple[tuple[str, int, int, int, int], ...]:
+        """What the plan trains: each group's server, GPUs, VSW, GA and LBS (not the times predicted from one or
+        another model), so an uneven plan whose groups share one LBS has IIDP's plan's shape."""
+        return tuple((a.server, a.gpus, a.vsw, a.ga, a.lbs or self.lbs) for a in self.assignments)
+
     def servers(self) -> list[str]:
         """Servers the plan uses, in rank order."""
         return list(dict.fromkeys(a.server for a in self.assignments))
