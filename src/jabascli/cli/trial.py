@@ -20,7 +20,7 @@ are those within ``e`` of the best, fastest predicted first, at most
 ``MAX_RUNNERS_UP``: all of them, not only the closest, because a model ``e``
 off cannot rank them either (a benchmark row on a noisy host tried the closest,
 IIDP's plan at LBS 64, which measured 0.86x, while the fast server alone,
-predicted 16% behind, measured 1.23x the plan it kept).
+further behind in the prediction, measured 1.23x the plan it kept).
 A job without a refit (its first run) has no measured error: no trial.
 """
 
@@ -71,9 +71,10 @@ def plan_trial(loaded: LoadedConfig, solved: RunPlan, max_steps: int | None, fir
     best = solved.plan
     if best.parallel is not None or best.iteration_time_s is None or loaded.config.batching.metric != "fixed":
         return None
-    left = None if max_steps is None else max_steps - first_step
-    if left is not None and left < 3 * TRIAL_STEPS:
-        return None  # too short a run to spend two trials of it
+    # Each plan tried takes TRIAL_STEPS, and the run keeps at least that many for the plan chosen.
+    room = MAX_RUNNERS_UP if max_steps is None else min(MAX_RUNNERS_UP, (max_steps - first_step) // TRIAL_STEPS - 2)
+    if room < 1:
+        return None  # too short a run to try a runner-up
     error = measured_error(loaded)
     if error is None:
         return None
@@ -90,7 +91,6 @@ def plan_trial(loaded: LoadedConfig, solved: RunPlan, max_steps: int | None, fir
     if solved.choice is not None and solved.choice.alternative is not None:
         candidates.append(solved.choice.alternative)  # IIDP's best beside an uneven plan, or the other way round
     within = [p for p in candidates if _time(p) - _time(best) <= error * _time(best)]
-    room = MAX_RUNNERS_UP if left is None else min(MAX_RUNNERS_UP, left // TRIAL_STEPS - 2)
     runners_up = _distinct(best, sorted(within, key=_time))[:room]
     return Trial(best, tuple(runners_up), error) if runners_up else None
 
@@ -155,8 +155,8 @@ def run_trial(loaded: LoadedConfig, trial: Trial, options: Any, start: Any, trai
         return f"{t * 1e3:.1f} ms" if t is not None else "not measured"
 
     predicted = _and([f"{_time(p) * 1e3:.1f}" for p in trial.plans])
-    results = [f"{p.seed_form()} {ms(t)}" for p, t in zip(trial.plans, measured, strict=True)]
-    results[0] = f"{trial.best.seed_form()} measured {ms(measured[0])}"
+    results = [f"{trial.best.seed_form()} measured {ms(measured[0])}"]
+    results += [f"{p.seed_form()} {ms(t)}" for p, t in zip(trial.runners_up, measured[1:], strict=True)]
     line = (
         f"runner-up trial (predicted {predicted} ms, within the model's measured error of {trial.error:.0%}): "
         f"{', '.join(results)} over {TRIAL_STEPS} iterations each; kept {chosen.seed_form()}"
