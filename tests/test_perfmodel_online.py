@@ -27,7 +27,7 @@ from jabascli.config import load_config
 from jabascli.engine.metrics import median_iteration_s
 from jabascli.errors import InputError
 from jabascli.perfmodel import GroupConfig, PerformanceModel, ServerSpec
-from jabascli.perfmodel.online import Observation, errors, fit
+from jabascli.perfmodel.online import Observation, Refit, errors, fit
 from jabascli.profiles import (
     BucketProfile,
     CommMeta,
@@ -54,13 +54,16 @@ BANDWIDTH = 1e9  # the comm profiles' meta bandwidth, bytes/s
 LINK_MS = {"intra": (0.2, 1.0), "inter": (1.0, 3.0)}  # all-reduce: intercept, slope against the ideal time
 
 
-def synthetic(compute: dict[str, float], comm: dict[str, float]) -> ProfileSet:
-    """Profiles of the two servers with each one's times times ``compute[server]``, links' by ``comm[kind]``."""
+def synthetic(
+    compute: dict[str, float], comm: dict[str, float], at_lbs: dict[tuple[str, int], float] | None = None
+) -> ProfileSet:
+    """Profiles of the two servers with each one's times times ``compute[server]`` (and at one LBS times
+    ``at_lbs[(server, lbs)]``), links' by ``comm[kind]``."""
     memory, comp = {}, {}
     for server, (d, f, b, u) in BASE.items():
-        a = compute.get(server, 1.0)
         gpu = "cpu" if server == "fast" else "cpu-x3"
         for lbs, share in ((16, 0.6), (32, 1.0)):
+            a = compute.get(server, 1.0) * (at_lbs or {}).get((server, lbs), 1.0)
             memory[(server, lbs)] = MemoryProfile(gpu_type=gpu, total_memory=10**10, lbs=lbs, max_num_models=2)
             for n in (1, 2):
                 dd, ff, bb = (x * share * n * a for x in (d, f, b))
@@ -162,8 +165,44 @@ def test_the_profile_is_a_prior_that_measurements_outweigh_as_they_accumulate() 
         refit = fit(prior, [Observation(32, "sequential", groups, measured, n)], prior_iterations=5.0)
         assert math.log(refit.compute["fast"]) == pytest.approx(n / (n + 5.0) * math.log(1.5), rel=1e-4)
         assert set(refit.compute) == {"fast"} and refit.comm == {}  # nothing measured the slow server or a link
+        assert refit.lbs == {}  # one LBS measured: no per-LBS correction
     busy = fit(prior, [Observation(32, "sequential", groups, measured, 100, disturbed=True)], prior_iterations=5.0)
     assert math.log(busy.compute["fast"]) == pytest.approx(0.5 * math.log(1.5), rel=1e-4)  # weighed as the profile
+
+
+FAST_AT_TWO_LBS = [(32, (GroupConfig(FAST, 1, 1, 0),)), (16, (GroupConfig(FAST, 1, 2, 1),))]
+
+
+def test_a_server_measured_at_two_lbs_gets_a_factor_per_lbs() -> None:
+    # The fast server ran LBS 16 at 0.7x its profile and LBS 32 at 1.2x (one profile point drew a slow host, the
+    # other a fast one): one factor per server misses both runs by about a quarter, one per LBS explains each.
+    prior = synthetic({}, {})
+    truth = PerformanceModel(synthetic({}, {}, at_lbs={("fast", 16): 0.7, ("fast", 32): 1.2}))
+    observed = [
+        Observation(lbs, "sequential", groups, truth.predict(lbs, "sequential", groups).time_s, 200)
+        for lbs, groups in FAST_AT_TWO_LBS
+    ]
+    assert fit(prior, observed[:1]).lbs == {}  # one LBS: how fast the server is now, its profile's shape kept
+
+    refit = fit(prior, observed)
+
+    assert set(refit.lbs) == {"fast"} and set(refit.lbs["fast"]) == {16, 32}
+    assert refit.compute_at("fast", 16) == pytest.approx(0.7, rel=0.02), refit
+    assert refit.compute_at("fast", 32) == pytest.approx(1.2, rel=0.02), refit
+    assert max(abs(e) for e in errors(refit.apply(prior), observed)) < 0.02
+    server_only = Refit(refit.compute, refit.comm)
+    assert min(abs(e) for e in errors(server_only.apply(prior), observed)) > 0.15
+
+
+def test_an_uneven_group_between_two_profiled_lbs_corrects_both() -> None:
+    # A group at LBS 24 is predicted from the chord of the LBS-16 and LBS-32 points: both carry what it measured.
+    prior = synthetic({}, {})
+    truth = PerformanceModel(synthetic({"fast": 0.8}, {}))
+    plans = [(32, (GroupConfig(FAST, 1, 1, 0),)), (32, (GroupConfig(FAST, 1, 1, 0, lbs=24),))]
+    observed = [Observation(b, "sequential", g, truth.predict(b, "sequential", g).time_s, 200) for b, g in plans]
+    refit = fit(prior, observed)
+    assert set(refit.lbs.get("fast", {})) == {16, 32}
+    assert max(abs(e) for e in errors(refit.apply(prior), observed)) < 0.02
 
 
 def write_profiles(root: Path, profiles: ProfileSet) -> None:
@@ -263,6 +302,32 @@ def test_a_refit_is_a_new_generation_and_never_touches_the_measured_profiles(tmp
         if c.gpu_type == "cpu":
             write_comp_profile(profiles / "computation", "fast", c)
     assert job_refit(loaded) is None
+
+
+def test_runs_at_two_lbs_save_a_factor_per_lbs_that_the_next_plan_uses(tmp_path: Path) -> None:
+    profiles = tmp_path / "profiles"
+    write_profiles(profiles, synthetic({}, {}))
+    (tmp_path / "toy.py").write_text("")
+    servers = [{"name": "fast", "device_type": "cpu", "devices": 1}]
+    job = {"name": "toy", "workload": str(tmp_path / "toy.py"), "lbs": 32}
+    loaded = load_config(job_config(tmp_path, servers, profiles, job))
+    solver = solver_from_config(loaded, "fast")
+    runs = []
+    for lbs, vsw, ga in ((32, 1, 1), (16, 2, 1)):  # GBS 64 at LBS 32 and at LBS 16
+        plan = Plan(64, lbs, "sequential", None, None, (Assignment("fast", "cpu", 1, vsw, ga),))
+        runs.append(dataclasses.replace(plan, iteration_time_s=solver.predict(plan).time_s))
+    (at_32, at_16) = runs
+    assert at_32.iteration_time_s is not None and at_16.iteration_time_s is not None
+    learn_from_run(loaded, at_32, 1.2 * at_32.iteration_time_s, 100)
+    learned = learn_from_run(loaded, at_16, 0.7 * at_16.iteration_time_s, 100)
+
+    record = read_refit(learned.path)  # the factors parse back from the file as the fit made them
+    assert set(record.lbs) == {"fast"} and set(record.lbs["fast"]) == {16, 32}
+    in_use = job_refit(loaded)
+    assert in_use is not None and "fast compute x" in in_use.line() and "(LBS 16 x0.7" in in_use.line()
+    again = solver_from_config(loaded, "fast")  # the job's model: each LBS predicted as it ran
+    assert again.predict(at_32).time_s == pytest.approx(1.2 * at_32.iteration_time_s, rel=0.03)
+    assert again.predict(at_16).time_s == pytest.approx(0.7 * at_16.iteration_time_s, rel=0.03)
 
 
 def test_the_measured_error_counts_what_the_refit_cannot_explain(tmp_path: Path) -> None:

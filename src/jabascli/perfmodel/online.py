@@ -13,11 +13,23 @@ prior, as Pollux refits its step-time model to the step times it measures.
 backward, update, copy, BatchNorm sync, overhead, overlap update, their
 quartiles); and one per link kind (``intra``, ``inter``), ``c_k``, multiplying
 its all-reduce times (``measured_ms`` and the after-wait times: the fitted
-latency and bandwidth both scale). The profile's shape across LBS and VSW
-counts is kept: a run trains one or two plans, which say how fast a device is
-now, not how its time grows with the batch (Pollux fits ``alpha + beta * LBS``
-because it has no per-LBS profile; jabas measured one). ``theta = log`` of the
-factors; the profile is ``theta = 0``.
+latency and bandwidth both scale). ``theta = log`` of the factors; the profile
+is ``theta = 0``.
+
+**Per-LBS corrections.** A run trains one or two plans, which say how fast a
+device is now, not how its time grows with the batch (Pollux fits ``alpha +
+beta * LBS`` because it has no per-LBS profile; jabas measured one), so the
+profile's shape across LBS and VSW counts is kept while a server has been
+measured at one LBS. A profile point is one process's draw of the host's speed,
+though (on the 2-core development host a point came out 37% slower than the
+trainer that later ran its LBS), and one factor per server cannot explain two
+runs at LBS whose points drew differently. Once a server has run at two or more
+LBS, each profiled point those runs used (the LBS itself, or the two profiled
+points the model interpolates between) gets its own factor ``exp(delta_db)`` on
+top of ``a_d``, fit after the server and link factors and with them held, by
+the same least squares with the same prior on ``delta``. The server factor
+stays what every LBS no run used is predicted with; a measured LBS is predicted
+as it ran.
 
 **Fit** (least squares in log space, as Pollux's ``fit_perf_params``, with the
 profile as a Gaussian prior)::
@@ -69,7 +81,7 @@ import hashlib
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,14 +135,20 @@ class Observation:
 
 @dataclass(frozen=True)
 class Refit:
-    """Factors on the profiles' times: ``compute`` per profiled server, ``comm`` per link kind (1: the profile)."""
+    """Factors on the profiles' times (1: the profile): ``compute`` per profiled server, ``comm`` per link kind,
+    and ``lbs`` per profiled server and LBS, on top of the server's ``compute`` (the per-LBS correction)."""
 
     compute: dict[str, float] = field(default_factory=dict)
     comm: dict[str, float] = field(default_factory=dict)
+    lbs: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def apply(self, profiles: ProfileSet) -> ProfileSet:
         """The profiles with every time scaled by its factor (a new set; ``profiles`` is left as it is)."""
-        return scale_profiles(profiles, self.compute, self.comm)
+        return scale_profiles(profiles, self.compute, self.comm, self.lbs)
+
+    def compute_at(self, server: str, lbs: int) -> float:
+        """The factor on ``server``'s computation profile at ``lbs``."""
+        return self.compute.get(server, 1.0) * self.lbs.get(server, {}).get(lbs, 1.0)
 
 
 def _scaled_comp(p: CompProfile, a: float) -> CompProfile:
@@ -152,12 +170,20 @@ def _scaled_comm(p: CommProfile, c: float) -> CommProfile:
     return p.model_copy(update={"measured_ms": [x * c for x in p.measured_ms], "meta": meta})
 
 
-def scale_profiles(profiles: ProfileSet, compute: dict[str, float], comm: dict[str, float]) -> ProfileSet:
-    """``profiles`` with server ``s``'s computation times times ``compute[s]`` and link ``k``'s by ``comm[k]``."""
-    comp = {
-        key: _scaled_comp(p, compute[key[0]]) if compute.get(key[0], 1.0) != 1.0 else p
-        for key, p in profiles.comp.items()
-    }
+def scale_profiles(
+    profiles: ProfileSet,
+    compute: dict[str, float],
+    comm: dict[str, float],
+    lbs: dict[str, dict[int, float]] | None = None,
+) -> ProfileSet:
+    """``profiles`` with server ``s``'s computation times at LBS ``b`` times ``compute[s] * lbs[s][b]`` and link
+    ``k``'s by ``comm[k]``."""
+    per_lbs = lbs or {}
+
+    def factor(server: str, b: int) -> float:
+        return compute.get(server, 1.0) * per_lbs.get(server, {}).get(b, 1.0)
+
+    comp = {key: _scaled_comp(p, a) if (a := factor(key[0], key[1])) != 1.0 else p for key, p in profiles.comp.items()}
     links = {k: _scaled_comm(p, comm[k]) if comm.get(k, 1.0) != 1.0 else p for k, p in profiles.comm.items()}
     return ProfileSet(dict(profiles.memory), comp, profiles.bucket, links, dict(profiles.folders))  # type: ignore[arg-type]
 
@@ -216,31 +242,32 @@ def _relative(times: Sequence[float], measured: Sequence[float | None]) -> np.nd
     return np.array(logs) - statistics.fmean(logs)
 
 
-def fit(profiles: ProfileSet, observations: Sequence[Observation], prior_iterations: float = PRIOR_ITERATIONS) -> Refit:
-    """The factors that best explain ``observations``, pulled toward the profiles (see the module doc)."""
-    observations = [o for o in observations if o.measured_s > 0 and o.iterations > 0]
-    params = _parameters(profiles, observations)
-    if not observations or not params:
-        return Refit()
-    measured = np.log([o.measured_s for o in observations])
-    root_w = np.sqrt([o.weight(prior_iterations) for o in observations])
-    # The measured busy times relative to their run's other groups, each weighed as its observation.
-    relative = [_relative([b or 0.0 for b in o.busy_s], o.busy_s) for o in observations]
-    busy = np.concatenate(relative)
-    weights = [np.full(r.size, o.weight(prior_iterations)) for o, r in zip(observations, relative, strict=True)]
-    root_w_busy = np.sqrt(np.concatenate(weights))
-    root_prior = math.sqrt(prior_iterations)
+def _lbs_points(profiles: ProfileSet, observations: Sequence[Observation]) -> list[tuple[str, int]]:
+    """``(server, LBS)`` of every profiled point that the groups of a server measured at two or more LBS use: the
+    group's LBS where it was profiled, else the profiled LBS on each side of it (the model interpolates)."""
+    profiled: dict[str, set[int]] = {}
+    for server, b, _ in profiles.comp:
+        profiled.setdefault(server, set()).add(b)
+    seen: dict[str, set[int]] = {}
+    for o in observations:
+        for g in o.groups:
+            seen.setdefault(g.server.profile_server, set()).add(g.lbs or o.lbs)
+    points = []
+    for server, measured in sorted(seen.items()):
+        if len(measured) < 2:
+            continue  # one LBS says how fast the server is now, not how its time grows with the batch
+        values = sorted(profiled.get(server, set()))
+        used: set[int] = set()
+        for b in measured:
+            below, above = [v for v in values if v < b], [v for v in values if v > b]
+            used.update([b] if b in values else below[-1:] + above[:1])
+        points += [(server, b) for b in sorted(used)]
+    return points
 
-    def factors(theta: np.ndarray) -> Refit:
-        compute = {name: math.exp(t) for (kind, name), t in zip(params, theta, strict=True) if kind == "compute"}
-        comm = {name: math.exp(t) for (kind, name), t in zip(params, theta, strict=True) if kind == "comm"}
-        return Refit(compute, comm)
 
-    def residuals(theta: np.ndarray) -> np.ndarray:
-        logs, busy_logs = _log_times(factors(theta).apply(profiles), observations)
-        return np.concatenate([root_w * (measured - logs), root_w_busy * (busy - busy_logs), root_prior * theta])
-
-    theta = np.zeros(len(params))
+def _minimise(residuals: Callable[[np.ndarray], np.ndarray], size: int) -> np.ndarray:
+    """Levenberg-Marquardt from zero with a numerical Jacobian: ``theta`` minimising ``|residuals(theta)|^2``."""
+    theta = np.zeros(size)
     r = residuals(theta)
     cost, damping, step = float(r @ r), 1e-3, 1e-4
     for _ in range(60):
@@ -260,7 +287,46 @@ def fit(profiles: ProfileSet, observations: Sequence[Observation], prior_iterati
                 break
             damping *= 4.0
             if damping > 1e8:
-                return factors(theta)
+                return theta
         if float(np.max(np.abs(delta))) < 1e-7:
             break
-    return factors(theta)
+    return theta
+
+
+def fit(profiles: ProfileSet, observations: Sequence[Observation], prior_iterations: float = PRIOR_ITERATIONS) -> Refit:
+    """The factors that best explain ``observations``, pulled toward the profiles (see the module doc): first
+    every server's and link's factor, then, with those held, the per-LBS corrections."""
+    observations = [o for o in observations if o.measured_s > 0 and o.iterations > 0]
+    params = _parameters(profiles, observations)
+    if not observations or not params:
+        return Refit()
+    measured = np.log([o.measured_s for o in observations])
+    root_w = np.sqrt([o.weight(prior_iterations) for o in observations])
+    # The measured busy times relative to their run's other groups, each weighed as its observation.
+    relative = [_relative([b or 0.0 for b in o.busy_s], o.busy_s) for o in observations]
+    busy = np.concatenate(relative)
+    weights = [np.full(r.size, o.weight(prior_iterations)) for o, r in zip(observations, relative, strict=True)]
+    root_w_busy = np.sqrt(np.concatenate(weights))
+    root_prior = math.sqrt(prior_iterations)
+
+    def misses(refit: Refit, theta: np.ndarray) -> np.ndarray:
+        logs, busy_logs = _log_times(refit.apply(profiles), observations)
+        return np.concatenate([root_w * (measured - logs), root_w_busy * (busy - busy_logs), root_prior * theta])
+
+    def factors(theta: np.ndarray) -> Refit:
+        compute = {name: math.exp(t) for (kind, name), t in zip(params, theta, strict=True) if kind == "compute"}
+        comm = {name: math.exp(t) for (kind, name), t in zip(params, theta, strict=True) if kind == "comm"}
+        return Refit(compute, comm)
+
+    refit = factors(_minimise(lambda theta: misses(factors(theta), theta), len(params)))
+    points = _lbs_points(profiles, observations)
+    if not points:
+        return refit
+
+    def corrected(delta: np.ndarray) -> Refit:
+        lbs: dict[str, dict[int, float]] = {}
+        for (server, b), d in zip(points, delta, strict=True):
+            lbs.setdefault(server, {})[b] = math.exp(d)
+        return Refit(refit.compute, refit.comm, lbs)
+
+    return corrected(_minimise(lambda delta: misses(corrected(delta), delta), len(points)))

@@ -10,7 +10,7 @@ starts the model over), and every observation so far, so that the next refit
 starts from the whole history::
 
     {"generation": 2, "prior": "3f1c...", "prior_iterations": 2.0,
-     "compute": {"fast": 0.93, "slow3": 1.08}, "comm": {"inter": 1.4},
+     "compute": {"fast": 0.93, "slow3": 1.08}, "comm": {"inter": 1.4}, "lbs": {"fast": {"64": 1.05, "256": 0.81}},
      "observations": [{"lbs": 64, "weight_sync": "sequential",
                        "assignments": [{"server": "fast", "gpus": 1, "vsw": 1, "ga": 2, "lbs": null,
                                         "busy_s": 0.0118}, ...],
@@ -18,9 +18,11 @@ starts from the whole history::
                        "load": 2.1, "predicted_s": 0.0127, "time": 1796000000.0}, ...],
      "error_before": 0.063, "error_after": 0.004, "time": 1796000000.0}
 
-An assignment's ``lbs`` is its GPUs' own LBS in an uneven plan (null, or absent
-in older files: the observation's ``lbs``); its ``busy_s``, its ranks' median busy
-time (:mod:`jabascli.engine.busy`; null or absent: not measured).
+``lbs``: per server measured at two or more LBS, the factor on each profiled LBS
+point its runs used, on top of its ``compute`` factor (absent in older files:
+none). An assignment's ``lbs`` is its GPUs' own LBS in an uneven plan (null, or
+absent in older files: the observation's ``lbs``); its ``busy_s``, its ranks'
+median busy time (:mod:`jabascli.engine.busy`; null or absent: not measured).
 ``error_before``/``error_after``: the latest observation's ``(measured - predicted) / predicted`` under the
 model that planned it and under this refit.
 """
@@ -77,6 +79,8 @@ class RefitRecord(_Format):
     prior_iterations: float = Field(gt=0)
     compute: dict[str, float]
     comm: dict[str, float]
+    lbs: dict[str, dict[int, float]] = Field(default_factory=dict)
+    """Per server, per profiled LBS: the factor on top of ``compute`` (:attr:`jabascli.perfmodel.online.Refit.lbs`)."""
     observations: list[ObservedPlan]
     error_before: float | None = None
     error_after: float | None = None

@@ -44,19 +44,32 @@ class InUse:
 
     @property
     def refit(self) -> Refit:
-        return Refit(dict(self.record.compute), dict(self.record.comm))
+        return Refit(
+            dict(self.record.compute), dict(self.record.comm), {s: dict(f) for s, f in self.record.lbs.items()}
+        )
 
     def line(self) -> str:
-        """``performance model: refit generation 2 (3 runs), runs/job/perfmodel/refit-2.json``."""
+        """``performance model: refit generation 2 from 3 runs (fast compute x0.94 (LBS 64 x1.07, 256 x0.78),
+        inter all-reduce x1.40), runs/job/perfmodel/refit-2.json``."""
         runs = len(self.record.observations)
         factors = ", ".join(
-            [f"{s} compute x{a:.2f}" for s, a in sorted(self.record.compute.items())]
+            [
+                f"{s} compute x{a:.2f}{_per_lbs(self.record.lbs.get(s, {}))}"
+                for s, a in sorted(self.record.compute.items())
+            ]
             + [f"{k} all-reduce x{c:.2f}" for k, c in sorted(self.record.comm.items())]
         )
         return (
             f"performance model: refit generation {self.record.generation} from {runs} "
             f"{'run' if runs == 1 else 'runs'} ({factors or 'every term at the profile'}), {self.path}"
         )
+
+
+def _per_lbs(factors: Mapping[int, float]) -> str:
+    """`` (LBS 64 x1.07, 256 x0.78)``: a server's per-LBS corrections (nothing where it has none)."""
+    if not factors:
+        return ""
+    return " (LBS " + ", ".join(f"{b} x{f:.2f}" for b, f in sorted(factors.items())) + ")"
 
 
 def job_run_folder(loaded: LoadedConfig) -> Path:
@@ -220,6 +233,7 @@ def learn(loaded: LoadedConfig, this: ObservedPlan, prior_iterations: float = PR
         prior_iterations=prior_iterations,
         compute=refit.compute,
         comm=refit.comm,
+        lbs=refit.lbs,
         observations=history,
         error_before=(this.measured_s - before) / before if before else None,
         error_after=(this.measured_s - after) / after,
