@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from typer.testing import CliRunner
 
 from jabascli.autoscale.setup import scaling_from_config
 from jabascli.cli.app import app
-from jabascli.config import load_config
+from jabascli.config import LoadedConfig, load_config
 from jabascli.engine.metrics import median_iteration_s
 from jabascli.errors import InputError
 from jabascli.perfmodel import GroupConfig, PerformanceModel, ServerSpec
@@ -304,13 +305,18 @@ def test_a_refit_is_a_new_generation_and_never_touches_the_measured_profiles(tmp
     assert job_refit(loaded) is None
 
 
-def test_runs_at_two_lbs_save_a_factor_per_lbs_that_the_next_plan_uses(tmp_path: Path) -> None:
-    profiles = tmp_path / "profiles"
+def fast_alone_job(folder: Path) -> LoadedConfig:
+    """A job on the fast server alone, on the synthetic profiles as they are."""
+    profiles = folder / "profiles"
     write_profiles(profiles, synthetic({}, {}))
-    (tmp_path / "toy.py").write_text("")
-    servers = [{"name": "fast", "device_type": "cpu", "devices": 1}]
-    job = {"name": "toy", "workload": str(tmp_path / "toy.py"), "lbs": 32}
-    loaded = load_config(job_config(tmp_path, servers, profiles, job))
+    (folder / "toy.py").write_text("")
+    servers: list[dict[str, object]] = [{"name": "fast", "device_type": "cpu", "devices": 1}]
+    job = {"name": "toy", "workload": str(folder / "toy.py"), "lbs": 32}
+    return load_config(job_config(folder, servers, profiles, job))
+
+
+def test_runs_at_two_lbs_save_a_factor_per_lbs_that_the_next_plan_uses(tmp_path: Path) -> None:
+    loaded = fast_alone_job(tmp_path)
     solver = solver_from_config(loaded, "fast")
     runs = []
     for lbs, vsw, ga in ((32, 1, 1), (16, 2, 1)):  # GBS 64 at LBS 32 and at LBS 16
@@ -324,7 +330,8 @@ def test_runs_at_two_lbs_save_a_factor_per_lbs_that_the_next_plan_uses(tmp_path:
     record = read_refit(learned.path)  # the factors parse back from the file as the fit made them
     assert set(record.lbs) == {"fast"} and set(record.lbs["fast"]) == {16, 32}
     in_use = job_refit(loaded)
-    assert in_use is not None and "fast compute x" in in_use.line() and "(LBS 16 x0.7" in in_use.line()
+    assert in_use is not None
+    assert re.search(r"fast compute x[01]\.\d\d \(at LBS 16 x0\.(69|70|71), 32 x1\.(19|20|21)\)", in_use.line())
     again = solver_from_config(loaded, "fast")  # the job's model: each LBS predicted as it ran
     assert again.predict(at_32).time_s == pytest.approx(1.2 * at_32.iteration_time_s, rel=0.03)
     assert again.predict(at_16).time_s == pytest.approx(0.7 * at_16.iteration_time_s, rel=0.03)
@@ -334,12 +341,7 @@ def test_the_measured_error_counts_what_the_refit_cannot_explain(tmp_path: Path)
     """The last run predicted exactly, but two earlier runs of the same plan 1.3x and 0.8x its profile: no one
     factor puts both within 23.8% (the best, 1.05, misses each by that much), so the model's measured error,
     which the runner-up trial and the auto-scaler's margin use, is at least that, not the last run's 0."""
-    profiles = tmp_path / "profiles"
-    write_profiles(profiles, synthetic({}, {}))
-    (tmp_path / "toy.py").write_text("")
-    servers = [{"name": "fast", "device_type": "cpu", "devices": 1}]
-    job = {"name": "toy", "workload": str(tmp_path / "toy.py"), "lbs": 32}
-    loaded = load_config(job_config(tmp_path, servers, profiles, job))
+    loaded = fast_alone_job(tmp_path)
     plan = solver_from_config(loaded, "fast").solve(64)
     assert plan is not None and plan.iteration_time_s is not None
     assert measured_error(loaded) is None  # no refit yet: nothing measured

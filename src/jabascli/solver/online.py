@@ -49,14 +49,11 @@ class InUse:
         )
 
     def line(self) -> str:
-        """``performance model: refit generation 2 from 3 runs (fast compute x0.94 (LBS 64 x1.07, 256 x0.78),
+        """``performance model: refit generation 2 from 3 runs (fast compute x0.94 (at LBS 64 x1.01, 256 x0.73),
         inter all-reduce x1.40), runs/job/perfmodel/refit-2.json``."""
         runs = len(self.record.observations)
         factors = ", ".join(
-            [
-                f"{s} compute x{a:.2f}{_per_lbs(self.record.lbs.get(s, {}))}"
-                for s, a in sorted(self.record.compute.items())
-            ]
+            [_compute_factor(s, a, self.record.lbs.get(s, {})) for s, a in sorted(self.record.compute.items())]
             + [f"{k} all-reduce x{c:.2f}" for k, c in sorted(self.record.comm.items())]
         )
         return (
@@ -65,11 +62,13 @@ class InUse:
         )
 
 
-def _per_lbs(factors: Mapping[int, float]) -> str:
-    """`` (LBS 64 x1.07, 256 x0.78)``: a server's per-LBS corrections (nothing where it has none)."""
-    if not factors:
-        return ""
-    return " (LBS " + ", ".join(f"{b} x{f:.2f}" for b, f in sorted(factors.items())) + ")"
+def _compute_factor(server: str, factor: float, per_lbs: Mapping[int, float]) -> str:
+    """``fast compute x0.94 (at LBS 64 x1.01, 256 x0.73)``: the server's factor, and where it has a per-LBS
+    correction, its factor at those LBS."""
+    text = f"{server} compute x{factor:.2f}"
+    if per_lbs:
+        text += " (at LBS " + ", ".join(f"{b} x{factor * f:.2f}" for b, f in sorted(per_lbs.items())) + ")"
+    return text
 
 
 def job_run_folder(loaded: LoadedConfig) -> Path:
