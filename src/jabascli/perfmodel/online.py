@@ -27,9 +27,14 @@ runs at LBS whose points drew differently. Once a server has run at two or more
 LBS, each profiled point those runs used (the LBS itself, or the two profiled
 points the model interpolates between) gets its own factor ``exp(delta_db)`` on
 top of ``a_d``, fit after the server and link factors and with them held, by
-the same least squares with the same prior on ``delta``. The server factor
-stays what every LBS no run used is predicted with; a measured LBS is predicted
-as it ran.
+the same least squares but weighed by runs, not iterations: a process draws its
+speed from the host and keeps much of it (on the development host the same step
+measured 88-126 ms in five processes), so a run's hundred iterations say about
+its LBS what one would, and a profile point is such a draw too. Each undisturbed
+run weighs 1 and the point ``POINT_DRAWS`` (1): one run moves its LBS's point
+half way, ``n`` runs ``n / (n + 1)`` of the way to their mean. A run measured
+while the host was disturbed is left out. The server factor stays what every
+LBS no run used is predicted with.
 
 **Fit** (least squares in log space, as Pollux's ``fit_perf_params``, with the
 profile as a Gaussian prior)::
@@ -94,6 +99,8 @@ PRIOR_ITERATIONS = 2.0
 """How many measured iterations the profile is worth, per parameter."""
 MAX_ITERATIONS = 200
 """An observation weighs at most this many iterations."""
+POINT_DRAWS = 1.0
+"""How many runs a profile point is worth against the per-LBS correction of its LBS (module doc)."""
 SMOOTH_MAX = 0.005
 """Temperature of the smooth maximum over GPU groups during the fit, in log time (0.5%)."""
 
@@ -301,25 +308,25 @@ def fit(profiles: ProfileSet, observations: Sequence[Observation], prior_iterati
     if not observations or not params:
         return Refit()
     measured = np.log([o.measured_s for o in observations])
-    root_w = np.sqrt([o.weight(prior_iterations) for o in observations])
-    # The measured busy times relative to their run's other groups, each weighed as its observation.
+    # The measured busy times relative to their run's other groups.
     relative = [_relative([b or 0.0 for b in o.busy_s], o.busy_s) for o in observations]
     busy = np.concatenate(relative)
-    weights = [np.full(r.size, o.weight(prior_iterations)) for o, r in zip(observations, relative, strict=True)]
-    root_w_busy = np.sqrt(np.concatenate(weights))
-    root_prior = math.sqrt(prior_iterations)
 
-    def misses(refit: Refit, theta: np.ndarray) -> np.ndarray:
+    def misses(refit: Refit, theta: np.ndarray, weights: Sequence[float], prior: float) -> np.ndarray:
+        """Each run's miss and its busy times' (weighed as the run), and the prior's pull on ``theta``."""
         logs, busy_logs = _log_times(refit.apply(profiles), observations)
-        return np.concatenate([root_w * (measured - logs), root_w_busy * (busy - busy_logs), root_prior * theta])
+        root_w = np.sqrt(weights)
+        root_w_busy = np.sqrt(np.concatenate([np.full(r.size, w) for w, r in zip(weights, relative, strict=True)]))
+        return np.concatenate([root_w * (measured - logs), root_w_busy * (busy - busy_logs), math.sqrt(prior) * theta])
 
     def factors(theta: np.ndarray) -> Refit:
         compute = {name: math.exp(t) for (kind, name), t in zip(params, theta, strict=True) if kind == "compute"}
         comm = {name: math.exp(t) for (kind, name), t in zip(params, theta, strict=True) if kind == "comm"}
         return Refit(compute, comm)
 
-    refit = factors(_minimise(lambda theta: misses(factors(theta), theta), len(params)))
-    points = _lbs_points(profiles, observations)
+    iterations = [o.weight(prior_iterations) for o in observations]
+    refit = factors(_minimise(lambda t: misses(factors(t), t, iterations, prior_iterations), len(params)))
+    points = _lbs_points(profiles, [o for o in observations if not o.disturbed])
     if not points:
         return refit
 
@@ -329,4 +336,5 @@ def fit(profiles: ProfileSet, observations: Sequence[Observation], prior_iterati
             lbs.setdefault(server, {})[b] = math.exp(d)
         return Refit(refit.compute, refit.comm, lbs)
 
-    return corrected(_minimise(lambda delta: misses(corrected(delta), delta), len(points)))
+    draws = [0.0 if o.disturbed else 1.0 for o in observations]  # a run beside other work: no LBS against another
+    return corrected(_minimise(lambda d: misses(corrected(d), d, draws, POINT_DRAWS), len(points)))
