@@ -95,18 +95,24 @@ class PerformanceModel:
             self._lbs[profile_server] = [b for b in self.profiles.lbs_values(profile_server) if b in measured]
         return list(self._lbs[profile_server])
 
+    def points(self, profile_server: str, lbs: int) -> list[int]:
+        """The LBS whose computation profiles the model at ``lbs`` is built from: ``lbs`` itself, or the two profiled
+        LBS around it that :meth:`device` interpolates between."""
+        values = self.lbs_values(profile_server)
+        low = [b for b in values if b < lbs]
+        high = [b for b in values if b > lbs]
+        fits = (profile_server, lbs) not in self.profiles.memory or self.profiles.max_vsw(profile_server, lbs) > 0
+        return [low[-1], high[0]] if lbs not in values and fits and low and high else [lbs]
+
     def device(self, profile_server: str, lbs: int) -> DeviceModel:
         """The compute model at ``lbs``: profiled, or interpolated between the two profiled LBS around it
         (:func:`~jabascli.perfmodel.compute.interpolate_device_model`); InputError outside the profiled
         range (no extrapolation: a larger batch may not fit, and a smaller one's fixed costs are unknown)."""
         key = (profile_server, lbs)
         if key not in self._devices:
-            values = self.lbs_values(profile_server)
-            low = [b for b in values if b < lbs]
-            high = [b for b in values if b > lbs]
-            fits = (profile_server, lbs) not in self.profiles.memory or self.profiles.max_vsw(profile_server, lbs) > 0
-            if lbs not in values and fits and low and high:
-                below, above = self.device(profile_server, low[-1]), self.device(profile_server, high[0])
+            points = self.points(profile_server, lbs)
+            if len(points) == 2:
+                below, above = (self.device(profile_server, b) for b in points)
                 self._devices[key] = interpolate_device_model(below, above, lbs)
             else:
                 self._devices[key] = build_device_model(self.profiles, profile_server, lbs, self.folders)
