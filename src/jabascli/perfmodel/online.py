@@ -151,7 +151,12 @@ class Refit:
 
     def apply(self, profiles: ProfileSet) -> ProfileSet:
         """The profiles with every time scaled by its factor (a new set; ``profiles`` is left as it is)."""
-        return scale_profiles(profiles, self.compute, self.comm, self.lbs)
+        comp = {
+            key: _scaled_comp(p, a) if (a := self.compute_at(key[0], key[1])) != 1.0 else p
+            for key, p in profiles.comp.items()
+        }
+        links = {k: _scaled_comm(p, c) if (c := self.comm.get(k, 1.0)) != 1.0 else p for k, p in profiles.comm.items()}
+        return ProfileSet(dict(profiles.memory), comp, profiles.bucket, links, dict(profiles.folders))  # type: ignore[arg-type]
 
     def compute_at(self, server: str, lbs: int) -> float:
         """The factor on ``server``'s computation profile at ``lbs``."""
@@ -175,24 +180,6 @@ def _scaled_comm(p: CommProfile, c: float) -> CommProfile:
     if meta is not None and meta.after_wait_ms is not None:
         meta = meta.model_copy(update={"after_wait_ms": [x * c for x in meta.after_wait_ms]})
     return p.model_copy(update={"measured_ms": [x * c for x in p.measured_ms], "meta": meta})
-
-
-def scale_profiles(
-    profiles: ProfileSet,
-    compute: dict[str, float],
-    comm: dict[str, float],
-    lbs: dict[str, dict[int, float]] | None = None,
-) -> ProfileSet:
-    """``profiles`` with server ``s``'s computation times at LBS ``b`` times ``compute[s] * lbs[s][b]`` and link
-    ``k``'s by ``comm[k]``."""
-    per_lbs = lbs or {}
-
-    def factor(server: str, b: int) -> float:
-        return compute.get(server, 1.0) * per_lbs.get(server, {}).get(b, 1.0)
-
-    comp = {key: _scaled_comp(p, a) if (a := factor(key[0], key[1])) != 1.0 else p for key, p in profiles.comp.items()}
-    links = {k: _scaled_comm(p, comm[k]) if comm.get(k, 1.0) != 1.0 else p for k, p in profiles.comm.items()}
-    return ProfileSet(dict(profiles.memory), comp, profiles.bucket, links, dict(profiles.folders))  # type: ignore[arg-type]
 
 
 def fingerprint(profiles: ProfileSet) -> str:
@@ -251,10 +238,8 @@ def _relative(times: Sequence[float], measured: Sequence[float | None]) -> np.nd
 
 def _lbs_points(profiles: ProfileSet, observations: Sequence[Observation]) -> list[tuple[str, int]]:
     """``(server, LBS)`` of every profiled point that the groups of a server measured at two or more LBS use: the
-    group's LBS where it was profiled, else the profiled LBS on each side of it (the model interpolates)."""
-    profiled: dict[str, set[int]] = {}
-    for server, b, _ in profiles.comp:
-        profiled.setdefault(server, set()).add(b)
+    group's LBS, or the profiled LBS on each side of it (:meth:`~jabascli.perfmodel.model.PerformanceModel.points`)."""
+    model = PerformanceModel(profiles)
     seen: dict[str, set[int]] = {}
     for o in observations:
         for g in o.groups:
@@ -263,11 +248,7 @@ def _lbs_points(profiles: ProfileSet, observations: Sequence[Observation]) -> li
     for server, measured in sorted(seen.items()):
         if len(measured) < 2:
             continue  # one LBS says how fast the server is now, not how its time grows with the batch
-        values = sorted(profiled.get(server, set()))
-        used: set[int] = set()
-        for b in measured:
-            below, above = [v for v in values if v < b], [v for v in values if v > b]
-            used.update([b] if b in values else below[-1:] + above[:1])
+        used = {b for lbs in measured for b in model.points(server, lbs)}
         points += [(server, b) for b in sorted(used)]
     return points
 
@@ -312,20 +293,24 @@ def fit(profiles: ProfileSet, observations: Sequence[Observation], prior_iterati
     relative = [_relative([b or 0.0 for b in o.busy_s], o.busy_s) for o in observations]
     busy = np.concatenate(relative)
 
-    def misses(refit: Refit, theta: np.ndarray, weights: Sequence[float], prior: float) -> np.ndarray:
-        """Each run's miss and its busy times' (weighed as the run), and the prior's pull on ``theta``."""
+    def roots(weights: Sequence[float], prior: float) -> tuple[np.ndarray, np.ndarray, float]:
+        """The square roots of each run's weight, of its busy times' (weighed as the run) and of the prior's."""
+        busy_weights = np.concatenate([np.full(r.size, w) for w, r in zip(weights, relative, strict=True)])
+        return np.sqrt(weights), np.sqrt(busy_weights), math.sqrt(prior)
+
+    def misses(refit: Refit, theta: np.ndarray, root: tuple[np.ndarray, np.ndarray, float]) -> np.ndarray:
+        """Each run's miss and its busy times', and the prior's pull on ``theta``, weighed by ``root``."""
         logs, busy_logs = _log_times(refit.apply(profiles), observations)
-        root_w = np.sqrt(weights)
-        root_w_busy = np.sqrt(np.concatenate([np.full(r.size, w) for w, r in zip(weights, relative, strict=True)]))
-        return np.concatenate([root_w * (measured - logs), root_w_busy * (busy - busy_logs), math.sqrt(prior) * theta])
+        root_w, root_w_busy, root_prior = root
+        return np.concatenate([root_w * (measured - logs), root_w_busy * (busy - busy_logs), root_prior * theta])
 
     def factors(theta: np.ndarray) -> Refit:
         compute = {name: math.exp(t) for (kind, name), t in zip(params, theta, strict=True) if kind == "compute"}
         comm = {name: math.exp(t) for (kind, name), t in zip(params, theta, strict=True) if kind == "comm"}
         return Refit(compute, comm)
 
-    iterations = [o.weight(prior_iterations) for o in observations]
-    refit = factors(_minimise(lambda t: misses(factors(t), t, iterations, prior_iterations), len(params)))
+    by_iterations = roots([o.weight(prior_iterations) for o in observations], prior_iterations)
+    refit = factors(_minimise(lambda t: misses(factors(t), t, by_iterations), len(params)))
     points = _lbs_points(profiles, [o for o in observations if not o.disturbed])
     if not points:
         return refit
@@ -336,5 +321,6 @@ def fit(profiles: ProfileSet, observations: Sequence[Observation], prior_iterati
             lbs.setdefault(server, {})[b] = math.exp(d)
         return Refit(refit.compute, refit.comm, lbs)
 
-    draws = [0.0 if o.disturbed else 1.0 for o in observations]  # a run beside other work: no LBS against another
-    return corrected(_minimise(lambda d: misses(corrected(d), d, draws, POINT_DRAWS), len(points)))
+    # Each undisturbed run one draw (a run beside other work says nothing of one LBS against another).
+    by_draws = roots([0.0 if o.disturbed else 1.0 for o in observations], POINT_DRAWS)
+    return corrected(_minimise(lambda d: misses(corrected(d), d, by_draws), len(points)))
